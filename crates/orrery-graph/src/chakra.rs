@@ -1,0 +1,1 @@
+//! Chakra ET export/import.
