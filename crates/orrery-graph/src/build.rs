@@ -84,6 +84,46 @@ pub struct Shape {
     pub bucket_params: u64,
 }
 
+/// Parameters one rank holds and the data-parallel degrees they are sharded over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamShards {
+    pub dense: u64,
+    pub expert: u64,
+    /// Ranks that hold replicas of the dense parameters (DP x CP).
+    pub dp_dense: u64,
+    /// Ranks that hold replicas of the same experts.
+    pub dp_expert: u64,
+}
+
+/// Model-state bytes on one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelState {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+}
+
+impl ModelState {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer
+    }
+}
+
+/// Mixed-precision Adam model states under ZeRO (Rajbhandari et al. 2020): 16-bit weights
+/// (2 B), gradients of `grad_bytes`, and fp32 master weights plus two moments (12 B).
+/// Stage 1 shards the optimizer state over the data-parallel ranks, stage 2 also the
+/// gradients, stage 3 also the weights. With `grad_bytes = 2` this is the paper's
+/// `(2 + 2 + K) * psi` accounting with K = 12.
+pub fn model_state_bytes(p: ParamShards, zero_stage: u8, grad_bytes: u64) -> ModelState {
+    let shard = |n: u64, d: u64, on: bool| if on { n.div_ceil(d.max(1)) } else { n };
+    let both = |on: bool| shard(p.dense, p.dp_dense, on) + shard(p.expert, p.dp_expert, on);
+    ModelState {
+        weights: ACT * both(zero_stage >= 3),
+        gradients: grad_bytes * both(zero_stage >= 2),
+        optimizer: 12 * both(zero_stage >= 1),
+    }
+}
+
 /// Bytes per element of 16-bit activations.
 const ACT: u64 = 2;
 
@@ -212,6 +252,8 @@ struct StageBuilder<'a> {
     /// Pending gradient elements not yet in a bucket: (dense, expert).
     pending: (u64, u64),
     microbatch: Option<u32>,
+    /// The most recently issued compute op (program order for streamless events).
+    last_compute: Option<OpId>,
 }
 
 impl<'a> StageBuilder<'a> {
@@ -242,6 +284,7 @@ impl<'a> StageBuilder<'a> {
             grad_reductions: Vec::new(),
             pending: (0, 0),
             microbatch: None,
+            last_compute: None,
         }
     }
 
@@ -269,9 +312,19 @@ impl<'a> StageBuilder<'a> {
     fn push(&mut self, kind: OpKind, stream: Stream, phase: Phase, name: &str, deps: &[OpId]) -> OpId {
         let name = self.g.intern(name);
         let mut deps: Vec<OpId> = deps.to_vec();
+        // Events off the streams (receives, allocations, frees) happen in program order:
+        // not before the compute op issued just before them.
+        let streamless = matches!(kind, OpKind::Recv { .. } | OpKind::Alloc { .. } | OpKind::Free { .. });
+        if streamless {
+            deps.extend(self.last_compute);
+        }
         deps.sort_unstable();
         deps.dedup();
-        self.g.push(Op { kind, stream, phase, deps, name, microbatch: self.microbatch })
+        let id = self.g.push(Op { kind, stream, phase, deps, name, microbatch: self.microbatch });
+        if matches!(kind, OpKind::Compute { .. }) {
+            self.last_compute = Some(id);
+        }
+        id
     }
 
     fn gemm(&mut self, name: &str, phase: Phase, m: u64, n: u64, k: u64, batch: u64, deps: &[OpId]) -> OpId {
@@ -364,20 +417,18 @@ impl<'a> StageBuilder<'a> {
     fn static_memory(&mut self) {
         let (dense, expert) = self.rank_params();
         let dp_dense = self.s.dp * self.s.cp;
-        let dp_expert = dp_dense / self.s.ep;
-        let shard = |n: u64, d: u64, on: bool| if on { n.div_ceil(d) } else { n };
-        let z = self.s.zero_stage;
-        let weights = ACT * (shard(dense, dp_dense, z >= 3) + shard(expert, dp_expert, z >= 3));
-        let grads = self.s.grad_bytes * (shard(dense, dp_dense, z >= 2) + shard(expert, dp_expert, z >= 2));
-        // Mixed-precision Adam: fp32 master weights, first and second moments.
-        let mut optim = 12 * (shard(dense, dp_dense, z >= 1) + shard(expert, dp_expert, z >= 1));
+        let mut state = model_state_bytes(
+            ParamShards { dense, expert, dp_dense, dp_expert: dp_dense / self.s.ep },
+            self.s.zero_stage,
+            self.s.grad_bytes,
+        );
         if self.s.optimizer != OptimizerKind::Adamw {
-            optim += self.preconditioner_bytes();
+            state.optimizer += self.preconditioner_bytes();
         }
         let p = Phase::Optimizer;
-        self.alloc("weights", p, weights, MemoryCategory::Weights, &[]);
-        self.alloc("gradients", p, grads, MemoryCategory::Gradients, &[]);
-        self.alloc("optimizer-state", p, optim, MemoryCategory::OptimizerState, &[]);
+        self.alloc("weights", p, state.weights, MemoryCategory::Weights, &[]);
+        self.alloc("gradients", p, state.gradients, MemoryCategory::Gradients, &[]);
+        self.alloc("optimizer-state", p, state.optimizer, MemoryCategory::OptimizerState, &[]);
     }
 
     /// The weight matrices of one layer as (rows, cols) on this rank, for second-order

@@ -26,7 +26,7 @@ pub mod layout;
 pub mod materialize;
 pub mod schedule;
 
-pub use build::{build, JobGraphs, Shape};
+pub use build::{build, model_state_bytes, JobGraphs, ModelState, ParamShards, Shape};
 pub use ir::{
     CollectiveOp, ComputeKind, ExecGraph, GraphError, GroupRole, MemoryCategory, Op, OpKind,
     PeerStage, Phase, Stream,
