@@ -5,7 +5,11 @@ use orrery_spec::{load_job_spec, preset_job_text, presets, Job};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(name = "orrery", version, about = "Predict, emulate and optimize LLM training at scale")]
+#[command(
+    name = "orrery",
+    version,
+    about = "Predict, emulate and optimize LLM training at scale"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -47,7 +51,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Predict(a) => {
             let text = match &a.job {
                 Some(p) => std::fs::read_to_string(p)?,
-                None => preset_job_text(a.preset.as_deref().unwrap_or(presets::DEFAULT_JOB))?.to_string(),
+                None => preset_job_text(a.preset.as_deref().unwrap_or(presets::DEFAULT_JOB))?
+                    .to_string(),
             };
             let spec = load_job_spec(&text, &a.set)?;
             let job = match Job::from_spec(&spec) {
@@ -63,21 +68,45 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if a.json {
                 println!("{}", serde_json::to_string_pretty(p)?);
             } else {
-                println!("{} step {} mfu {:.3} tflops {:.1}", p.job, p.step_time, p.mfu, p.tflops_per_gpu);
+                println!(
+                    "{} step {} mfu {:.3} tflops {:.1}",
+                    p.job, p.step_time, p.mfu, p.tflops_per_gpu
+                );
                 println!("{:#?}", p.breakdown);
                 for m in &p.memory {
-                    println!("stage {} peak {} usable {} fits {}", m.stage, m.peak, m.usable, m.fits);
+                    println!(
+                        "stage {} peak {} usable {} fits {}",
+                        m.stage, m.peak, m.usable, m.fits
+                    );
                 }
-                println!("ops {} events {} wall {:?}", p.graph_ops, p.replay_events, t.elapsed());
+                println!(
+                    "ops {} events {} wall {:?}",
+                    p.graph_ops,
+                    p.replay_events,
+                    t.elapsed()
+                );
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Validate => {
             let r = orrery_predict::validation::validate(|_, _| {})?;
             for c in &r.step_times {
-                println!("{:28} {:6} {:10} meas {:7.2} pred {:7.2} err {:+6.1}% mfu {:.3}", c.source, c.model, c.recompute, c.measured_s, c.predicted_s, c.error * 100.0, c.predicted_mfu);
+                println!(
+                    "{:28} {:6} {:10} meas {:7.2} pred {:7.2} err {:+6.1}% mfu {:.3}",
+                    c.source,
+                    c.model,
+                    c.recompute,
+                    c.measured_s,
+                    c.predicted_s,
+                    c.error * 100.0,
+                    c.predicted_mfu
+                );
             }
-            println!("MAPE {:.1}%  memory max err {:.2}%", r.step_time_mape * 100.0, r.memory_max_error * 100.0);
+            println!(
+                "MAPE {:.1}%  memory max err {:.2}%",
+                r.step_time_mape * 100.0,
+                r.memory_max_error * 100.0
+            );
             Ok(ExitCode::SUCCESS)
         }
     }

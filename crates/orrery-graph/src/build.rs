@@ -41,7 +41,9 @@ impl JobGraphs {
 pub fn build(job: &Job) -> JobGraphs {
     let layout = Layout::new(job);
     let shape = Shape::new(job);
-    let classes = (0..layout.pp).map(|s| StageBuilder::new(job, &shape, u64::from(s)).build()).collect();
+    let classes = (0..layout.pp)
+        .map(|s| StageBuilder::new(job, &shape, u64::from(s)).build())
+        .collect();
     JobGraphs { layout, classes }
 }
 
@@ -227,7 +229,10 @@ impl Shape {
                 let expert = mats * self.h * m.expert_ffn / self.tp;
                 let shared = m.shared_experts * expert;
                 let router = self.h * m.experts;
-                (norms + attn + shared + router, (m.experts / self.ep) * expert)
+                (
+                    norms + attn + shared + router,
+                    (m.experts / self.ep) * expert,
+                )
             }
         }
     }
@@ -309,38 +314,88 @@ impl<'a> StageBuilder<'a> {
 
     // ---- op helpers ----
 
-    fn push(&mut self, kind: OpKind, stream: Stream, phase: Phase, name: &str, deps: &[OpId]) -> OpId {
+    fn push(
+        &mut self,
+        kind: OpKind,
+        stream: Stream,
+        phase: Phase,
+        name: &str,
+        deps: &[OpId],
+    ) -> OpId {
         let name = self.g.intern(name);
         let mut deps: Vec<OpId> = deps.to_vec();
         // Events off the streams (receives, allocations, frees) happen in program order:
         // not before the compute op issued just before them.
-        let streamless = matches!(kind, OpKind::Recv { .. } | OpKind::Alloc { .. } | OpKind::Free { .. });
+        let streamless = matches!(
+            kind,
+            OpKind::Recv { .. } | OpKind::Alloc { .. } | OpKind::Free { .. }
+        );
         if streamless {
             deps.extend(self.last_compute);
         }
         deps.sort_unstable();
         deps.dedup();
-        let id = self.g.push(Op { kind, stream, phase, deps, name, microbatch: self.microbatch });
+        let id = self.g.push(Op {
+            kind,
+            stream,
+            phase,
+            deps,
+            name,
+            microbatch: self.microbatch,
+        });
         if matches!(kind, OpKind::Compute { .. }) {
             self.last_compute = Some(id);
         }
         id
     }
 
-    fn gemm(&mut self, name: &str, phase: Phase, m: u64, n: u64, k: u64, batch: u64, deps: &[OpId]) -> OpId {
+    fn gemm(
+        &mut self,
+        name: &str,
+        phase: Phase,
+        m: u64,
+        n: u64,
+        k: u64,
+        batch: u64,
+        deps: &[OpId],
+    ) -> OpId {
         let flops = Flops(2.0 * m as f64 * n as f64 * k as f64 * batch as f64);
         // Operands and result in 16-bit, each touched once.
         let bytes = Bytes(ACT * batch * (m * k + k * n + m * n));
-        let kind = ComputeKind::Gemm { m, n, k, batch, fp8: self.s.fp8 };
-        self.push(OpKind::Compute { kind, flops, bytes }, Stream::Compute, phase, name, deps)
+        let kind = ComputeKind::Gemm {
+            m,
+            n,
+            k,
+            batch,
+            fp8: self.s.fp8,
+        };
+        self.push(
+            OpKind::Compute { kind, flops, bytes },
+            Stream::Compute,
+            phase,
+            name,
+            deps,
+        )
     }
 
     fn mem(&mut self, name: &str, phase: Phase, bytes: u64, deps: &[OpId]) -> OpId {
-        let kind = OpKind::Compute { kind: ComputeKind::MemoryBound, flops: Flops(0.0), bytes: Bytes(bytes) };
+        let kind = OpKind::Compute {
+            kind: ComputeKind::MemoryBound,
+            flops: Flops(0.0),
+            bytes: Bytes(bytes),
+        };
         self.push(kind, Stream::Compute, phase, name, deps)
     }
 
-    fn coll(&mut self, name: &str, phase: Phase, op: CollectiveOp, group: GroupRole, bytes: u64, deps: &[OpId]) -> Option<OpId> {
+    fn coll(
+        &mut self,
+        name: &str,
+        phase: Phase,
+        op: CollectiveOp,
+        group: GroupRole,
+        bytes: u64,
+        deps: &[OpId],
+    ) -> Option<OpId> {
         let size = match group {
             GroupRole::Tp => self.s.tp,
             GroupRole::Cp => self.s.cp,
@@ -358,11 +413,37 @@ impl<'a> StageBuilder<'a> {
             GroupRole::Ep => Stream::EpComm,
             GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp => Stream::DpComm,
         };
-        Some(self.push(OpKind::Collective { op, group, bytes: Bytes(bytes) }, stream, phase, name, deps))
+        Some(self.push(
+            OpKind::Collective {
+                op,
+                group,
+                bytes: Bytes(bytes),
+            },
+            stream,
+            phase,
+            name,
+            deps,
+        ))
     }
 
-    fn alloc(&mut self, name: &str, phase: Phase, bytes: u64, category: MemoryCategory, deps: &[OpId]) -> OpId {
-        self.push(OpKind::Alloc { bytes: Bytes(bytes), category }, Stream::Compute, phase, name, deps)
+    fn alloc(
+        &mut self,
+        name: &str,
+        phase: Phase,
+        bytes: u64,
+        category: MemoryCategory,
+        deps: &[OpId],
+    ) -> OpId {
+        self.push(
+            OpKind::Alloc {
+                bytes: Bytes(bytes),
+                category,
+            },
+            Stream::Compute,
+            phase,
+            name,
+            deps,
+        )
     }
 
     fn free(&mut self, name: &str, phase: Phase, alloc: OpId, deps: &[OpId]) -> OpId {
@@ -377,7 +458,12 @@ impl<'a> StageBuilder<'a> {
         if self.s.zero_stage >= 1 && self.s.overlap_param_gather {
             self.param_gather(true);
         }
-        let order = stage_order(self.stage as u32, self.s.pp as u32, self.s.microbatches as u32, v);
+        let order = stage_order(
+            self.stage as u32,
+            self.s.pp as u32,
+            self.s.microbatches as u32,
+            v,
+        );
         for st in order {
             self.microbatch = Some(st.microbatch);
             match st.pass {
@@ -418,7 +504,12 @@ impl<'a> StageBuilder<'a> {
         let (dense, expert) = self.rank_params();
         let dp_dense = self.s.dp * self.s.cp;
         let mut state = model_state_bytes(
-            ParamShards { dense, expert, dp_dense, dp_expert: dp_dense / self.s.ep },
+            ParamShards {
+                dense,
+                expert,
+                dp_dense,
+                dp_expert: dp_dense / self.s.ep,
+            },
             self.s.zero_stage,
             self.s.grad_bytes,
         );
@@ -427,8 +518,20 @@ impl<'a> StageBuilder<'a> {
         }
         let p = Phase::Optimizer;
         self.alloc("weights", p, state.weights, MemoryCategory::Weights, &[]);
-        self.alloc("gradients", p, state.gradients, MemoryCategory::Gradients, &[]);
-        self.alloc("optimizer-state", p, state.optimizer, MemoryCategory::OptimizerState, &[]);
+        self.alloc(
+            "gradients",
+            p,
+            state.gradients,
+            MemoryCategory::Gradients,
+            &[],
+        );
+        self.alloc(
+            "optimizer-state",
+            p,
+            state.optimizer,
+            MemoryCategory::OptimizerState,
+            &[],
+        );
     }
 
     /// The weight matrices of one layer as (rows, cols) on this rank, for second-order
@@ -476,7 +579,16 @@ impl<'a> StageBuilder<'a> {
     /// steady state; otherwise they follow the optimizer step on the critical path.
     fn param_gather(&mut self, at_start: bool) {
         let phase = Phase::Optimizer;
-        let deps: Vec<OpId> = if at_start { Vec::new() } else { self.g.len().checked_sub(1).map(OpId::from_index).into_iter().collect() };
+        let deps: Vec<OpId> = if at_start {
+            Vec::new()
+        } else {
+            self.g
+                .len()
+                .checked_sub(1)
+                .map(OpId::from_index)
+                .into_iter()
+                .collect()
+        };
         for c in 0..self.s.vpp as usize {
             let mut pending = 0u64;
             let mut waiting: Vec<usize> = Vec::new();
@@ -488,7 +600,14 @@ impl<'a> StageBuilder<'a> {
                 let last = i + 1 == layers.len();
                 if pending >= self.s.bucket_params || last {
                     let bytes = ACT * pending;
-                    let id = self.coll("param-all-gather", phase, CollectiveOp::AllGather, GroupRole::DpCp, bytes, &deps);
+                    let id = self.coll(
+                        "param-all-gather",
+                        phase,
+                        CollectiveOp::AllGather,
+                        GroupRole::DpCp,
+                        bytes,
+                        &deps,
+                    );
                     for &w in &waiting {
                         self.param_gather_dep[c][w] = id;
                     }
@@ -508,7 +627,17 @@ impl<'a> StageBuilder<'a> {
         let mut x: Vec<OpId> = Vec::new();
         if !self.is_first_vstage(c) {
             let tag = tag(Pass::Forward, st.microbatch, vs - 1);
-            let r = self.push(OpKind::Recv { peer: PeerStage::Prev, bytes: Bytes(p2p_bytes), tag }, Stream::PpComm, ph, "recv-act", &[]);
+            let r = self.push(
+                OpKind::Recv {
+                    peer: PeerStage::Prev,
+                    bytes: Bytes(p2p_bytes),
+                    tag,
+                },
+                Stream::PpComm,
+                ph,
+                "recv-act",
+                &[],
+            );
             x.push(r);
         }
         // The activation stash of this (micro-batch, chunk).
@@ -524,9 +653,20 @@ impl<'a> StageBuilder<'a> {
         self.act_alloc[c as usize][st.microbatch as usize] = Some(a);
         if self.is_first_vstage(c) {
             let e = self.mem("embedding", ph, 2 * ACT * s.tokens * s.h, &x);
-            let red = if s.sp { CollectiveOp::ReduceScatter } else { CollectiveOp::AllReduce };
+            let red = if s.sp {
+                CollectiveOp::ReduceScatter
+            } else {
+                CollectiveOp::AllReduce
+            };
             x = vec![e];
-            if let Some(r) = self.coll("embedding-reduce", ph, red, GroupRole::Tp, ACT * s.tokens * s.h, &[e]) {
+            if let Some(r) = self.coll(
+                "embedding-reduce",
+                ph,
+                red,
+                GroupRole::Tp,
+                ACT * s.tokens * s.h,
+                &[e],
+            ) {
                 x = vec![r];
             }
         }
@@ -548,7 +688,17 @@ impl<'a> StageBuilder<'a> {
             x = self.lm_head_forward(&x);
         } else {
             let tag = tag(Pass::Forward, st.microbatch, vs);
-            let snd = self.push(OpKind::Send { peer: PeerStage::Next, bytes: Bytes(p2p_bytes), tag }, Stream::PpComm, ph, "send-act", &x);
+            let snd = self.push(
+                OpKind::Send {
+                    peer: PeerStage::Next,
+                    bytes: Bytes(p2p_bytes),
+                    tag,
+                },
+                Stream::PpComm,
+                ph,
+                "send-act",
+                &x,
+            );
             x = vec![snd];
         }
         let _ = x;
@@ -556,7 +706,14 @@ impl<'a> StageBuilder<'a> {
 
     fn zero3_gather(&mut self, layer: u64, phase: Phase, deps: &[OpId]) -> Option<OpId> {
         let (d, e) = self.s.layer_params(self.moe_of(layer));
-        self.coll("zero3-param-gather", phase, CollectiveOp::AllGather, GroupRole::DpCp, ACT * (d + e), deps)
+        self.coll(
+            "zero3-param-gather",
+            phase,
+            CollectiveOp::AllGather,
+            GroupRole::DpCp,
+            ACT * (d + e),
+            deps,
+        )
     }
 
     /// One transformer layer's forward; returns the ops the next layer waits for.
@@ -566,7 +723,15 @@ impl<'a> StageBuilder<'a> {
         let e_norm = s.seq_sharded(t * s.h);
         let ln1 = self.mem(&format!("L{layer}.ln1"), ph, 2 * ACT * e_norm, x);
         let qkv_in = self.tp_gather(&format!("L{layer}.qkv-ag"), ph, ln1);
-        let qkv = self.gemm(&format!("L{layer}.qkv"), ph, t, (s.q + 2 * s.kv) / s.tp, s.h, 1, &qkv_in.deps);
+        let qkv = self.gemm(
+            &format!("L{layer}.qkv"),
+            ph,
+            t,
+            (s.q + 2 * s.kv) / s.tp,
+            s.h,
+            1,
+            &qkv_in.deps,
+        );
         let after_qkv = qkv_in.join(qkv);
         let attn = self.attention(layer, ph, false, &after_qkv);
         let proj = self.gemm(&format!("L{layer}.proj"), ph, t, s.h, s.q / s.tp, 1, &attn);
@@ -586,10 +751,31 @@ impl<'a> StageBuilder<'a> {
         let t = s.tokens;
         let fc1_in = self.tp_gather(&format!("L{layer}.fc1-ag"), ph, ln2);
         let width = if s.gated { 2 * s.ffn } else { s.ffn };
-        let fc1 = self.gemm(&format!("L{layer}.fc1"), ph, t, width / s.tp, s.h, 1, &fc1_in.deps);
+        let fc1 = self.gemm(
+            &format!("L{layer}.fc1"),
+            ph,
+            t,
+            width / s.tp,
+            s.h,
+            1,
+            &fc1_in.deps,
+        );
         let after = fc1_in.join(fc1);
-        let act = self.mem(&format!("L{layer}.act"), ph, ACT * t * (width + s.ffn) / s.tp, &after);
-        let fc2 = self.gemm(&format!("L{layer}.fc2"), ph, t, s.h, s.ffn / s.tp, 1, &[act]);
+        let act = self.mem(
+            &format!("L{layer}.act"),
+            ph,
+            ACT * t * (width + s.ffn) / s.tp,
+            &after,
+        );
+        let fc2 = self.gemm(
+            &format!("L{layer}.fc2"),
+            ph,
+            t,
+            s.h,
+            s.ffn / s.tp,
+            1,
+            &[act],
+        );
         self.tp_reduce(&format!("L{layer}.fc2-rs"), ph, fc2)
     }
 
@@ -597,28 +783,101 @@ impl<'a> StageBuilder<'a> {
         let s = self.s;
         let t = s.tokens;
         let fc1_in = self.tp_gather(&format!("L{layer}.moe-ag"), ph, ln2);
-        let router = self.gemm(&format!("L{layer}.router"), ph, t, m.experts, s.h, 1, &fc1_in.deps);
+        let router = self.gemm(
+            &format!("L{layer}.router"),
+            ph,
+            t,
+            m.experts,
+            s.h,
+            1,
+            &fc1_in.deps,
+        );
         let after = fc1_in.join(router);
         let routed = t * m.top_k;
         let a2a_bytes = ACT * routed * s.h;
-        let topk = self.mem(&format!("L{layer}.topk"), ph, 4 * t * m.experts + 2 * a2a_bytes, &after);
-        let dispatch = self.coll(&format!("L{layer}.dispatch"), ph, CollectiveOp::AllToAll, GroupRole::Ep, a2a_bytes, &[topk]);
+        let topk = self.mem(
+            &format!("L{layer}.topk"),
+            ph,
+            4 * t * m.experts + 2 * a2a_bytes,
+            &after,
+        );
+        let dispatch = self.coll(
+            &format!("L{layer}.dispatch"),
+            ph,
+            CollectiveOp::AllToAll,
+            GroupRole::Ep,
+            a2a_bytes,
+            &[topk],
+        );
         let local_experts = (m.experts / s.ep).max(1);
         let per_expert = routed.div_ceil(local_experts);
-        let width = if s.gated { 2 * m.expert_ffn } else { m.expert_ffn };
+        let width = if s.gated {
+            2 * m.expert_ffn
+        } else {
+            m.expert_ffn
+        };
         let deps: Vec<OpId> = dispatch.into_iter().chain([topk]).collect();
-        let fc1 = self.gemm(&format!("L{layer}.expert-fc1"), ph, per_expert, width / s.tp, s.h, local_experts, &deps);
-        let act = self.mem(&format!("L{layer}.expert-act"), ph, ACT * routed * (width + m.expert_ffn) / s.tp, &[fc1]);
-        let fc2 = self.gemm(&format!("L{layer}.expert-fc2"), ph, per_expert, s.h, m.expert_ffn / s.tp, local_experts, &[act]);
+        let fc1 = self.gemm(
+            &format!("L{layer}.expert-fc1"),
+            ph,
+            per_expert,
+            width / s.tp,
+            s.h,
+            local_experts,
+            &deps,
+        );
+        let act = self.mem(
+            &format!("L{layer}.expert-act"),
+            ph,
+            ACT * routed * (width + m.expert_ffn) / s.tp,
+            &[fc1],
+        );
+        let fc2 = self.gemm(
+            &format!("L{layer}.expert-fc2"),
+            ph,
+            per_expert,
+            s.h,
+            m.expert_ffn / s.tp,
+            local_experts,
+            &[act],
+        );
         let mut out = vec![fc2];
         if m.shared_experts > 0 {
             let f = m.shared_experts * m.expert_ffn;
             let w = if s.gated { 2 * f } else { f };
-            let sfc1 = self.gemm(&format!("L{layer}.shared-fc1"), ph, t, w / s.tp, s.h, 1, &after);
-            let sact = self.mem(&format!("L{layer}.shared-act"), ph, ACT * t * (w + f) / s.tp, &[sfc1]);
-            out.push(self.gemm(&format!("L{layer}.shared-fc2"), ph, t, s.h, f / s.tp, 1, &[sact]));
+            let sfc1 = self.gemm(
+                &format!("L{layer}.shared-fc1"),
+                ph,
+                t,
+                w / s.tp,
+                s.h,
+                1,
+                &after,
+            );
+            let sact = self.mem(
+                &format!("L{layer}.shared-act"),
+                ph,
+                ACT * t * (w + f) / s.tp,
+                &[sfc1],
+            );
+            out.push(self.gemm(
+                &format!("L{layer}.shared-fc2"),
+                ph,
+                t,
+                s.h,
+                f / s.tp,
+                1,
+                &[sact],
+            ));
         }
-        let combine = self.coll(&format!("L{layer}.combine"), ph, CollectiveOp::AllToAll, GroupRole::Ep, a2a_bytes, &out);
+        let combine = self.coll(
+            &format!("L{layer}.combine"),
+            ph,
+            CollectiveOp::AllToAll,
+            GroupRole::Ep,
+            a2a_bytes,
+            &out,
+        );
         let deps: Vec<OpId> = combine.into_iter().chain(out).collect();
         let merged = self.mem(&format!("L{layer}.moe-combine"), ph, 2 * a2a_bytes, &deps);
         self.tp_reduce(&format!("L{layer}.moe-rs"), ph, merged)
@@ -635,7 +894,11 @@ impl<'a> StageBuilder<'a> {
         let scores = s.mb * heads * s.seq_q * s.seq;
         // Unfused attention materialises scores: scale-mask-softmax and dropout passes
         // (read 2 + write 2 bytes each, plus a 1-byte dropout mask).
-        let bytes = if s.flash { io } else { io + 9 * scores * if backward { 2 } else { 1 } };
+        let bytes = if s.flash {
+            io
+        } else {
+            io + 9 * scores * if backward { 2 } else { 1 }
+        };
         let kind = ComputeKind::Attention {
             batch: s.mb,
             heads,
@@ -646,15 +909,43 @@ impl<'a> StageBuilder<'a> {
             flash: s.flash,
             backward,
         };
-        let name = if backward { format!("L{layer}.attn-bwd") } else { format!("L{layer}.attn") };
-        let a = self.push(OpKind::Compute { kind, flops: Flops(flops), bytes: Bytes(bytes) }, Stream::Compute, ph, &name, deps);
+        let name = if backward {
+            format!("L{layer}.attn-bwd")
+        } else {
+            format!("L{layer}.attn")
+        };
+        let a = self.push(
+            OpKind::Compute {
+                kind,
+                flops: Flops(flops),
+                bytes: Bytes(bytes),
+            },
+            Stream::Compute,
+            ph,
+            &name,
+            deps,
+        );
         let kv_bytes = ACT * s.mb * s.seq * 2 * s.kv / s.tp;
         let mut out = vec![a];
-        if let Some(x) = self.coll(&format!("L{layer}.cp-kv"), ph, CollectiveOp::AllGather, GroupRole::Cp, kv_bytes, deps) {
+        if let Some(x) = self.coll(
+            &format!("L{layer}.cp-kv"),
+            ph,
+            CollectiveOp::AllGather,
+            GroupRole::Cp,
+            kv_bytes,
+            deps,
+        ) {
             out.push(x);
         }
         if backward {
-            if let Some(x) = self.coll(&format!("L{layer}.cp-dkv"), ph, CollectiveOp::ReduceScatter, GroupRole::Cp, kv_bytes, deps) {
+            if let Some(x) = self.coll(
+                &format!("L{layer}.cp-dkv"),
+                ph,
+                CollectiveOp::ReduceScatter,
+                GroupRole::Cp,
+                kv_bytes,
+                deps,
+            ) {
                 out.push(x);
             }
         }
@@ -665,25 +956,52 @@ impl<'a> StageBuilder<'a> {
     fn tp_gather(&mut self, name: &str, ph: Phase, input: OpId) -> Gather {
         let s = self.s;
         if !s.sp {
-            return Gather { deps: vec![input], overlapped: None };
+            return Gather {
+                deps: vec![input],
+                overlapped: None,
+            };
         }
         let bytes = ACT * s.tokens * s.h;
-        match self.coll(name, ph, CollectiveOp::AllGather, GroupRole::Tp, bytes, &[input]) {
+        match self.coll(
+            name,
+            ph,
+            CollectiveOp::AllGather,
+            GroupRole::Tp,
+            bytes,
+            &[input],
+        ) {
             // With TP-comm overlap the gather is chunked and pipelined with the GEMM: both
             // start together and whatever follows waits for both.
-            Some(ag) if s.tp_comm_overlap => Gather { deps: vec![input], overlapped: Some(ag) },
-            Some(ag) => Gather { deps: vec![ag], overlapped: None },
-            None => Gather { deps: vec![input], overlapped: None },
+            Some(ag) if s.tp_comm_overlap => Gather {
+                deps: vec![input],
+                overlapped: Some(ag),
+            },
+            Some(ag) => Gather {
+                deps: vec![ag],
+                overlapped: None,
+            },
+            None => Gather {
+                deps: vec![input],
+                overlapped: None,
+            },
         }
     }
 
     /// The TP reduction after a row-parallel GEMM: reduce-scatter (SP) or all-reduce.
     fn tp_reduce(&mut self, name: &str, ph: Phase, gemm: OpId) -> Vec<OpId> {
         let s = self.s;
-        let op = if s.sp { CollectiveOp::ReduceScatter } else { CollectiveOp::AllReduce };
+        let op = if s.sp {
+            CollectiveOp::ReduceScatter
+        } else {
+            CollectiveOp::AllReduce
+        };
         let bytes = ACT * s.tokens * s.h;
         // With TP-comm overlap the reduce-scatter is pipelined with the GEMM that feeds it.
-        let deps = if s.tp_comm_overlap { self.g.op(gemm).deps.clone() } else { vec![gemm] };
+        let deps = if s.tp_comm_overlap {
+            self.g.op(gemm).deps.clone()
+        } else {
+            vec![gemm]
+        };
         match self.coll(name, ph, op, GroupRole::Tp, bytes, &deps) {
             Some(r) if s.tp_comm_overlap => vec![gemm, r],
             Some(r) => vec![r],
@@ -704,7 +1022,14 @@ impl<'a> StageBuilder<'a> {
         let head = self.gemm("lm-head", ph, t, s.vocab / s.tp, s.h, 1, &ag.join(tmp));
         // Vocab-parallel cross-entropy: fp32 passes over the logits, three small all-reduces.
         let ce = self.mem("cross-entropy", ph, 12 * t * s.vocab / s.tp, &[head]);
-        let red = self.coll("cross-entropy-ar", ph, CollectiveOp::AllReduce, GroupRole::Tp, 12 * t, &[ce]);
+        let red = self.coll(
+            "cross-entropy-ar",
+            ph,
+            CollectiveOp::AllReduce,
+            GroupRole::Tp,
+            12 * t,
+            &[ce],
+        );
         vec![red.unwrap_or(ce)]
     }
 
@@ -728,7 +1053,8 @@ impl<'a> StageBuilder<'a> {
         let ops = self.g.ops();
         (0..ops.len()).rev().find_map(|i| {
             let op = &ops[i];
-            (matches!(op.kind, OpKind::Alloc { .. }) && self.g.name_of(op) == name).then(|| OpId::from_index(i))
+            (matches!(op.kind, OpKind::Alloc { .. }) && self.g.name_of(op) == name)
+                .then(|| OpId::from_index(i))
         })
     }
 
@@ -746,7 +1072,17 @@ impl<'a> StageBuilder<'a> {
             }
         } else {
             let tag = tag(Pass::Backward, st.microbatch, vs);
-            let r = self.push(OpKind::Recv { peer: PeerStage::Next, bytes: Bytes(p2p_bytes), tag }, Stream::PpComm, ph, "recv-grad", &[]);
+            let r = self.push(
+                OpKind::Recv {
+                    peer: PeerStage::Next,
+                    bytes: Bytes(p2p_bytes),
+                    tag,
+                },
+                Stream::PpComm,
+                ph,
+                "recv-grad",
+                &[],
+            );
             x.push(r);
         }
         let layers = self.chunk_layers[c as usize].clone();
@@ -768,7 +1104,17 @@ impl<'a> StageBuilder<'a> {
             }
         } else {
             let tag = tag(Pass::Backward, st.microbatch, vs - 1);
-            let snd = self.push(OpKind::Send { peer: PeerStage::Prev, bytes: Bytes(p2p_bytes), tag }, Stream::PpComm, ph, "send-grad", &x);
+            let snd = self.push(
+                OpKind::Send {
+                    peer: PeerStage::Prev,
+                    bytes: Bytes(p2p_bytes),
+                    tag,
+                },
+                Stream::PpComm,
+                ph,
+                "send-grad",
+                &x,
+            );
             x = vec![snd];
         }
         if let Some(a) = self.act_alloc[c as usize][st.microbatch as usize].take() {
@@ -801,17 +1147,33 @@ impl<'a> StageBuilder<'a> {
         }
         let (dense, expert) = std::mem::take(&mut self.pending);
         let deps: Vec<OpId> = if end_of_step {
-            self.g.len().checked_sub(1).map(OpId::from_index).into_iter().collect()
+            self.g
+                .len()
+                .checked_sub(1)
+                .map(OpId::from_index)
+                .into_iter()
+                .collect()
         } else {
             deps.to_vec()
         };
-        let op = if self.s.zero_stage >= 1 { CollectiveOp::ReduceScatter } else { CollectiveOp::AllReduce };
+        let op = if self.s.zero_stage >= 1 {
+            CollectiveOp::ReduceScatter
+        } else {
+            CollectiveOp::AllReduce
+        };
         let gb = self.s.grad_bytes;
         let ph = Phase::Backward;
         if let Some(r) = self.coll("grad-reduce", ph, op, GroupRole::DpCp, gb * dense, &deps) {
             self.grad_reductions.push(r);
         }
-        if let Some(r) = self.coll("expert-grad-reduce", ph, op, GroupRole::ExpertDp, gb * expert, &deps) {
+        if let Some(r) = self.coll(
+            "expert-grad-reduce",
+            ph,
+            op,
+            GroupRole::ExpertDp,
+            gb * expert,
+            &deps,
+        ) {
             self.grad_reductions.push(r);
         }
     }
@@ -829,7 +1191,13 @@ impl<'a> StageBuilder<'a> {
                 full.recompute = Recompute::None;
                 full.layer_activation_bytes(self.moe_of(layer)).0
             };
-            let a = self.alloc("recompute-buffer", Phase::Recompute, bytes, MemoryCategory::Temporary, &x);
+            let a = self.alloc(
+                "recompute-buffer",
+                Phase::Recompute,
+                bytes,
+                MemoryCategory::Temporary,
+                &x,
+            );
             x = self.layer_forward(layer, Phase::Recompute, &[a]);
             tmp = Some(a);
         }
@@ -842,8 +1210,24 @@ impl<'a> StageBuilder<'a> {
         let ln2 = self.mem(&format!("L{layer}.ln2-bwd"), ph, 3 * ACT * e_norm, &mlp);
         // Attention output projection (row-parallel).
         let g = self.tp_gather(&format!("L{layer}.proj-grad-ag"), ph, ln2);
-        let pd = self.gemm(&format!("L{layer}.proj-dgrad"), ph, t, s.q / s.tp, s.h, 1, &g.deps);
-        let pw = self.gemm(&format!("L{layer}.proj-wgrad"), ph, s.q / s.tp, s.h, t, 1, &g.join(pd));
+        let pd = self.gemm(
+            &format!("L{layer}.proj-dgrad"),
+            ph,
+            t,
+            s.q / s.tp,
+            s.h,
+            1,
+            &g.deps,
+        );
+        let pw = self.gemm(
+            &format!("L{layer}.proj-wgrad"),
+            ph,
+            s.q / s.tp,
+            s.h,
+            t,
+            1,
+            &g.join(pd),
+        );
         let mut deps = vec![pd, pw];
         if s.recompute == Recompute::Selective && !s.flash {
             let r = self.attention(layer, Phase::Recompute, false, &deps);
@@ -855,7 +1239,15 @@ impl<'a> StageBuilder<'a> {
         let qd = self.gemm(&format!("L{layer}.qkv-dgrad"), ph, t, s.h, qkv_w, 1, &attn);
         let red = self.tp_reduce_after(&format!("L{layer}.qkv-rs"), ph, qd);
         let gin = self.tp_gather(&format!("L{layer}.qkv-in-ag"), ph, qd);
-        let qw = self.gemm(&format!("L{layer}.qkv-wgrad"), ph, s.h, qkv_w, t, 1, &gin.deps);
+        let qw = self.gemm(
+            &format!("L{layer}.qkv-wgrad"),
+            ph,
+            s.h,
+            qkv_w,
+            t,
+            1,
+            &gin.deps,
+        );
         let mut after = gin.join(qw);
         after.extend(red);
         let ln1 = self.mem(&format!("L{layer}.ln1-bwd"), ph, 3 * ACT * e_norm, &after);
@@ -869,7 +1261,11 @@ impl<'a> StageBuilder<'a> {
     /// the weight-gradient GEMM that follows, so it depends only on the dgrad.
     fn tp_reduce_after(&mut self, name: &str, ph: Phase, dgrad: OpId) -> Option<OpId> {
         let s = self.s;
-        let op = if s.sp { CollectiveOp::ReduceScatter } else { CollectiveOp::AllReduce };
+        let op = if s.sp {
+            CollectiveOp::ReduceScatter
+        } else {
+            CollectiveOp::AllReduce
+        };
         self.coll(name, ph, op, GroupRole::Tp, ACT * s.tokens * s.h, &[dgrad])
     }
 
@@ -879,14 +1275,46 @@ impl<'a> StageBuilder<'a> {
         let ph = Phase::Backward;
         let width = if s.gated { 2 * s.ffn } else { s.ffn };
         let g = self.tp_gather(&format!("L{layer}.fc2-grad-ag"), ph, input);
-        let d2 = self.gemm(&format!("L{layer}.fc2-dgrad"), ph, t, s.ffn / s.tp, s.h, 1, &g.deps);
-        let w2 = self.gemm(&format!("L{layer}.fc2-wgrad"), ph, s.ffn / s.tp, s.h, t, 1, &g.join(d2));
+        let d2 = self.gemm(
+            &format!("L{layer}.fc2-dgrad"),
+            ph,
+            t,
+            s.ffn / s.tp,
+            s.h,
+            1,
+            &g.deps,
+        );
+        let w2 = self.gemm(
+            &format!("L{layer}.fc2-wgrad"),
+            ph,
+            s.ffn / s.tp,
+            s.h,
+            t,
+            1,
+            &g.join(d2),
+        );
         let act_bytes = ACT * t * (2 * width + s.ffn) / s.tp;
         let act = self.mem(&format!("L{layer}.act-bwd"), ph, act_bytes, &[d2, w2]);
-        let d1 = self.gemm(&format!("L{layer}.fc1-dgrad"), ph, t, s.h, width / s.tp, 1, &[act]);
+        let d1 = self.gemm(
+            &format!("L{layer}.fc1-dgrad"),
+            ph,
+            t,
+            s.h,
+            width / s.tp,
+            1,
+            &[act],
+        );
         let red = self.tp_reduce_after(&format!("L{layer}.fc1-rs"), ph, d1);
         let gin = self.tp_gather(&format!("L{layer}.fc1-in-ag"), ph, d1);
-        let w1 = self.gemm(&format!("L{layer}.fc1-wgrad"), ph, s.h, width / s.tp, t, 1, &gin.deps);
+        let w1 = self.gemm(
+            &format!("L{layer}.fc1-wgrad"),
+            ph,
+            s.h,
+            width / s.tp,
+            t,
+            1,
+            &gin.deps,
+        );
         let mut out = gin.join(w1);
         out.extend(red);
         out
@@ -899,28 +1327,123 @@ impl<'a> StageBuilder<'a> {
         let routed = t * m.top_k;
         let a2a = ACT * routed * s.h;
         let g = self.tp_gather(&format!("L{layer}.moe-grad-ag"), ph, input);
-        let back = self.coll(&format!("L{layer}.combine-bwd"), ph, CollectiveOp::AllToAll, GroupRole::Ep, a2a, &g.deps);
+        let back = self.coll(
+            &format!("L{layer}.combine-bwd"),
+            ph,
+            CollectiveOp::AllToAll,
+            GroupRole::Ep,
+            a2a,
+            &g.deps,
+        );
         let local = (m.experts / s.ep).max(1);
         let per_expert = routed.div_ceil(local);
-        let width = if s.gated { 2 * m.expert_ffn } else { m.expert_ffn };
+        let width = if s.gated {
+            2 * m.expert_ffn
+        } else {
+            m.expert_ffn
+        };
         let deps: Vec<OpId> = back.into_iter().chain(g.deps.iter().copied()).collect();
-        let d2 = self.gemm(&format!("L{layer}.expert-fc2-dgrad"), ph, per_expert, m.expert_ffn / s.tp, s.h, local, &deps);
-        let w2 = self.gemm(&format!("L{layer}.expert-fc2-wgrad"), ph, m.expert_ffn / s.tp, s.h, per_expert, local, &[d2]);
-        let act = self.mem(&format!("L{layer}.expert-act-bwd"), ph, ACT * routed * (2 * width + m.expert_ffn) / s.tp, &[w2]);
-        let d1 = self.gemm(&format!("L{layer}.expert-fc1-dgrad"), ph, per_expert, s.h, width / s.tp, local, &[act]);
-        let w1 = self.gemm(&format!("L{layer}.expert-fc1-wgrad"), ph, s.h, width / s.tp, per_expert, local, &[d1]);
-        let disp = self.coll(&format!("L{layer}.dispatch-bwd"), ph, CollectiveOp::AllToAll, GroupRole::Ep, a2a, &[d1]);
+        let d2 = self.gemm(
+            &format!("L{layer}.expert-fc2-dgrad"),
+            ph,
+            per_expert,
+            m.expert_ffn / s.tp,
+            s.h,
+            local,
+            &deps,
+        );
+        let w2 = self.gemm(
+            &format!("L{layer}.expert-fc2-wgrad"),
+            ph,
+            m.expert_ffn / s.tp,
+            s.h,
+            per_expert,
+            local,
+            &[d2],
+        );
+        let act = self.mem(
+            &format!("L{layer}.expert-act-bwd"),
+            ph,
+            ACT * routed * (2 * width + m.expert_ffn) / s.tp,
+            &[w2],
+        );
+        let d1 = self.gemm(
+            &format!("L{layer}.expert-fc1-dgrad"),
+            ph,
+            per_expert,
+            s.h,
+            width / s.tp,
+            local,
+            &[act],
+        );
+        let w1 = self.gemm(
+            &format!("L{layer}.expert-fc1-wgrad"),
+            ph,
+            s.h,
+            width / s.tp,
+            per_expert,
+            local,
+            &[d1],
+        );
+        let disp = self.coll(
+            &format!("L{layer}.dispatch-bwd"),
+            ph,
+            CollectiveOp::AllToAll,
+            GroupRole::Ep,
+            a2a,
+            &[d1],
+        );
         let mut out: Vec<OpId> = disp.into_iter().chain([w1]).collect();
         if m.shared_experts > 0 {
             let f = m.shared_experts * m.expert_ffn;
             let w = if s.gated { 2 * f } else { f };
-            let sd2 = self.gemm(&format!("L{layer}.shared-fc2-dgrad"), ph, t, f / s.tp, s.h, 1, &g.deps);
-            let sw2 = self.gemm(&format!("L{layer}.shared-fc2-wgrad"), ph, f / s.tp, s.h, t, 1, &[sd2]);
-            let sd1 = self.gemm(&format!("L{layer}.shared-fc1-dgrad"), ph, t, s.h, w / s.tp, 1, &[sw2]);
-            let sw1 = self.gemm(&format!("L{layer}.shared-fc1-wgrad"), ph, s.h, w / s.tp, t, 1, &[sd1]);
+            let sd2 = self.gemm(
+                &format!("L{layer}.shared-fc2-dgrad"),
+                ph,
+                t,
+                f / s.tp,
+                s.h,
+                1,
+                &g.deps,
+            );
+            let sw2 = self.gemm(
+                &format!("L{layer}.shared-fc2-wgrad"),
+                ph,
+                f / s.tp,
+                s.h,
+                t,
+                1,
+                &[sd2],
+            );
+            let sd1 = self.gemm(
+                &format!("L{layer}.shared-fc1-dgrad"),
+                ph,
+                t,
+                s.h,
+                w / s.tp,
+                1,
+                &[sw2],
+            );
+            let sw1 = self.gemm(
+                &format!("L{layer}.shared-fc1-wgrad"),
+                ph,
+                s.h,
+                w / s.tp,
+                t,
+                1,
+                &[sd1],
+            );
             out.push(sw1);
         }
-        let router = self.gemm(&format!("L{layer}.router-bwd"), ph, t, s.h, m.experts, 2, &out);
+        let router = self.gemm(
+            &format!("L{layer}.router-bwd"),
+            ph,
+            t,
+            s.h,
+            m.experts,
+            2,
+            &out,
+        );
         let red = self.tp_reduce_after(&format!("L{layer}.moe-rs"), ph, router);
         let mut res = vec![router];
         res.extend(red);
@@ -932,16 +1455,31 @@ impl<'a> StageBuilder<'a> {
         let ph = Phase::Optimizer;
         let (dense, expert) = self.rank_params();
         let dpc = s.dp * s.cp;
-        let shard = if s.zero_stage >= 1 { dense.div_ceil(dpc) + expert.div_ceil(dpc / s.ep) } else { dense + expert };
+        let shard = if s.zero_stage >= 1 {
+            dense.div_ceil(dpc) + expert.div_ceil(dpc / s.ep)
+        } else {
+            dense + expert
+        };
         let mut deps = self.grad_reductions.clone();
         deps.extend(self.g.len().checked_sub(1).map(OpId::from_index));
         // Gradient-norm all-reduce for clipping: one fp32 scalar over the data-parallel group.
-        let norm = self.coll("grad-norm", ph, CollectiveOp::AllReduce, GroupRole::DpCp, 4, &deps);
+        let norm = self.coll(
+            "grad-norm",
+            ph,
+            CollectiveOp::AllReduce,
+            GroupRole::DpCp,
+            4,
+            &deps,
+        );
         deps.extend(norm);
         // Adam reads fp32 master weight, gradient, two moments (16 B) and writes master,
         // moments and the 16-bit weight (14 B): 30 bytes and ~12 FLOPs per parameter.
         let bytes = 30 * shard;
-        let kind = OpKind::Compute { kind: ComputeKind::MemoryBound, flops: Flops(12.0 * shard as f64), bytes: Bytes(bytes) };
+        let kind = OpKind::Compute {
+            kind: ComputeKind::MemoryBound,
+            flops: Flops(12.0 * shard as f64),
+            bytes: Bytes(bytes),
+        };
         let mut last = self.push(kind, Stream::Compute, ph, "optimizer-step", &deps);
         if s.optimizer != OptimizerKind::Adamw {
             last = self.second_order_step(last);
@@ -970,9 +1508,25 @@ impl<'a> StageBuilder<'a> {
             flops /= (self.s.dp * self.s.cp) as f64;
         }
         let n = (flops / 6.0).cbrt().max(1.0) as u64;
-        let kind = ComputeKind::Gemm { m: n, n, k: n, batch: 1, fp8: false };
+        let kind = ComputeKind::Gemm {
+            m: n,
+            n,
+            k: n,
+            batch: 1,
+            fp8: false,
+        };
         let bytes = Bytes(6 * n * n);
-        self.push(OpKind::Compute { kind, flops: Flops(flops), bytes }, Stream::Compute, Phase::Optimizer, "preconditioner", &[after])
+        self.push(
+            OpKind::Compute {
+                kind,
+                flops: Flops(flops),
+                bytes,
+            },
+            Stream::Compute,
+            Phase::Optimizer,
+            "preconditioner",
+            &[after],
+        )
     }
 }
 

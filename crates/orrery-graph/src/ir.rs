@@ -108,7 +108,13 @@ pub enum PeerStage {
 #[serde(tag = "shape", rename_all = "snake_case")]
 pub enum ComputeKind {
     /// A matrix multiply of `[m, k] x [k, n]`, `batch` times.
-    Gemm { m: u64, n: u64, k: u64, batch: u64, fp8: bool },
+    Gemm {
+        m: u64,
+        n: u64,
+        k: u64,
+        batch: u64,
+        fp8: bool,
+    },
     /// The attention core: `batch * heads` problems of `seq_q x seq_kv` with `head_dim`.
     Attention {
         batch: u64,
@@ -169,13 +175,32 @@ pub enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum OpKind {
-    Compute { kind: ComputeKind, flops: Flops, bytes: Bytes },
-    Collective { op: CollectiveOp, group: GroupRole, bytes: Bytes },
+    Compute {
+        kind: ComputeKind,
+        flops: Flops,
+        bytes: Bytes,
+    },
+    Collective {
+        op: CollectiveOp,
+        group: GroupRole,
+        bytes: Bytes,
+    },
     /// Eager send to a pipeline neighbour; `tag` matches the neighbour's [`OpKind::Recv`].
-    Send { peer: PeerStage, bytes: Bytes, tag: u64 },
+    Send {
+        peer: PeerStage,
+        bytes: Bytes,
+        tag: u64,
+    },
     /// Completes when the matching send's data has arrived.
-    Recv { peer: PeerStage, bytes: Bytes, tag: u64 },
-    Alloc { bytes: Bytes, category: MemoryCategory },
+    Recv {
+        peer: PeerStage,
+        bytes: Bytes,
+        tag: u64,
+    },
+    Alloc {
+        bytes: Bytes,
+        category: MemoryCategory,
+    },
     /// Frees the allocation made by op `alloc`.
     Free { alloc: OpId },
 }
@@ -279,11 +304,18 @@ impl ExecGraph {
                 let ok = alloc.index() < i
                     && matches!(self.ops[alloc.index()].kind, OpKind::Alloc { .. });
                 if !ok {
-                    return Err(GraphError::BadFree { op: i32_, alloc: alloc.0 });
+                    return Err(GraphError::BadFree {
+                        op: i32_,
+                        alloc: alloc.0,
+                    });
                 }
             }
             if op.name as usize >= self.names.len() {
-                return Err(GraphError::BadName { op: i32_, name: op.name, names: self.names.len() });
+                return Err(GraphError::BadName {
+                    op: i32_,
+                    name: op.name,
+                    names: self.names.len(),
+                });
             }
         }
         Ok(())
@@ -291,8 +323,12 @@ impl ExecGraph {
 
     /// Rebuilds the name lookup after deserialisation.
     pub fn reindex_names(&mut self) {
-        self.name_index =
-            self.names.iter().enumerate().map(|(i, n)| (n.clone(), i as u32)).collect();
+        self.name_index = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), i as u32))
+            .collect();
     }
 
     /// Total FLOPs of the compute ops.

@@ -69,7 +69,8 @@ impl Layout {
             group_of: Vec::new(),
         };
         for role in GroupRole::ALL {
-            let mut keys: std::collections::BTreeMap<(u32, u32, u32, u32), u32> = Default::default();
+            let mut keys: std::collections::BTreeMap<(u32, u32, u32, u32), u32> =
+                Default::default();
             let mut groups: Vec<Vec<RankId>> = Vec::new();
             let mut of = Vec::with_capacity(layout.world_size() as usize);
             for r in 0..layout.world_size() {
@@ -202,7 +203,12 @@ impl Layout {
 
     /// The representative rank of a class (coordinates zero except the stage).
     pub fn representative(&self, class: ClassId) -> RankId {
-        self.rank(Coords { tp: 0, cp: 0, dp: 0, pp: class.0 })
+        self.rank(Coords {
+            tp: 0,
+            cp: 0,
+            dp: 0,
+            pp: class.0,
+        })
     }
 
     /// Whether every group of each role has the same placement as the representative's, in
@@ -211,7 +217,9 @@ impl Layout {
     pub fn is_regular(&self) -> bool {
         GroupRole::ALL.iter().all(|&role| {
             let first = self.placement(RankId(0), role);
-            self.groups[role.index()].iter().all(|m| self.placement_of(m) == first)
+            self.groups[role.index()]
+                .iter()
+                .all(|m| self.placement_of(m) == first)
         })
     }
 }
@@ -224,9 +232,23 @@ mod tests {
     fn megatron_rank_order() {
         let l = Layout::from_dims(2, 1, 2, 2, 1, 8);
         assert_eq!(l.world_size(), 8);
-        assert_eq!(l.coords(RankId(5)), Coords { tp: 1, cp: 0, dp: 0, pp: 1 });
-        assert_eq!(l.group_members(RankId(5), GroupRole::Tp), &[RankId(4), RankId(5)]);
-        assert_eq!(l.group_members(RankId(5), GroupRole::Dp), &[RankId(5), RankId(7)]);
+        assert_eq!(
+            l.coords(RankId(5)),
+            Coords {
+                tp: 1,
+                cp: 0,
+                dp: 0,
+                pp: 1
+            }
+        );
+        assert_eq!(
+            l.group_members(RankId(5), GroupRole::Tp),
+            &[RankId(4), RankId(5)]
+        );
+        assert_eq!(
+            l.group_members(RankId(5), GroupRole::Dp),
+            &[RankId(5), RankId(7)]
+        );
         assert_eq!(l.peer(RankId(1), PeerStage::Next), RankId(5));
         assert_eq!(l.peer(RankId(1), PeerStage::Prev), RankId(5));
         for r in 0..8 {
@@ -250,9 +272,23 @@ mod tests {
     fn placement_counts_nodes() {
         let l = Layout::from_dims(8, 1, 4, 1, 1, 8);
         let dp = l.placement(RankId(3), GroupRole::Dp);
-        assert_eq!(dp, Placement { size: 4, nodes: 4, max_per_node: 1 });
+        assert_eq!(
+            dp,
+            Placement {
+                size: 4,
+                nodes: 4,
+                max_per_node: 1
+            }
+        );
         let tp = l.placement(RankId(3), GroupRole::Tp);
-        assert_eq!(tp, Placement { size: 8, nodes: 1, max_per_node: 8 });
+        assert_eq!(
+            tp,
+            Placement {
+                size: 8,
+                nodes: 1,
+                max_per_node: 8
+            }
+        );
         assert!(l.is_regular());
         // TP 3 on nodes of 8 straddles node boundaries.
         assert!(!Layout::from_dims(3, 1, 4, 1, 1, 8).is_regular());

@@ -35,5 +35,9 @@ pub fn materialize(graphs: &JobGraphs, rank: RankId) -> RankGraph<'_> {
             _ => Concrete::None,
         })
         .collect();
-    RankGraph { rank, graph, resolved }
+    RankGraph {
+        rank,
+        graph,
+        resolved,
+    }
 }

@@ -52,8 +52,16 @@ pub fn stage_order(stage: u32, pp: u32, m: u32, v: u32) -> Vec<Step> {
             (k / (pp * v)) * pp + k % pp
         }
     };
-    let fwd = |k: u32| Step { pass: Pass::Forward, microbatch: mb_of(k), chunk: chunk_of(k, true) };
-    let bwd = |k: u32| Step { pass: Pass::Backward, microbatch: mb_of(k), chunk: chunk_of(k, false) };
+    let fwd = |k: u32| Step {
+        pass: Pass::Forward,
+        microbatch: mb_of(k),
+        chunk: chunk_of(k, true),
+    };
+    let bwd = |k: u32| Step {
+        pass: Pass::Backward,
+        microbatch: mb_of(k),
+        chunk: chunk_of(k, false),
+    };
     let mut steps = Vec::with_capacity(2 * total as usize);
     for k in 0..warmup {
         steps.push(fwd(k));

@@ -36,12 +36,24 @@ impl Breakdown {
 
     /// Sum of all parts (equals `total` by construction).
     pub fn sum(&self) -> Picos {
-        self.compute() + self.optimizer + self.exposed_tp + self.exposed_cp + self.exposed_ep
-            + self.exposed_pp + self.exposed_dp + self.bubble
+        self.compute()
+            + self.optimizer
+            + self.exposed_tp
+            + self.exposed_cp
+            + self.exposed_ep
+            + self.exposed_pp
+            + self.exposed_dp
+            + self.bubble
     }
 }
 
-const COMM_ORDER: [Stream; 5] = [Stream::TpComm, Stream::CpComm, Stream::EpComm, Stream::PpComm, Stream::DpComm];
+const COMM_ORDER: [Stream; 5] = [
+    Stream::TpComm,
+    Stream::CpComm,
+    Stream::EpComm,
+    Stream::PpComm,
+    Stream::DpComm,
+];
 
 /// Splits one participant's step (from 0 to `step_end`) by cause.
 pub fn breakdown(graph: &ExecGraph, timing: &ParticipantTimeline, step_end: Picos) -> Breakdown {
@@ -72,7 +84,10 @@ pub fn breakdown(graph: &ExecGraph, timing: &ParticipantTimeline, step_end: Pico
     }
     // Ends before starts at the same instant, so touching intervals do not overlap.
     edges.sort_by_key(|e| (e.0, e.1));
-    let mut b = Breakdown { total: step_end, ..Breakdown::default() };
+    let mut b = Breakdown {
+        total: step_end,
+        ..Breakdown::default()
+    };
     let mut comm_active = [0i32; 5];
     let mut compute_phase: Option<Phase> = None;
     let mut compute_depth = 0i32;

@@ -30,7 +30,9 @@ pub struct CostModel {
     pub fp8_max_efficiency: f64,
     /// Dimension at which a GEMM reaches half of its best efficiency along that dimension:
     /// `eff(d) = d / (d + half)`. Models tile quantisation and too few thread blocks on
-    /// small dimensions; 128 matches the tile size of Ampere/Hopper cuBLAS kernels.
+    /// small dimensions: 128 for Ampere, whose cuBLAS kernels use 128-wide tiles on 108
+    /// SMs; 256 for Hopper and Blackwell, whose warp-group kernels use 128x256 tiles on
+    /// 132+ SMs and so need twice the work per dimension to fill the machine.
     pub gemm_half_dim: f64,
     /// Flash-attention efficiency relative to the BF16 peak, forward and backward.
     /// FlashAttention-2 reports up to ~0.72 (fwd) and ~0.6 (bwd) on A100; on H100,
@@ -45,14 +47,19 @@ pub struct CostModel {
     pub memory_efficiency: f64,
     /// Fixed cost of one kernel (launch and tail), added to every compute op.
     pub kernel_overhead: Picos,
+    /// Slowdown of a compute kernel that starts while a communication kernel runs on the
+    /// same GPU: NCCL and Transformer Engine's userbuffers occupy 8-32 of the GPU's SMs and
+    /// part of its HBM bandwidth while they run, so overlapped compute does not run at full
+    /// speed. 0.10 corresponds to losing ~13 of H100's 132 SMs.
+    pub overlap_slowdown: f64,
 }
 
 impl CostModel {
     /// The cost model for a GPU, with constants by architecture.
     pub fn for_gpu(gpu: &Gpu) -> CostModel {
-        let (gemm, fp8, ffwd, fbwd) = match gpu.arch {
-            GpuArch::Ampere => (0.87, 0.87, 0.65, 0.55),
-            GpuArch::Hopper | GpuArch::Blackwell => (0.80, 0.60, 0.55, 0.45),
+        let (gemm, fp8, ffwd, fbwd, half) = match gpu.arch {
+            GpuArch::Ampere => (0.87, 0.87, 0.65, 0.55, 128.0),
+            GpuArch::Hopper | GpuArch::Blackwell => (0.80, 0.60, 0.55, 0.45, 256.0),
         };
         CostModel {
             gpu_name: gpu.name.clone(),
@@ -61,12 +68,13 @@ impl CostModel {
             hbm_bandwidth: gpu.hbm_bandwidth.0,
             gemm_max_efficiency: gemm,
             fp8_max_efficiency: fp8,
-            gemm_half_dim: 128.0,
+            gemm_half_dim: half,
             flash_fwd_efficiency: ffwd,
             flash_bwd_efficiency: fbwd,
             flash_half_seq: 256.0,
             memory_efficiency: 0.80,
             kernel_overhead: Picos::from_nanos(3_000),
+            overlap_slowdown: 0.10,
         }
     }
 
@@ -77,12 +85,22 @@ impl CostModel {
 
     /// Efficiency of a GEMM of this shape relative to the peak it runs at.
     pub fn gemm_efficiency(&self, m: u64, n: u64, k: u64, fp8: bool) -> f64 {
-        let best = if fp8 { self.fp8_max_efficiency } else { self.gemm_max_efficiency };
+        let best = if fp8 {
+            self.fp8_max_efficiency
+        } else {
+            self.gemm_max_efficiency
+        };
         best * self.dim_efficiency(m) * self.dim_efficiency(n) * self.dim_efficiency(k)
     }
 
     fn memory_time(&self, bytes: Bytes) -> f64 {
         bytes.as_f64() / (self.hbm_bandwidth * self.memory_efficiency)
+    }
+
+    /// Duration of a compute op that shares the GPU with running communication kernels.
+    pub fn duration_overlapped(&self, kind: &ComputeKind, flops: Flops, bytes: Bytes) -> Picos {
+        let d = self.duration(kind, flops, bytes);
+        Picos::from_secs_f64(d.as_secs_f64() * (1.0 + self.overlap_slowdown))
     }
 
     /// Duration of a compute op.
@@ -93,11 +111,22 @@ impl CostModel {
                 let rate = peak * self.gemm_efficiency(m, n, k, fp8);
                 (flops.0 / rate).max(self.memory_time(bytes))
             }
-            ComputeKind::Attention { seq_q, seq_kv, head_dim, flash, backward, .. } => {
+            ComputeKind::Attention {
+                seq_q,
+                seq_kv,
+                head_dim,
+                flash,
+                backward,
+                ..
+            } => {
                 if flash {
-                    let best = if backward { self.flash_bwd_efficiency } else { self.flash_fwd_efficiency };
+                    let best = if backward {
+                        self.flash_bwd_efficiency
+                    } else {
+                        self.flash_fwd_efficiency
+                    };
                     let s = seq_kv as f64;
-                    let eff = best * s / (s + self.flash_half_seq) * self.dim_efficiency(head_dim.max(1) * 2);
+                    let eff = best * s / (s + self.flash_half_seq);
                     (flops.0 / (self.bf16_peak * eff)).max(self.memory_time(bytes))
                 } else {
                     // Unfused: batched GEMMs for QK^T and PV, then separate bandwidth-bound
@@ -143,7 +172,13 @@ mod tests {
         let c = CostModel::for_gpu(&h100());
         let (m, n, k) = (8192u64, 8192u64, 8192u64);
         let flops = Flops(2.0 * (m * n * k) as f64);
-        let kind = ComputeKind::Gemm { m, n, k, batch: 1, fp8: false };
+        let kind = ComputeKind::Gemm {
+            m,
+            n,
+            k,
+            batch: 1,
+            fp8: false,
+        };
         let d = c.duration(&kind, flops, Bytes(2 * (m * k + k * n + m * n)));
         let expect = flops.0 / (989.4e12 * c.gemm_efficiency(m, n, k, false));
         let expect = Picos::from_secs_f64(expect) + c.kernel_overhead;
@@ -163,8 +198,28 @@ mod tests {
         let c = CostModel::for_gpu(&h100());
         let (m, n, k) = (8192u64, 8192u64, 8192u64);
         let flops = Flops(2.0 * (m * n * k) as f64);
-        let b = c.duration(&ComputeKind::Gemm { m, n, k, batch: 1, fp8: false }, flops, Bytes(0));
-        let f = c.duration(&ComputeKind::Gemm { m, n, k, batch: 1, fp8: true }, flops, Bytes(0));
+        let b = c.duration(
+            &ComputeKind::Gemm {
+                m,
+                n,
+                k,
+                batch: 1,
+                fp8: false,
+            },
+            flops,
+            Bytes(0),
+        );
+        let f = c.duration(
+            &ComputeKind::Gemm {
+                m,
+                n,
+                k,
+                batch: 1,
+                fp8: true,
+            },
+            flops,
+            Bytes(0),
+        );
         let speedup = b.as_secs_f64() / f.as_secs_f64();
         assert!(speedup > 1.3 && speedup < 1.6, "{speedup}");
     }

@@ -17,7 +17,8 @@ pub fn model_flops(job: &Job) -> f64 {
         matmul_params += (m.hidden * (m.q_dim() + 2 * m.kv_dim()) + m.q_dim() * m.hidden) as f64;
         matmul_params += match &m.moe {
             Some(moe) if m.is_moe_layer(layer) => {
-                ((moe.top_k + moe.shared_experts) * m.expert_params() + m.hidden * moe.experts) as f64
+                ((moe.top_k + moe.shared_experts) * m.expert_params() + m.hidden * moe.experts)
+                    as f64
             }
             _ => (m.mlp_matrices() * m.hidden * m.ffn) as f64,
         };

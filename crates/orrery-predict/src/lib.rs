@@ -116,7 +116,10 @@ pub enum PredictError {
     #[error(transparent)]
     Replay(#[from] replay::ReplayError),
     #[error("memory ledger of stage {stage}: {source}")]
-    Ledger { stage: u32, source: memory::LedgerError },
+    Ledger {
+        stage: u32,
+        source: memory::LedgerError,
+    },
 }
 
 /// Everything a prediction produced, for the sinks.
@@ -134,15 +137,28 @@ pub fn predict(job: &Job) -> Result<PredictOutput, PredictError> {
 }
 
 /// Predicts one training step with any network model and replay mode.
-pub fn predict_with<N: NetworkModel>(job: &Job, net: &N, mode: ReplayMode) -> Result<PredictOutput, PredictError> {
+pub fn predict_with<N: NetworkModel>(
+    job: &Job,
+    net: &N,
+    mode: ReplayMode,
+) -> Result<PredictOutput, PredictError> {
     let graphs = build(job);
     let cost = CostModel::for_gpu(&job.cluster().gpu);
     let timeline = replay::replay(&graphs, &cost, net, mode)?;
     let prediction = summarize(job, net.name(), &graphs, &timeline)?;
-    Ok(PredictOutput { prediction, graphs, timeline })
+    Ok(PredictOutput {
+        prediction,
+        graphs,
+        timeline,
+    })
 }
 
-fn summarize(job: &Job, net: &str, graphs: &JobGraphs, timeline: &Timeline) -> Result<Prediction, PredictError> {
+fn summarize(
+    job: &Job,
+    net: &str,
+    graphs: &JobGraphs,
+    timeline: &Timeline,
+) -> Result<Prediction, PredictError> {
     let step = timeline.step_time();
     let world = job.parallel().world_size();
     let secs = step.as_secs_f64().max(f64::MIN_POSITIVE);
@@ -164,7 +180,14 @@ fn summarize(job: &Job, net: &str, graphs: &JobGraphs, timeline: &Timeline) -> R
         if let Some(p) = timeline.participants.iter().find(|p| p.class == class) {
             let ledger = memory::ledger(graphs.class(class), p)
                 .map_err(|source| PredictError::Ledger { stage, source })?;
-            memory.push(StageMemory { stage, rank: p.rank, peak: ledger.peak, usable, fits: ledger.peak <= usable, ledger });
+            memory.push(StageMemory {
+                stage,
+                rank: p.rank,
+                peak: ledger.peak,
+                usable,
+                fits: ledger.peak <= usable,
+                ledger,
+            });
         }
     }
     let mut warnings = job.warnings().to_vec();

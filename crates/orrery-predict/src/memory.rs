@@ -27,17 +27,27 @@ pub struct MemoryLedger {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LedgerError {
     #[error("op {op} frees {bytes} B of {category:?} but only {held} B are allocated")]
-    Negative { op: u32, category: MemoryCategory, bytes: u64, held: u64 },
+    Negative {
+        op: u32,
+        category: MemoryCategory,
+        bytes: u64,
+        held: u64,
+    },
 }
 
 /// Builds the ledger from a graph and its replayed timing. Events at the same time apply in
 /// issue order, so an allocation and a free at one instant never double-count.
-pub fn ledger(graph: &ExecGraph, timing: &ParticipantTimeline) -> Result<MemoryLedger, LedgerError> {
+pub fn ledger(
+    graph: &ExecGraph,
+    timing: &ParticipantTimeline,
+) -> Result<MemoryLedger, LedgerError> {
     let mut changes: Vec<(Picos, u32, MemoryCategory, i128)> = Vec::new();
     for (i, op) in graph.ops().iter().enumerate() {
         let t = timing.ops[i].end;
         match op.kind {
-            OpKind::Alloc { bytes, category } => changes.push((t, i as u32, category, i128::from(bytes.0))),
+            OpKind::Alloc { bytes, category } => {
+                changes.push((t, i as u32, category, i128::from(bytes.0)))
+            }
             OpKind::Free { alloc } => {
                 if let OpKind::Alloc { bytes, category } = graph.op(alloc).kind {
                     changes.push((t, i as u32, category, -i128::from(bytes.0)));
@@ -54,9 +64,17 @@ pub fn ledger(graph: &ExecGraph, timing: &ParticipantTimeline) -> Result<MemoryL
     let mut at_peak = by_cat;
     let mut events = Vec::with_capacity(changes.len());
     for (t, op, cat, delta) in changes {
-        let ci = MemoryCategory::ALL.iter().position(|&c| c == cat).unwrap_or(0);
+        let ci = MemoryCategory::ALL
+            .iter()
+            .position(|&c| c == cat)
+            .unwrap_or(0);
         if by_cat[ci] + delta < 0 {
-            return Err(LedgerError::Negative { op, category: cat, bytes: (-delta) as u64, held: by_cat[ci] as u64 });
+            return Err(LedgerError::Negative {
+                op,
+                category: cat,
+                bytes: (-delta) as u64,
+                held: by_cat[ci] as u64,
+            });
         }
         by_cat[ci] += delta;
         total += delta;
@@ -65,12 +83,19 @@ pub fn ledger(graph: &ExecGraph, timing: &ParticipantTimeline) -> Result<MemoryL
             peak_time = t;
             at_peak = by_cat;
         }
-        events.push(MemoryEvent { time: t, allocated: Bytes(total as u64) });
+        events.push(MemoryEvent {
+            time: t,
+            allocated: Bytes(total as u64),
+        });
     }
     Ok(MemoryLedger {
         events,
         peak: Bytes(peak as u64),
         peak_time,
-        at_peak: MemoryCategory::ALL.iter().zip(at_peak).map(|(&c, b)| (c, Bytes(b as u64))).collect(),
+        at_peak: MemoryCategory::ALL
+            .iter()
+            .zip(at_peak)
+            .map(|(&c, b)| (c, Bytes(b as u64)))
+            .collect(),
     })
 }

@@ -66,7 +66,11 @@ pub struct Timeline {
 impl Timeline {
     /// The step time: when the last op of any participant ends.
     pub fn step_time(&self) -> Picos {
-        self.participants.iter().map(ParticipantTimeline::end).max().unwrap_or(Picos::ZERO)
+        self.participants
+            .iter()
+            .map(ParticipantTimeline::end)
+            .max()
+            .unwrap_or(Picos::ZERO)
     }
 }
 
@@ -74,11 +78,24 @@ impl Timeline {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReplayError {
     #[error("replay deadlocked: {stuck} ops never ran (first: rank {rank} op {op} `{name}`)")]
-    Deadlock { stuck: usize, rank: u32, op: u32, name: String },
+    Deadlock {
+        stuck: usize,
+        rank: u32,
+        op: u32,
+        name: String,
+    },
     #[error("collective mismatch on group {group}: rank {rank} issued {got} where another member issued {expected}")]
-    CollectiveMismatch { group: u32, rank: u32, got: String, expected: String },
+    CollectiveMismatch {
+        group: u32,
+        rank: u32,
+        got: String,
+        expected: String,
+    },
     #[error("malformed graph for class {class}: {source}")]
-    Graph { class: u32, source: orrery_graph::GraphError },
+    Graph {
+        class: u32,
+        source: orrery_graph::GraphError,
+    },
 }
 
 /// Maps the graph's collective ops to the network's.
@@ -160,7 +177,10 @@ impl<'g> State<'g> {
 /// Whether an op occupies its stream. Receives, allocations and frees do not: they are
 /// events that happen when their inputs are ready.
 fn on_stream(kind: &OpKind) -> bool {
-    matches!(kind, OpKind::Compute { .. } | OpKind::Collective { .. } | OpKind::Send { .. })
+    matches!(
+        kind,
+        OpKind::Compute { .. } | OpKind::Collective { .. } | OpKind::Send { .. }
+    )
 }
 
 struct Waiting {
@@ -190,7 +210,10 @@ pub struct Engine<'a, N: NetworkModel> {
 
 impl<N: NetworkModel> std::fmt::Debug for Engine<'_, N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("mode", &self.mode).field("events", &self.events).finish()
+        f.debug_struct("Engine")
+            .field("mode", &self.mode)
+            .field("events", &self.events)
+            .finish()
     }
 }
 
@@ -202,7 +225,10 @@ pub fn replay<N: NetworkModel>(
     mode: ReplayMode,
 ) -> Result<Timeline, ReplayError> {
     for (c, g) in graphs.classes.iter().enumerate() {
-        g.check().map_err(|source| ReplayError::Graph { class: c as u32, source })?;
+        g.check().map_err(|source| ReplayError::Graph {
+            class: c as u32,
+            source,
+        })?;
     }
     let mut engine = Engine::new(graphs, cost, net, mode);
     engine.run()
@@ -291,9 +317,17 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         let participants = self
             .states
             .iter()
-            .map(|s| ParticipantTimeline { rank: s.rank, class: s.class, ops: s.timing.clone() })
+            .map(|s| ParticipantTimeline {
+                rank: s.rank,
+                class: s.class,
+                ops: s.timing.clone(),
+            })
             .collect();
-        Ok(Timeline { mode: self.mode, participants, events: self.events })
+        Ok(Timeline {
+            mode: self.mode,
+            participants,
+            events: self.events,
+        })
     }
 
     fn check_finished(&self) -> Result<(), ReplayError> {
@@ -304,9 +338,21 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         for s in &self.states {
             if s.done < s.graph.len() {
                 // The first op that never ended.
-                let first = s.timing.iter().zip(s.graph.ops()).enumerate().find(|(_, (t, _))| t.end == Picos::ZERO && t.start == Picos::ZERO);
-                let (op, name) = first.map_or((0, "?".to_string()), |(i, (_, o))| (i as u32, s.graph.name_of(o).to_string()));
-                return Err(ReplayError::Deadlock { stuck, rank: s.rank.0, op, name });
+                let first = s
+                    .timing
+                    .iter()
+                    .zip(s.graph.ops())
+                    .enumerate()
+                    .find(|(_, (t, _))| t.end == Picos::ZERO && t.start == Picos::ZERO);
+                let (op, name) = first.map_or((0, "?".to_string()), |(i, (_, o))| {
+                    (i as u32, s.graph.name_of(o).to_string())
+                });
+                return Err(ReplayError::Deadlock {
+                    stuck,
+                    rank: s.rank.0,
+                    op,
+                    name,
+                });
             }
         }
         Ok(())
@@ -319,7 +365,9 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             self.start_streamless(now, p, op, kind);
             return;
         }
-        let stream = self.states[p as usize].graph.ops()[op as usize].stream.index();
+        let stream = self.states[p as usize].graph.ops()[op as usize]
+            .stream
+            .index();
         let st = &self.states[p as usize];
         let head = st.stream_queue[stream].get(st.stream_head[stream]).copied();
         if head == Some(op) && !st.stream_busy[stream] {
@@ -346,7 +394,20 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         st.timing[op as usize].start = now;
         match kind {
             OpKind::Compute { kind, flops, bytes } => {
-                let d = self.cost.duration(&kind, flops, bytes);
+                // Communication kernels running right now take SMs from this kernel.
+                let comm_running = [
+                    Stream::TpComm,
+                    Stream::CpComm,
+                    Stream::EpComm,
+                    Stream::DpComm,
+                ]
+                .iter()
+                .any(|s| self.states[p as usize].stream_busy[s.index()]);
+                let d = if comm_running {
+                    self.cost.duration_overlapped(&kind, flops, bytes)
+                } else {
+                    self.cost.duration(&kind, flops, bytes)
+                };
                 self.schedule(now + d, p, op);
             }
             OpKind::Send { bytes, peer, .. } => {
@@ -356,7 +417,11 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                 let d = self.net.point_to_point(bytes, same);
                 self.schedule(now + d, p, op);
             }
-            OpKind::Collective { op: cop, group, bytes } => match self.mode {
+            OpKind::Collective {
+                op: cop,
+                group,
+                bytes,
+            } => match self.mode {
                 ReplayMode::Classes => {
                     let d = self.collective_time(p, cop, group, bytes);
                     self.schedule(now + d, p, op);
@@ -367,19 +432,45 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         }
     }
 
-    fn collective_time(&mut self, p: u32, op: CollectiveOp, group: GroupRole, bytes: Bytes) -> Picos {
+    fn collective_time(
+        &mut self,
+        p: u32,
+        op: CollectiveOp,
+        group: GroupRole,
+        bytes: Bytes,
+    ) -> Picos {
         let layout = &self.graphs.layout;
         let pl = layout.placement(self.states[p as usize].rank, group);
-        let placement = GroupPlacement { size: pl.size, nodes: pl.nodes, max_per_node: pl.max_per_node };
+        let placement = GroupPlacement {
+            size: pl.size,
+            nodes: pl.nodes,
+            max_per_node: pl.max_per_node,
+        };
         let kind = net_kind(op);
         let net = self.net;
-        *self.collective_cache.entry((kind, bytes, placement)).or_insert_with(|| {
-            net.collective(&CollectiveRequest { kind, bytes, placement }).time
-        })
+        *self
+            .collective_cache
+            .entry((kind, bytes, placement))
+            .or_insert_with(|| {
+                net.collective(&CollectiveRequest {
+                    kind,
+                    bytes,
+                    placement,
+                })
+                .time
+            })
     }
 
     /// All-rank mode: a member reached a collective; start it when all members have.
-    fn arrive(&mut self, now: Picos, p: u32, op: u32, cop: CollectiveOp, group: GroupRole, bytes: Bytes) {
+    fn arrive(
+        &mut self,
+        now: Picos,
+        p: u32,
+        op: u32,
+        cop: CollectiveOp,
+        group: GroupRole,
+        bytes: Bytes,
+    ) {
         let key = self.states[p as usize].rendezvous[op as usize];
         let size = self.graphs.layout.group_size(group);
         let w = self.rendezvous.entry(key).or_insert_with(|| Waiting {
@@ -435,7 +526,10 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         // Release dependents.
         let (a, b) = {
             let st = &self.states[p as usize];
-            (st.dependents_start[op as usize] as usize, st.dependents_start[op as usize + 1] as usize)
+            (
+                st.dependents_start[op as usize] as usize,
+                st.dependents_start[op as usize + 1] as usize,
+            )
         };
         for i in a..b {
             let d = self.states[p as usize].dependents[i];

@@ -107,26 +107,42 @@ pub enum ValidationError {
     Predict { row: usize, source: PredictError },
 }
 
-fn num(row: &std::collections::BTreeMap<String, String>, i: usize, f: &str) -> Result<f64, ValidationError> {
+fn num(
+    row: &std::collections::BTreeMap<String, String>,
+    i: usize,
+    f: &str,
+) -> Result<f64, ValidationError> {
     row.get(f)
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .ok_or_else(|| ValidationError::Field { row: i, field: f.to_string() })
+        .ok_or_else(|| ValidationError::Field {
+            row: i,
+            field: f.to_string(),
+        })
 }
 
 fn opt(row: &std::collections::BTreeMap<String, String>, f: &str) -> Option<String> {
-    row.get(f).map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
+    row.get(f)
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
 }
 
 /// The job a step-time row describes, as TOML.
-pub fn row_job_toml(row: &std::collections::BTreeMap<String, String>, i: usize) -> Result<String, ValidationError> {
+pub fn row_job_toml(
+    row: &std::collections::BTreeMap<String, String>,
+    i: usize,
+) -> Result<String, ValidationError> {
     let n = |f: &str| num(row, i, f).map(|x| x as u64);
     let source = opt(row, "source").unwrap_or_default();
     let korthikanti = source.starts_with("korthikanti2022");
     let gpu = opt(row, "gpu").unwrap_or_else(|| "A100-80GB".to_string());
     let gpus = n("gpus")?;
     let recompute = opt(row, "recompute").unwrap_or_else(|| "none".to_string());
-    let vpp = opt(row, "vpp").and_then(|v| v.parse::<u64>().ok()).unwrap_or(1);
-    let micro = opt(row, "micro_batch").and_then(|v| v.parse::<u64>().ok()).unwrap_or(1);
+    let vpp = opt(row, "vpp")
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1);
+    let micro = opt(row, "micro_batch")
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1);
     let sp = opt(row, "sp").as_deref() == Some("1");
     let (attention, zero, overlap, tp_overlap, nic) = if korthikanti {
         ("unfused", 0, false, false, 200)
@@ -185,15 +201,21 @@ nic_gbps = {nic}
 }
 
 /// Predicts every step-time row.
-pub fn check_step_times(mut progress: impl FnMut(usize, usize)) -> Result<Vec<StepTimeCheck>, ValidationError> {
+pub fn check_step_times(
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<StepTimeCheck>, ValidationError> {
     let all = rows(STEP_TIMES_CSV);
     let mut out = Vec::new();
     for (i, row) in all.iter().enumerate() {
         progress(i, all.len());
         let text = row_job_toml(row, i)?;
-        let spec = load_job_spec(&text, &[]).map_err(|source| ValidationError::Load { row: i, source })?;
-        let job = Job::from_spec(&spec).map_err(|source| ValidationError::Spec { row: i, source })?;
-        let p = predict(&job).map_err(|source| ValidationError::Predict { row: i, source })?.prediction;
+        let spec =
+            load_job_spec(&text, &[]).map_err(|source| ValidationError::Load { row: i, source })?;
+        let job =
+            Job::from_spec(&spec).map_err(|source| ValidationError::Spec { row: i, source })?;
+        let p = predict(&job)
+            .map_err(|source| ValidationError::Predict { row: i, source })?
+            .prediction;
         let measured = num(row, i, "measured_iter_s")?;
         let predicted = p.step_time.as_secs_f64();
         out.push(StepTimeCheck {
@@ -220,7 +242,16 @@ pub fn check_memory() -> Result<Vec<MemoryCheck>, ValidationError> {
         let stage = num(row, i, "zero_stage")? as u8;
         let measured = num(row, i, "model_state_gb_per_device")?;
         let psi = (params * 1e9).round() as u64;
-        let state = model_state_bytes(ParamShards { dense: psi, expert: 0, dp_dense: dp, dp_expert: dp }, stage, 2);
+        let state = model_state_bytes(
+            ParamShards {
+                dense: psi,
+                expert: 0,
+                dp_dense: dp,
+                dp_expert: dp,
+            },
+            stage,
+            2,
+        );
         let predicted = state.total() as f64 / 1e9;
         out.push(MemoryCheck {
             params_billion: params,
@@ -238,9 +269,15 @@ pub fn check_memory() -> Result<Vec<MemoryCheck>, ValidationError> {
 pub fn validate(progress: impl FnMut(usize, usize)) -> Result<ValidationReport, ValidationError> {
     let step_times = check_step_times(progress)?;
     let memory = check_memory()?;
-    let step_time_mape = step_times.iter().map(|c| c.error.abs()).sum::<f64>() / step_times.len().max(1) as f64;
+    let step_time_mape =
+        step_times.iter().map(|c| c.error.abs()).sum::<f64>() / step_times.len().max(1) as f64;
     let memory_max_error = memory.iter().map(|c| c.error.abs()).fold(0.0, f64::max);
-    Ok(ValidationReport { step_times, step_time_mape, memory, memory_max_error })
+    Ok(ValidationReport {
+        step_times,
+        step_time_mape,
+        memory,
+        memory_max_error,
+    })
 }
 
 #[cfg(test)]
