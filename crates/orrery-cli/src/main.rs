@@ -1,7 +1,19 @@
-//! The `orrery` command-line tool. The only crate that prints.
-use anyhow::Result;
+//! # orrery: the command-line tool
+//!
+//! The only crate that prints, reads files or looks at the clock. It turns arguments into a
+//! [`orrery_spec::Job`], calls the libraries and renders what they return: terminal tables,
+//! JSON, Perfetto traces, SVG charts and Chakra traces. Bad input (an unreadable file, a
+//! spec error, an unknown preset) exits with status 2 after listing every problem; other
+//! failures exit with status 1.
+
+mod report;
+
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use orrery_spec::{load_job_spec, preset_job_text, presets, Job};
+use orrery_predict::{predict_with, ReplayMode};
+use orrery_spec::{hf, load_job_spec, preset_job_text, presets, Job, JobSpec};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -17,97 +29,340 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Predict one training step: time, MFU, breakdown, per-stage memory.
+    /// Predict one training step: time, MFU, where the time goes, per-stage memory.
     Predict(PredictArgs),
-    /// Predict every published measurement in the validation set and print the errors.
-    Validate,
+    /// Predict every published measurement of the validation set and print the errors.
+    Validate {
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the built-in jobs, models and GPUs.
+    Presets,
+    /// Time the predictor on built-in scenarios and print medians and ratios.
+    Bench {
+        /// Repetitions per scenario (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        runs: u32,
+    },
 }
 
 #[derive(clap::Args, Debug)]
 struct PredictArgs {
-    /// A job TOML file; without it a built-in job runs (see --preset).
-    job: Option<std::path::PathBuf>,
-    #[arg(long)]
+    /// A job TOML file. Without one, a built-in job runs (see --preset).
+    job: Option<PathBuf>,
+    /// A built-in job (see `orrery presets`); the default is Llama-3 70B on 1,024 H100.
+    #[arg(long, conflicts_with = "job")]
     preset: Option<String>,
+    /// A Hugging Face config.json whose model replaces the job's model section.
+    #[arg(long, value_name = "FILE")]
+    hf_config: Option<PathBuf>,
+    /// Override a field, e.g. `--set parallel.tp=4` (repeatable, applied in order).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// Print the prediction as JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Write a Perfetto/Chrome trace of the step (one track per rank and stream).
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
+    /// Write SVG charts (memory timeline, time breakdown) into this folder.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// Export every rank's graph as Chakra ET: PREFIX.<rank>.et plus PREFIX.groups.json.
+    #[arg(long, value_name = "PREFIX")]
+    chakra: Option<PathBuf>,
+    /// Replay every rank instead of one per symmetry class (slow; the exact reference).
+    #[arg(long)]
+    all_ranks: bool,
+}
+
+/// An error caused by the user's input: reported with exit status 2.
+#[derive(Debug)]
+struct BadInput(String);
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadInput {}
+
+fn bad(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(BadInput(msg.into()))
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(code) => code,
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<BadInput>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Predict(a) => {
-            let text = match &a.job {
-                Some(p) => std::fs::read_to_string(p)?,
-                None => preset_job_text(a.preset.as_deref().unwrap_or(presets::DEFAULT_JOB))?
-                    .to_string(),
-            };
-            let spec = load_job_spec(&text, &a.set)?;
-            let job = match Job::from_spec(&spec) {
-                Ok(j) => j,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return Ok(ExitCode::from(2));
-                }
-            };
-            let t = std::time::Instant::now();
-            let out = orrery_predict::predict(&job)?;
-            let p = &out.prediction;
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(p)?);
-            } else {
-                println!(
-                    "{} step {} mfu {:.3} tflops {:.1}",
-                    p.job, p.step_time, p.mfu, p.tflops_per_gpu
-                );
-                println!("{:#?}", p.breakdown);
-                for m in &p.memory {
-                    println!(
-                        "stage {} peak {} usable {} fits {}",
-                        m.stage, m.peak, m.usable, m.fits
-                    );
-                }
-                println!(
-                    "ops {} events {} wall {:?}",
-                    p.graph_ops,
-                    p.replay_events,
-                    t.elapsed()
-                );
-            }
-            Ok(ExitCode::SUCCESS)
+        Command::Predict(args) => run_predict(&args),
+        Command::Validate { json } => run_validate(json),
+        Command::Presets => {
+            print_presets();
+            Ok(())
         }
-        Command::Validate => {
-            let r = orrery_predict::validation::validate(|_, _| {})?;
-            for c in &r.step_times {
-                println!(
-                    "{:28} {:6} {:10} meas {:7.2} pred {:7.2} err {:+6.1}% mfu {:.3}",
-                    c.source,
-                    c.model,
-                    c.recompute,
-                    c.measured_s,
-                    c.predicted_s,
-                    c.error * 100.0,
-                    c.predicted_mfu
-                );
-            }
-            println!(
-                "MAPE {:.1}%  memory max err {:.2}%",
-                r.step_time_mape * 100.0,
-                r.memory_max_error * 100.0
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Bench { runs } => run_bench(runs.max(1)),
     }
+}
+
+/// Reads the job from a file, a preset or the default, applies overrides and validates.
+fn load_job(args: &PredictArgs) -> Result<Job> {
+    let text = match (&args.job, &args.preset) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .map_err(|e| bad(format!("cannot read job file {}: {e}", path.display())))?,
+        (None, name) => preset_job_text(name.as_deref().unwrap_or(presets::DEFAULT_JOB))
+            .map_err(|e| bad(e.to_string()))?
+            .to_string(),
+    };
+    let mut spec: JobSpec = load_job_spec(&text, &args.set).map_err(|e| bad(e.to_string()))?;
+    if let Some(path) = &args.hf_config {
+        let json = std::fs::read_to_string(path)
+            .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+        let model =
+            hf::model_from_hf_config(&json).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        // Keep model fields the job or --set gave explicitly (sequence length, say).
+        spec.model = merge_hf(model, &spec);
+    }
+    Job::from_spec(&spec).map_err(|e| bad(e.to_string()))
+}
+
+/// The HF model, with the job's explicit sequence length winning (configs state the
+/// maximum context, jobs the training sequence).
+fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_spec::raw::ModelSpec {
+    if spec.model.seq_len.is_some() {
+        model.seq_len = spec.model.seq_len;
+    }
+    model
+}
+
+fn run_predict(args: &PredictArgs) -> Result<()> {
+    let job = load_job(args)?;
+    let net = orrery_net::AnalyticalNetwork::new(
+        orrery_predict::fabric_for(&job),
+        orrery_net::AlgorithmChoice::Auto,
+    );
+    let mode = if args.all_ranks {
+        ReplayMode::AllRanks
+    } else {
+        ReplayMode::Classes
+    };
+    let spinner = progress_spinner("building and replaying the step");
+    let out = predict_with(&job, &net, mode).context("prediction failed")?;
+    spinner.finish_and_clear();
+    let p = &out.prediction;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(p)?);
+    } else {
+        print!("{}", report::prediction(p));
+    }
+    if let Some(path) = &args.trace {
+        let mut buf = Vec::new();
+        orrery_predict::sinks::write_perfetto_trace(&out, &mut buf)?;
+        atomic_write(path, &buf)?;
+        eprintln!("wrote trace {}", path.display());
+    }
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let memory = orrery_predict::sinks::memory_timeline_svg(&out);
+        atomic_write(&dir.join("memory.svg"), memory.as_bytes())?;
+        let breakdown = orrery_predict::sinks::breakdown_svg(p);
+        atomic_write(&dir.join("breakdown.svg"), breakdown.as_bytes())?;
+        eprintln!(
+            "wrote {}/memory.svg and {}/breakdown.svg",
+            dir.display(),
+            dir.display()
+        );
+    }
+    if let Some(prefix) = &args.chakra {
+        export_chakra(&out.graphs, prefix)?;
+    }
+    Ok(())
+}
+
+fn export_chakra(graphs: &orrery_graph::JobGraphs, prefix: &Path) -> Result<()> {
+    let world = graphs.layout.world_size();
+    let bar = indicatif::ProgressBar::new(u64::from(world));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("exporting Chakra ET {bar:40} {pos}/{len} ranks")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    for r in 0..world {
+        let mut buf = Vec::new();
+        orrery_graph::chakra::export_rank(graphs, orrery_units::RankId(r), &mut buf)?;
+        atomic_write(&with_suffix(prefix, &format!(".{r}.et")), &buf)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let groups = orrery_graph::chakra::comm_groups_json(graphs);
+    atomic_write(&with_suffix(prefix, ".groups.json"), groups.as_bytes())?;
+    eprintln!(
+        "wrote {world} Chakra ET files with prefix {}",
+        prefix.display()
+    );
+    Ok(())
+}
+
+fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+fn run_validate(json: bool) -> Result<()> {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("predicting published runs {bar:40} {pos}/{len}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let report = orrery_predict::validation::validate(|i, n| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    })?;
+    bar.finish_and_clear();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report::validation(&report));
+    }
+    Ok(())
+}
+
+fn preset_job(name: &str) -> Result<Job> {
+    let spec = load_job_spec(preset_job_text(name)?, &[])?;
+    Job::from_spec(&spec).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Median wall time of `runs` calls of `f`, in seconds.
+fn median_secs(runs: u32, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let t = std::time::Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Benchmark scenarios measured in one run, so ratios compare like with like.
+fn run_bench(runs: u32) -> Result<()> {
+    println!("orrery bench: median of {runs} runs per scenario\n");
+    for name in ["llama3-405b-h100x8192", "llama3-70b-h100x1024"] {
+        let job = preset_job(name)?;
+        let build = median_secs(runs, || {
+            orrery_graph::build(&job);
+            Ok(())
+        })?;
+        let mut ops = 0;
+        let total = median_secs(runs, || {
+            let out = orrery_predict::predict(&job)?;
+            ops = out.prediction.graph_ops;
+            Ok(())
+        })?;
+        println!(
+            "predict {name:<24} {:>4} GPUs: {:8.1} ms (graph build {:6.1} ms, {ops} ops, {:.2} M ops/s)",
+            job.parallel().world_size(),
+            total * 1e3,
+            build * 1e3,
+            ops as f64 / total / 1e6
+        );
+    }
+    // Class replay against the all-rank reference on a job small enough for both.
+    let job = preset_job("mixtral-8x7b-h100x64")?;
+    let net = orrery_net::AnalyticalNetwork::new(
+        orrery_predict::fabric_for(&job),
+        orrery_net::AlgorithmChoice::Auto,
+    );
+    let mut steps = (orrery_units::Picos::ZERO, orrery_units::Picos::ZERO);
+    let classes = median_secs(runs, || {
+        steps.0 = predict_with(&job, &net, ReplayMode::Classes)?
+            .prediction
+            .step_time;
+        Ok(())
+    })?;
+    let all = median_secs(runs, || {
+        steps.1 = predict_with(&job, &net, ReplayMode::AllRanks)?
+            .prediction
+            .step_time;
+        Ok(())
+    })?;
+    println!(
+        "\nclass replay vs all-rank replay (mixtral-8x7b-h100x64, 64 GPUs): {:.1} ms vs {:.1} ms, {:.1}x faster, step times {} ({} vs {})",
+        classes * 1e3,
+        all * 1e3,
+        all / classes,
+        if steps.0 == steps.1 { "identical" } else { "DIFFER" },
+        steps.0,
+        steps.1
+    );
+    Ok(())
+}
+
+fn print_presets() {
+    println!("Jobs (orrery predict --preset NAME):");
+    for name in presets::JOB_NAMES {
+        let tag = if *name == presets::DEFAULT_JOB {
+            " (default)"
+        } else {
+            ""
+        };
+        println!("  {name}{tag}");
+    }
+    println!("\nModels ([model] preset = \"NAME\"):");
+    for name in presets::MODEL_NAMES {
+        println!("  {name}");
+    }
+    println!("\nGPUs ([cluster] gpu = \"NAME\"):");
+    for g in presets::GPUS {
+        println!(
+            "  {:<10} {:>7.1} TFLOP/s bf16, {:>6.1} GiB HBM at {:>5.0} GB/s, NVLink {:>4.0} GB/s per direction",
+            g.name, g.bf16_tflops, g.hbm_gib, g.hbm_gbps, g.nvlink_gbps
+        );
+    }
+}
+
+fn progress_spinner(msg: &'static str) -> indicatif::ProgressBar {
+    let s = indicatif::ProgressBar::new_spinner();
+    s.set_message(msg);
+    s.enable_steady_tick(std::time::Duration::from_millis(120));
+    s
+}
+
+/// Writes a file atomically: a temporary file in the same folder, fsync, then rename, so a
+/// crash never leaves a half-written trace or chart behind.
+fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::anyhow!("writing {}: {e}", path.display())
+    })
 }

@@ -353,9 +353,7 @@ impl<'a> StageBuilder<'a> {
         &mut self,
         name: &str,
         phase: Phase,
-        m: u64,
-        n: u64,
-        k: u64,
+        (m, n, k): (u64, u64, u64),
         batch: u64,
         deps: &[OpId],
     ) -> OpId {
@@ -407,12 +405,7 @@ impl<'a> StageBuilder<'a> {
         if size <= 1 || bytes == 0 {
             return None;
         }
-        let stream = match group {
-            GroupRole::Tp => Stream::TpComm,
-            GroupRole::Cp => Stream::CpComm,
-            GroupRole::Ep => Stream::EpComm,
-            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp => Stream::DpComm,
-        };
+        let stream = group.stream();
         Some(self.push(
             OpKind::Collective {
                 op,
@@ -726,15 +719,19 @@ impl<'a> StageBuilder<'a> {
         let qkv = self.gemm(
             &format!("L{layer}.qkv"),
             ph,
-            t,
-            (s.q + 2 * s.kv) / s.tp,
-            s.h,
+            (t, (s.q + 2 * s.kv) / s.tp, s.h),
             1,
             &qkv_in.deps,
         );
         let after_qkv = qkv_in.join(qkv);
         let attn = self.attention(layer, ph, false, &after_qkv);
-        let proj = self.gemm(&format!("L{layer}.proj"), ph, t, s.h, s.q / s.tp, 1, &attn);
+        let proj = self.gemm(
+            &format!("L{layer}.proj"),
+            ph,
+            (t, s.h, s.q / s.tp),
+            1,
+            &attn,
+        );
         let proj_out = self.tp_reduce(&format!("L{layer}.proj-rs"), ph, proj);
         let res1 = self.mem(&format!("L{layer}.residual1"), ph, 7 * e_norm, &proj_out);
         let ln2 = self.mem(&format!("L{layer}.ln2"), ph, 2 * ACT * e_norm, &[res1]);
@@ -754,9 +751,7 @@ impl<'a> StageBuilder<'a> {
         let fc1 = self.gemm(
             &format!("L{layer}.fc1"),
             ph,
-            t,
-            width / s.tp,
-            s.h,
+            (t, width / s.tp, s.h),
             1,
             &fc1_in.deps,
         );
@@ -770,9 +765,7 @@ impl<'a> StageBuilder<'a> {
         let fc2 = self.gemm(
             &format!("L{layer}.fc2"),
             ph,
-            t,
-            s.h,
-            s.ffn / s.tp,
+            (t, s.h, s.ffn / s.tp),
             1,
             &[act],
         );
@@ -786,9 +779,7 @@ impl<'a> StageBuilder<'a> {
         let router = self.gemm(
             &format!("L{layer}.router"),
             ph,
-            t,
-            m.experts,
-            s.h,
+            (t, m.experts, s.h),
             1,
             &fc1_in.deps,
         );
@@ -820,9 +811,7 @@ impl<'a> StageBuilder<'a> {
         let fc1 = self.gemm(
             &format!("L{layer}.expert-fc1"),
             ph,
-            per_expert,
-            width / s.tp,
-            s.h,
+            (per_expert, width / s.tp, s.h),
             local_experts,
             &deps,
         );
@@ -835,9 +824,7 @@ impl<'a> StageBuilder<'a> {
         let fc2 = self.gemm(
             &format!("L{layer}.expert-fc2"),
             ph,
-            per_expert,
-            s.h,
-            m.expert_ffn / s.tp,
+            (per_expert, s.h, m.expert_ffn / s.tp),
             local_experts,
             &[act],
         );
@@ -848,9 +835,7 @@ impl<'a> StageBuilder<'a> {
             let sfc1 = self.gemm(
                 &format!("L{layer}.shared-fc1"),
                 ph,
-                t,
-                w / s.tp,
-                s.h,
+                (t, w / s.tp, s.h),
                 1,
                 &after,
             );
@@ -863,9 +848,7 @@ impl<'a> StageBuilder<'a> {
             out.push(self.gemm(
                 &format!("L{layer}.shared-fc2"),
                 ph,
-                t,
-                s.h,
-                f / s.tp,
+                (t, s.h, f / s.tp),
                 1,
                 &[sact],
             ));
@@ -1019,7 +1002,7 @@ impl<'a> StageBuilder<'a> {
         // 4*s*b*h/t*(1 + V/h) on the last stage).
         let logits = 4 * t * s.h / s.tp + 4 * t * s.vocab / s.tp;
         let tmp = self.alloc("logits", ph, logits, MemoryCategory::Temporary, &ag.deps);
-        let head = self.gemm("lm-head", ph, t, s.vocab / s.tp, s.h, 1, &ag.join(tmp));
+        let head = self.gemm("lm-head", ph, (t, s.vocab / s.tp, s.h), 1, &ag.join(tmp));
         // Vocab-parallel cross-entropy: fp32 passes over the logits, three small all-reduces.
         let ce = self.mem("cross-entropy", ph, 12 * t * s.vocab / s.tp, &[head]);
         let red = self.coll(
@@ -1038,8 +1021,8 @@ impl<'a> StageBuilder<'a> {
         let ph = Phase::Backward;
         let t = s.tokens;
         let ce = self.mem("cross-entropy-bwd", ph, 8 * t * s.vocab / s.tp, x);
-        let dgrad = self.gemm("lm-head-dgrad", ph, t, s.h, s.vocab / s.tp, 1, &[ce]);
-        let wgrad = self.gemm("lm-head-wgrad", ph, s.vocab / s.tp, s.h, t, 1, &[ce]);
+        let dgrad = self.gemm("lm-head-dgrad", ph, (t, s.h, s.vocab / s.tp), 1, &[ce]);
+        let wgrad = self.gemm("lm-head-wgrad", ph, (s.vocab / s.tp, s.h, t), 1, &[ce]);
         if let Some(tmp) = self.find_last_alloc("logits") {
             self.free("logits-free", ph, tmp, &[dgrad, wgrad]);
         }
@@ -1102,27 +1085,24 @@ impl<'a> StageBuilder<'a> {
             if self.is_final_bwd(st) {
                 self.add_grads(self.s.vocab * self.s.h / self.s.tp, 0, &x);
             }
-        } else {
-            let tag = tag(Pass::Backward, st.microbatch, vs - 1);
-            let snd = self.push(
-                OpKind::Send {
-                    peer: PeerStage::Prev,
-                    bytes: Bytes(p2p_bytes),
-                    tag,
-                },
-                Stream::PpComm,
-                ph,
-                "send-grad",
-                &x,
-            );
-            x = vec![snd];
         }
+        // The stash is released once the backward's last kernel has read it; sending the
+        // input gradient upstream does not need it.
         if let Some(a) = self.act_alloc[c as usize][st.microbatch as usize].take() {
             self.free("activations-free", ph, a, &x);
         }
         if self.is_final_bwd(st) {
             // A chunk's gradients are final: flush its last partial bucket.
             self.flush_grad_bucket(&x, false);
+        }
+        if !self.is_first_vstage(c) {
+            let tag = tag(Pass::Backward, st.microbatch, vs - 1);
+            let grad = OpKind::Send {
+                peer: PeerStage::Prev,
+                bytes: Bytes(p2p_bytes),
+                tag,
+            };
+            self.push(grad, Stream::PpComm, ph, "send-grad", &x);
         }
     }
 
@@ -1213,18 +1193,14 @@ impl<'a> StageBuilder<'a> {
         let pd = self.gemm(
             &format!("L{layer}.proj-dgrad"),
             ph,
-            t,
-            s.q / s.tp,
-            s.h,
+            (t, s.q / s.tp, s.h),
             1,
             &g.deps,
         );
         let pw = self.gemm(
             &format!("L{layer}.proj-wgrad"),
             ph,
-            s.q / s.tp,
-            s.h,
-            t,
+            (s.q / s.tp, s.h, t),
             1,
             &g.join(pd),
         );
@@ -1236,15 +1212,19 @@ impl<'a> StageBuilder<'a> {
         let attn = self.attention(layer, ph, true, &deps);
         // QKV (column-parallel): dgrad, reduce its result; gather the input for wgrad.
         let qkv_w = (s.q + 2 * s.kv) / s.tp;
-        let qd = self.gemm(&format!("L{layer}.qkv-dgrad"), ph, t, s.h, qkv_w, 1, &attn);
+        let qd = self.gemm(
+            &format!("L{layer}.qkv-dgrad"),
+            ph,
+            (t, s.h, qkv_w),
+            1,
+            &attn,
+        );
         let red = self.tp_reduce_after(&format!("L{layer}.qkv-rs"), ph, qd);
         let gin = self.tp_gather(&format!("L{layer}.qkv-in-ag"), ph, qd);
         let qw = self.gemm(
             &format!("L{layer}.qkv-wgrad"),
             ph,
-            s.h,
-            qkv_w,
-            t,
+            (s.h, qkv_w, t),
             1,
             &gin.deps,
         );
@@ -1278,18 +1258,14 @@ impl<'a> StageBuilder<'a> {
         let d2 = self.gemm(
             &format!("L{layer}.fc2-dgrad"),
             ph,
-            t,
-            s.ffn / s.tp,
-            s.h,
+            (t, s.ffn / s.tp, s.h),
             1,
             &g.deps,
         );
         let w2 = self.gemm(
             &format!("L{layer}.fc2-wgrad"),
             ph,
-            s.ffn / s.tp,
-            s.h,
-            t,
+            (s.ffn / s.tp, s.h, t),
             1,
             &g.join(d2),
         );
@@ -1298,9 +1274,7 @@ impl<'a> StageBuilder<'a> {
         let d1 = self.gemm(
             &format!("L{layer}.fc1-dgrad"),
             ph,
-            t,
-            s.h,
-            width / s.tp,
+            (t, s.h, width / s.tp),
             1,
             &[act],
         );
@@ -1309,9 +1283,7 @@ impl<'a> StageBuilder<'a> {
         let w1 = self.gemm(
             &format!("L{layer}.fc1-wgrad"),
             ph,
-            s.h,
-            width / s.tp,
-            t,
+            (s.h, width / s.tp, t),
             1,
             &gin.deps,
         );
@@ -1346,18 +1318,14 @@ impl<'a> StageBuilder<'a> {
         let d2 = self.gemm(
             &format!("L{layer}.expert-fc2-dgrad"),
             ph,
-            per_expert,
-            m.expert_ffn / s.tp,
-            s.h,
+            (per_expert, m.expert_ffn / s.tp, s.h),
             local,
             &deps,
         );
         let w2 = self.gemm(
             &format!("L{layer}.expert-fc2-wgrad"),
             ph,
-            m.expert_ffn / s.tp,
-            s.h,
-            per_expert,
+            (m.expert_ffn / s.tp, s.h, per_expert),
             local,
             &[d2],
         );
@@ -1370,18 +1338,14 @@ impl<'a> StageBuilder<'a> {
         let d1 = self.gemm(
             &format!("L{layer}.expert-fc1-dgrad"),
             ph,
-            per_expert,
-            s.h,
-            width / s.tp,
+            (per_expert, s.h, width / s.tp),
             local,
             &[act],
         );
         let w1 = self.gemm(
             &format!("L{layer}.expert-fc1-wgrad"),
             ph,
-            s.h,
-            width / s.tp,
-            per_expert,
+            (s.h, width / s.tp, per_expert),
             local,
             &[d1],
         );
@@ -1400,36 +1364,28 @@ impl<'a> StageBuilder<'a> {
             let sd2 = self.gemm(
                 &format!("L{layer}.shared-fc2-dgrad"),
                 ph,
-                t,
-                f / s.tp,
-                s.h,
+                (t, f / s.tp, s.h),
                 1,
                 &g.deps,
             );
             let sw2 = self.gemm(
                 &format!("L{layer}.shared-fc2-wgrad"),
                 ph,
-                f / s.tp,
-                s.h,
-                t,
+                (f / s.tp, s.h, t),
                 1,
                 &[sd2],
             );
             let sd1 = self.gemm(
                 &format!("L{layer}.shared-fc1-dgrad"),
                 ph,
-                t,
-                s.h,
-                w / s.tp,
+                (t, s.h, w / s.tp),
                 1,
                 &[sw2],
             );
             let sw1 = self.gemm(
                 &format!("L{layer}.shared-fc1-wgrad"),
                 ph,
-                s.h,
-                w / s.tp,
-                t,
+                (s.h, w / s.tp, t),
                 1,
                 &[sd1],
             );
@@ -1438,9 +1394,7 @@ impl<'a> StageBuilder<'a> {
         let router = self.gemm(
             &format!("L{layer}.router-bwd"),
             ph,
-            t,
-            s.h,
-            m.experts,
+            (t, s.h, m.experts),
             2,
             &out,
         );

@@ -70,6 +70,16 @@ impl GroupRole {
         self as usize
     }
 
+    /// The stream collectives over groups of this role run on.
+    pub fn stream(self) -> Stream {
+        match self {
+            GroupRole::Tp => Stream::TpComm,
+            GroupRole::Cp => Stream::CpComm,
+            GroupRole::Ep => Stream::EpComm,
+            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp => Stream::DpComm,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GroupRole::Tp => "tp",
@@ -203,6 +213,17 @@ pub enum OpKind {
     },
     /// Frees the allocation made by op `alloc`.
     Free { alloc: OpId },
+}
+
+impl OpKind {
+    /// Whether the op occupies its stream while it runs. Receives, allocations and frees do
+    /// not: they are events that happen when their inputs are ready.
+    pub fn occupies_stream(&self) -> bool {
+        matches!(
+            self,
+            OpKind::Compute { .. } | OpKind::Collective { .. } | OpKind::Send { .. }
+        )
+    }
 }
 
 /// One op of a rank's graph.

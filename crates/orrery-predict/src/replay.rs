@@ -152,7 +152,7 @@ impl<'g> State<'g> {
         }
         let mut stream_queue: [Vec<u32>; 6] = Default::default();
         for (i, op) in graph.ops().iter().enumerate() {
-            if on_stream(&op.kind) {
+            if op.kind.occupies_stream() {
                 stream_queue[op.stream.index()].push(i as u32);
             }
         }
@@ -172,15 +172,6 @@ impl<'g> State<'g> {
             done: 0,
         }
     }
-}
-
-/// Whether an op occupies its stream. Receives, allocations and frees do not: they are
-/// events that happen when their inputs are ready.
-fn on_stream(kind: &OpKind) -> bool {
-    matches!(
-        kind,
-        OpKind::Compute { .. } | OpKind::Collective { .. } | OpKind::Send { .. }
-    )
 }
 
 struct Waiting {
@@ -361,7 +352,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
     /// An op's dependencies are done at `now`.
     fn ready(&mut self, now: Picos, p: u32, op: u32) {
         let kind = self.states[p as usize].graph.ops()[op as usize].kind;
-        if !on_stream(&kind) {
+        if !kind.occupies_stream() {
             self.start_streamless(now, p, op, kind);
             return;
         }
@@ -508,7 +499,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             st.done += 1;
             let o = &st.graph.ops()[op as usize];
             kind = o.kind;
-            if on_stream(&kind) {
+            if kind.occupies_stream() {
                 let s = o.stream.index();
                 st.stream_busy[s] = false;
                 st.stream_head[s] += 1;
@@ -540,7 +531,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             }
         }
         // The stream's next op may now start.
-        if on_stream(&kind) {
+        if kind.occupies_stream() {
             let st = &self.states[p as usize];
             let s = st.graph.ops()[op as usize].stream;
             self.try_stream_head(now, p, s);

@@ -1,0 +1,198 @@
+//! End-to-end tests of the `orrery` binary: golden reports, exit codes, written files.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use expect_test::expect;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn orrery(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_orrery"))
+        .args(args)
+        .output()
+        .expect("runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("orrery-cli-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const SMALL_JOB: &str = r#"
+name = "small test job"
+[model]
+layers = 8
+hidden = 1024
+heads = 16
+kv_heads = 4
+ffn = 4096
+vocab = 32000
+seq_len = 2048
+activation = "swiglu"
+[training]
+global_batch = 32
+micro_batch = 1
+recompute = "selective"
+zero_stage = 1
+[parallel]
+tp = 2
+pp = 2
+vpp = 2
+sp = true
+[cluster]
+gpu = "H100-SXM"
+gpus_per_node = 8
+nodes = 2
+"#;
+
+#[test]
+fn golden_report_for_a_small_job() {
+    let dir = temp_dir("golden");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let (code, stdout, stderr) = orrery(&["predict", job.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    expect![[r#"
+        orrery predict: small test job
+        16 x H100-SXM, network model: analytical
+
+        Step
+        --------------------------------
+          step time              0.020 s
+          tokens / step            65536
+          tokens / s             3266447
+          model TFLOP/s per GPU    230.2
+          MFU                      23.3%
+
+        Where the time goes (stage 0, the last to finish)
+        -------------------------------------------------
+          compute: forward     3.9 ms   19.4%
+          compute: backward    6.9 ms   34.4%
+          compute: recompute   0.0 ms    0.0%
+          optimizer            0.1 ms    0.7%
+          exposed TP comm      2.4 ms   12.0%
+          exposed CP comm      0.0 ms    0.0%
+          exposed EP comm      0.0 ms    0.0%
+          exposed PP comm      0.5 ms    2.5%
+          exposed DP comm      0.4 ms    2.1%
+          pipeline bubble      5.8 ms   29.0%
+          total               20.1 ms  100.0%
+
+        Peak memory per pipeline stage (GiB at peak by category)
+        --------------------------------------------------------
+          stage  0 (rank 0)  0.78 / 76.60 GiB  fits  [weights 0.1, gradients 0.2, optimizer 0.1, activations 0.4]
+          stage  1 (rank 8)  0.75 / 76.60 GiB  fits  [weights 0.1, gradients 0.2, optimizer 0.1, activations 0.2, temporary 0.1]
+
+        Verdict: every rank fits in memory.
+        Replayed 2410 ops in 2410 events.
+    "#]].assert_eq(&stdout);
+}
+
+#[test]
+fn default_job_runs_and_prints_the_full_report() {
+    let (code, stdout, stderr) = orrery(&["predict"]);
+    assert_eq!(code, 0, "{stderr}");
+    for needle in [
+        "Llama-3 70B",
+        "step time",
+        "MFU",
+        "Where the time goes",
+        "pipeline bubble",
+        "Peak memory",
+        "Verdict",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle}:\n{stdout}");
+    }
+}
+
+#[test]
+fn bad_spec_lists_every_problem_and_exits_2() {
+    let dir = temp_dir("bad");
+    let job = dir.join("bad.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let (code, _, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--set",
+        "parallel.tp=3",
+        "--set",
+        "parallel.dp=4",
+        "--set",
+        "training.global_batch=33",
+        "--set",
+        "cluster.gpu=Z100",
+    ]);
+    assert_eq!(code, 2);
+    for path in [
+        "parallel.tp",
+        "parallel.dp",
+        "training.global_batch",
+        "cluster.gpu",
+    ] {
+        assert!(stderr.contains(path), "missing {path}:\n{stderr}");
+    }
+}
+
+#[test]
+fn unknown_preset_missing_file_and_bad_override_exit_2() {
+    assert_eq!(orrery(&["predict", "--preset", "no-such-job"]).0, 2);
+    assert_eq!(orrery(&["predict", "/no/such/file.toml"]).0, 2);
+    assert_eq!(orrery(&["predict", "--set", "parallel.tp"]).0, 2);
+    let (code, _, stderr) = orrery(&["predict", "--set", "parallel.tensor=2"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("tensor"), "{stderr}");
+}
+
+#[test]
+fn json_trace_plots_and_chakra_are_written() {
+    let dir = temp_dir("outputs");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let trace = dir.join("trace.json");
+    let plots = dir.join("plots");
+    let chakra = dir.join("et/job");
+    std::fs::create_dir_all(dir.join("et")).unwrap();
+    let (code, stdout, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--plot",
+        plots.to_str().unwrap(),
+        "--chakra",
+        chakra.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(v["step_time"].as_u64().unwrap() > 0);
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    assert!(!t["traceEvents"].as_array().unwrap().is_empty());
+    assert!(std::fs::read_to_string(plots.join("memory.svg"))
+        .unwrap()
+        .starts_with("<svg"));
+    assert!(std::fs::read_to_string(plots.join("breakdown.svg"))
+        .unwrap()
+        .starts_with("<svg"));
+    for r in 0..16 {
+        assert!(dir.join(format!("et/job.{r}.et")).exists(), "rank {r}");
+    }
+    let groups: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("et/job.groups.json")).unwrap()).unwrap();
+    assert!(groups.as_object().is_some_and(|g| !g.is_empty()));
+}
+
+#[test]
+fn validate_prints_errors_and_mape() {
+    let (code, stdout, stderr) = orrery(&["validate"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("step-time MAPE"), "{stdout}");
+    assert!(stdout.contains("model-state memory: max error"), "{stdout}");
+}
