@@ -161,8 +161,8 @@ mod tests {
     #[test]
     fn large_gemm_approaches_the_best_efficiency() {
         let c = CostModel::for_gpu(&h100());
-        let e = c.gemm_efficiency(16384, 16384, 16384, false);
-        assert!(e > 0.78 && e <= 0.80, "{e}");
+        let e = c.gemm_efficiency(32768, 32768, 32768, false);
+        assert!(e > 0.77 && e <= 0.80, "{e}");
         // Small GEMMs are much less efficient.
         assert!(c.gemm_efficiency(256, 256, 256, false) < 0.4);
     }
