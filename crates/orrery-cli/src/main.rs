@@ -37,6 +37,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay Chakra execution traces (PREFIX.<rank>.et for every rank, plus a comm-group
+    /// JSON) on orrery's cost and network models.
+    Replay(ReplayArgs),
     /// List the built-in jobs, models and GPUs.
     Presets,
     /// Time the predictor on built-in scenarios and print medians and ratios.
@@ -77,6 +80,28 @@ struct PredictArgs {
     all_ranks: bool,
 }
 
+#[derive(clap::Args, Debug)]
+struct ReplayArgs {
+    /// Trace prefix: reads PREFIX.0.et, PREFIX.1.et, ... until a rank is missing.
+    prefix: PathBuf,
+    /// Comm-group JSON (group name -> ranks); default PREFIX.groups.json.
+    #[arg(long, value_name = "FILE")]
+    groups: Option<PathBuf>,
+    /// GPU preset the ranks run on.
+    #[arg(long, default_value = "H100-SXM")]
+    gpu: String,
+    #[arg(long, default_value_t = 8)]
+    gpus_per_node: u64,
+    /// NIC bandwidth per GPU in Gb/s (default: the GPU preset's usual NIC).
+    #[arg(long)]
+    nic_gbps: Option<f64>,
+    /// Use durations recorded in the traces instead of the cost model where present.
+    #[arg(long)]
+    measured: bool,
+    #[arg(long)]
+    json: bool,
+}
+
 /// An error caused by the user's input: reported with exit status 2.
 #[derive(Debug)]
 struct BadInput(String);
@@ -112,6 +137,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Predict(args) => run_predict(&args),
         Command::Validate { json } => run_validate(json),
+        Command::Replay(args) => run_replay(&args),
         Command::Presets => {
             print_presets();
             Ok(())
@@ -221,6 +247,65 @@ fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
     let mut s = prefix.as_os_str().to_owned();
     s.push(suffix);
     PathBuf::from(s)
+}
+
+fn run_replay(args: &ReplayArgs) -> Result<()> {
+    let mut traces = Vec::new();
+    loop {
+        let path = with_suffix(&args.prefix, &format!(".{}.et", traces.len()));
+        let Ok(bytes) = std::fs::read(&path) else {
+            break;
+        };
+        let rank = orrery_graph::chakra::import_rank(&bytes)
+            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        traces.push(rank);
+    }
+    if traces.is_empty() {
+        return Err(bad(format!(
+            "no trace found at {}",
+            with_suffix(&args.prefix, ".0.et").display()
+        )));
+    }
+    let groups_path = args
+        .groups
+        .clone()
+        .unwrap_or_else(|| with_suffix(&args.prefix, ".groups.json"));
+    let groups: std::collections::BTreeMap<String, Vec<u32>> =
+        match std::fs::read_to_string(&groups_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+                bad(format!(
+                    "{}: not a comm-group JSON object of rank lists: {e}",
+                    groups_path.display()
+                ))
+            })?,
+            Err(_) if args.groups.is_none() => Default::default(),
+            Err(e) => return Err(bad(format!("cannot read {}: {e}", groups_path.display()))),
+        };
+    let preset =
+        presets::gpu(&args.gpu).ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
+    let ranks = traces.len() as u64;
+    let mut cluster = orrery_spec::Cluster::of_preset(
+        preset,
+        args.gpus_per_node,
+        ranks.div_ceil(args.gpus_per_node.max(1)),
+    );
+    if let Some(nic) = args.nic_gbps {
+        if !(nic.is_finite() && nic > 0.0) {
+            return Err(bad(format!(
+                "--nic-gbps must be a positive number, got {nic}"
+            )));
+        }
+        cluster.nic_bandwidth = orrery_units::Bandwidth::from_gbits_per_sec(nic);
+    }
+    let (report, _) =
+        orrery_predict::traces::replay_traces(&traces, &groups, &cluster, args.measured)
+            .map_err(|e| bad(e.to_string()))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report::trace_replay(&report));
+    }
+    Ok(())
 }
 
 fn run_validate(json: bool) -> Result<()> {

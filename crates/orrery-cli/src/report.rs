@@ -1,5 +1,6 @@
 //! Terminal rendering of predictions and validation results.
 
+use orrery_predict::traces::TraceReport;
 use orrery_predict::validation::ValidationReport;
 use orrery_predict::{Breakdown, Prediction};
 use orrery_units::Picos;
@@ -27,6 +28,62 @@ fn table(out: &mut String, title: &str, rows: &[(String, String, String)]) {
         let _ = writeln!(out, "{}", line.trim_end());
     }
     out.push('\n');
+}
+
+/// The breakdown as table rows: part, milliseconds, share of the step.
+fn breakdown_rows(b: &Breakdown) -> Vec<(String, String, String)> {
+    let t = b.total;
+    let part = |name: &str, v: Picos| (name.to_string(), ms(v), share(v, t));
+    vec![
+        part("compute: forward", b.compute_forward),
+        part("compute: backward", b.compute_backward),
+        part("compute: recompute", b.compute_recompute),
+        part("optimizer", b.optimizer),
+        part("exposed TP comm", b.exposed_tp),
+        part("exposed CP comm", b.exposed_cp),
+        part("exposed EP comm", b.exposed_ep),
+        part("exposed PP comm", b.exposed_pp),
+        part("exposed DP comm", b.exposed_dp),
+        part("pipeline bubble", b.bubble),
+        part("total", t),
+    ]
+}
+
+/// The report of a trace replay.
+pub fn trace_replay(r: &TraceReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "orrery replay: {} ranks, step time {:.3} ms",
+        r.ranks,
+        r.step_time.as_millis_f64()
+    );
+    if r.measured_ops > 0 {
+        let _ = writeln!(
+            out,
+            "{} op durations taken from the traces, the rest from the cost model",
+            r.measured_ops
+        );
+    }
+    out.push('\n');
+    let title = format!(
+        "Where the time goes (rank {}, the last to finish)",
+        r.critical_rank
+    );
+    table(&mut out, &title, &breakdown_rows(&r.breakdown));
+    let rows: Vec<_> = r
+        .per_rank
+        .iter()
+        .map(|s| {
+            (
+                format!("rank {}", s.rank),
+                ms(s.end),
+                format!("peak {:.2} GiB", s.peak_memory.as_gib()),
+            )
+        })
+        .collect();
+    table(&mut out, "Per rank: end of step and peak memory", &rows);
+    out
 }
 
 /// The full human-readable prediction report.

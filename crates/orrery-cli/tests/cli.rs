@@ -190,6 +190,36 @@ fn json_trace_plots_and_chakra_are_written() {
 }
 
 #[test]
+fn exported_chakra_traces_replay_to_the_predicted_step_time() {
+    let dir = temp_dir("replay");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let prefix = dir.join("job");
+    let (code, stdout, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--json",
+        "--all-ranks",
+        "--chakra",
+        prefix.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let predicted: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let (code, stdout, stderr) = orrery(&["replay", prefix.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let replayed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(replayed["ranks"], 16);
+    assert_eq!(replayed["step_time"], predicted["step_time"]);
+    // A missing rank is bad input, reported with exit status 2.
+    std::fs::remove_file(dir.join("job.5.et")).unwrap();
+    assert_eq!(orrery(&["replay", prefix.to_str().unwrap()]).0, 2);
+    assert_eq!(
+        orrery(&["replay", dir.join("nothing").to_str().unwrap()]).0,
+        2
+    );
+}
+
+#[test]
 fn validate_prints_errors_and_mape() {
     let (code, stdout, stderr) = orrery(&["validate"]);
     assert_eq!(code, 0, "{stderr}");

@@ -25,6 +25,7 @@ pub mod flops;
 pub mod memory;
 pub mod replay;
 pub mod sinks;
+pub mod traces;
 pub mod validation;
 
 pub use breakdown::Breakdown;
@@ -50,7 +51,11 @@ pub const NIC_LATENCY_NS: u64 = 5_000;
 
 /// The fabric a job's cluster describes.
 pub fn fabric_for(job: &Job) -> Fabric {
-    let c = job.cluster();
+    fabric_of(job.cluster())
+}
+
+/// The fabric a cluster describes.
+pub fn fabric_of(c: &orrery_spec::Cluster) -> Fabric {
     let to32 = |x: u64| u32::try_from(x).unwrap_or(u32::MAX);
     Fabric {
         gpus_per_node: to32(c.gpus_per_node),

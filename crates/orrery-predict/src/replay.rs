@@ -17,7 +17,7 @@
 //! - allocations and frees take no time; the memory ledger reads their times afterwards.
 
 use crate::cost::CostModel;
-use orrery_graph::{CollectiveOp, ExecGraph, GroupRole, JobGraphs, OpKind, Stream};
+use orrery_graph::{CollectiveOp, ExecGraph, JobGraphs, OpKind, Stream};
 use orrery_net::{CollectiveKind, CollectiveRequest, GroupPlacement, NetworkModel};
 use orrery_units::{Bytes, ClassId, GroupId, Picos, RankId};
 use serde::Serialize;
@@ -121,15 +121,20 @@ struct State<'g> {
     stream_head: [usize; 6],
     stream_busy: [bool; 6],
     timing: Vec<OpTiming>,
-    /// Participant index each Send's data goes to.
-    send_target: Vec<u32>,
-    /// Rendezvous key of each collective in all-rank mode (group, sequence on group).
-    rendezvous: Vec<(GroupId, u32)>,
+    links: Vec<Link>,
+    measured: Option<Vec<Option<Picos>>>,
     done: usize,
 }
 
 impl<'g> State<'g> {
-    fn new(graph: &'g ExecGraph, rank: RankId, class: ClassId) -> State<'g> {
+    fn new(p: Participant<'g>) -> State<'g> {
+        let Participant {
+            graph,
+            rank,
+            class,
+            links,
+            measured,
+        } = p;
         let n = graph.len();
         let mut pending_deps = vec![0u32; n];
         let mut counts = vec![0u32; n + 1];
@@ -167,11 +172,112 @@ impl<'g> State<'g> {
             stream_head: [0; 6],
             stream_busy: [false; 6],
             timing: vec![OpTiming::default(); n],
-            send_target: vec![u32::MAX; n],
-            rendezvous: Vec::new(),
+            links,
+            measured,
             done: 0,
         }
     }
+}
+
+/// What one op of a participant refers to outside the participant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    None,
+    /// A collective: the rendezvous it joins (`None`: it starts as soon as this participant
+    /// reaches it, because the participant stands for every member), how many participants
+    /// must arrive, and where the group sits on the fabric.
+    Collective {
+        rendezvous: Option<(u32, u32)>,
+        members: u32,
+        placement: GroupPlacement,
+    },
+    /// A send: the participant that receives it and whether it stays inside a node.
+    Send {
+        target: u32,
+        same_node: bool,
+    },
+}
+
+/// One graph to replay, with everything it refers to resolved.
+#[derive(Debug, Clone)]
+pub struct Participant<'g> {
+    pub graph: &'g ExecGraph,
+    pub rank: RankId,
+    pub class: ClassId,
+    /// By op index.
+    pub links: Vec<Link>,
+    /// Measured durations that replace the cost model's, by op (traces with timings).
+    pub measured: Option<Vec<Option<Picos>>>,
+}
+
+/// The participants of a job's replay: one per class, or one per rank.
+pub fn job_participants(graphs: &JobGraphs, mode: ReplayMode) -> Vec<Participant<'_>> {
+    let layout = &graphs.layout;
+    let ranks: Vec<RankId> = match mode {
+        ReplayMode::Classes => (0..layout.num_classes())
+            .map(|c| layout.representative(ClassId(c)))
+            .collect(),
+        ReplayMode::AllRanks => (0..layout.world_size()).map(RankId).collect(),
+    };
+    ranks
+        .into_iter()
+        .map(|rank| {
+            let class = layout.class_of(rank);
+            let graph = graphs.class(class);
+            let mut seq_on_group: HashMap<GroupId, u32> = HashMap::new();
+            let links = graph
+                .ops()
+                .iter()
+                .map(|op| match op.kind {
+                    OpKind::Send { peer, .. } => {
+                        let peer_rank = layout.peer(rank, peer);
+                        let target = match mode {
+                            ReplayMode::Classes => layout.class_of(peer_rank).0,
+                            ReplayMode::AllRanks => peer_rank.0,
+                        };
+                        Link::Send {
+                            target,
+                            same_node: layout.same_node(rank, peer_rank),
+                        }
+                    }
+                    OpKind::Collective { group, .. } => {
+                        let pl = layout.placement(rank, group);
+                        let placement = GroupPlacement {
+                            size: pl.size,
+                            nodes: pl.nodes,
+                            max_per_node: pl.max_per_node,
+                        };
+                        match mode {
+                            ReplayMode::Classes => Link::Collective {
+                                rendezvous: None,
+                                members: 1,
+                                placement,
+                            },
+                            ReplayMode::AllRanks => {
+                                let gid = layout.group_id(rank, group);
+                                let seq = seq_on_group.entry(gid).or_insert(0);
+                                let key = (gid.0, *seq);
+                                *seq += 1;
+                                Link::Collective {
+                                    rendezvous: Some(key),
+                                    members: layout.group_size(group),
+                                    placement,
+                                }
+                            }
+                        }
+                    }
+                    _ => Link::None,
+                })
+                .collect();
+            Participant {
+                graph,
+                rank,
+                class,
+                links,
+                measured: None,
+            }
+        })
+        .collect()
 }
 
 struct Waiting {
@@ -180,9 +286,8 @@ struct Waiting {
     signature: (CollectiveOp, Bytes),
 }
 
-/// The replay engine over one job's graphs.
+/// The replay engine over a set of participants.
 pub struct Engine<'a, N: NetworkModel> {
-    graphs: &'a JobGraphs,
     cost: &'a CostModel,
     net: &'a N,
     mode: ReplayMode,
@@ -193,7 +298,7 @@ pub struct Engine<'a, N: NetworkModel> {
     arrivals: HashMap<(u32, u64), Picos>,
     /// Receives waiting for data: (participant, tag) -> op.
     waiting_recv: HashMap<(u32, u64), u32>,
-    rendezvous: HashMap<(GroupId, u32), Waiting>,
+    rendezvous: HashMap<(u32, u32), Waiting>,
     collective_cache: HashMap<(CollectiveKind, Bytes, GroupPlacement), Picos>,
     error: Option<ReplayError>,
     events: u64,
@@ -221,68 +326,35 @@ pub fn replay<N: NetworkModel>(
             source,
         })?;
     }
-    let mut engine = Engine::new(graphs, cost, net, mode);
+    replay_participants(job_participants(graphs, mode), cost, net, mode)
+}
+
+/// Replays resolved participants (a job's, or ranks imported from traces). Each graph must
+/// pass [`ExecGraph::check`] and `links` must have one entry per op.
+pub fn replay_participants<N: NetworkModel>(
+    participants: Vec<Participant<'_>>,
+    cost: &CostModel,
+    net: &N,
+    mode: ReplayMode,
+) -> Result<Timeline, ReplayError> {
+    let mut engine = Engine {
+        cost,
+        net,
+        mode,
+        states: participants.into_iter().map(State::new).collect(),
+        queue: BinaryHeap::new(),
+        seq: 0,
+        arrivals: HashMap::new(),
+        waiting_recv: HashMap::new(),
+        rendezvous: HashMap::new(),
+        collective_cache: HashMap::new(),
+        error: None,
+        events: 0,
+    };
     engine.run()
 }
 
-impl<'a, N: NetworkModel> Engine<'a, N> {
-    fn new(graphs: &'a JobGraphs, cost: &'a CostModel, net: &'a N, mode: ReplayMode) -> Self {
-        let layout = &graphs.layout;
-        let mut states: Vec<State<'a>> = match mode {
-            ReplayMode::Classes => (0..layout.num_classes())
-                .map(|c| {
-                    let class = ClassId(c);
-                    State::new(graphs.class(class), layout.representative(class), class)
-                })
-                .collect(),
-            ReplayMode::AllRanks => (0..layout.world_size())
-                .map(|r| {
-                    let class = layout.class_of(RankId(r));
-                    State::new(graphs.class(class), RankId(r), class)
-                })
-                .collect(),
-        };
-        for st in &mut states {
-            let mut seq_on_group: HashMap<GroupId, u32> = HashMap::new();
-            if mode == ReplayMode::AllRanks {
-                st.rendezvous = vec![(GroupId(u32::MAX), 0); st.graph.len()];
-            }
-            for (i, op) in st.graph.ops().iter().enumerate() {
-                match op.kind {
-                    OpKind::Send { peer, .. } => {
-                        let peer_rank = layout.peer(st.rank, peer);
-                        st.send_target[i] = match mode {
-                            ReplayMode::Classes => layout.class_of(peer_rank).0,
-                            ReplayMode::AllRanks => peer_rank.0,
-                        };
-                    }
-                    OpKind::Collective { group, .. } if mode == ReplayMode::AllRanks => {
-                        let gid = layout.group_id(st.rank, group);
-                        let seq = seq_on_group.entry(gid).or_insert(0);
-                        st.rendezvous[i] = (gid, *seq);
-                        *seq += 1;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        Engine {
-            graphs,
-            cost,
-            net,
-            mode,
-            states,
-            queue: BinaryHeap::new(),
-            seq: 0,
-            arrivals: HashMap::new(),
-            waiting_recv: HashMap::new(),
-            rendezvous: HashMap::new(),
-            collective_cache: HashMap::new(),
-            error: None,
-            events: 0,
-        }
-    }
-
+impl<N: NetworkModel> Engine<'_, N> {
     fn schedule(&mut self, at: Picos, p: u32, op: u32) {
         self.seq += 1;
         self.queue.push(Reverse((at, self.seq, p, op)));
@@ -383,8 +455,13 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         let st = &mut self.states[p as usize];
         st.stream_busy[stream] = true;
         st.timing[op as usize].start = now;
-        match kind {
-            OpKind::Compute { kind, flops, bytes } => {
+        let link = st.links.get(op as usize).copied().unwrap_or(Link::None);
+        let measured = st
+            .measured
+            .as_ref()
+            .and_then(|m| m.get(op as usize).copied().flatten());
+        match (kind, link) {
+            (OpKind::Compute { kind, flops, bytes }, _) => {
                 // Communication kernels running right now take SMs from this kernel.
                 let comm_running = [
                     Stream::TpComm,
@@ -393,50 +470,44 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                     Stream::DpComm,
                 ]
                 .iter()
-                .any(|s| self.states[p as usize].stream_busy[s.index()]);
-                let d = if comm_running {
-                    self.cost.duration_overlapped(&kind, flops, bytes)
-                } else {
-                    self.cost.duration(&kind, flops, bytes)
+                .any(|s| st.stream_busy[s.index()]);
+                let d = match measured {
+                    Some(d) => d,
+                    None if comm_running => self.cost.duration_overlapped(&kind, flops, bytes),
+                    None => self.cost.duration(&kind, flops, bytes),
                 };
                 self.schedule(now + d, p, op);
             }
-            OpKind::Send { bytes, peer, .. } => {
-                let layout = &self.graphs.layout;
-                let rank = self.states[p as usize].rank;
-                let same = layout.same_node(rank, layout.peer(rank, peer));
-                let d = self.net.point_to_point(bytes, same);
+            (OpKind::Send { bytes, .. }, Link::Send { same_node, .. }) => {
+                let d = measured.unwrap_or_else(|| self.net.point_to_point(bytes, same_node));
                 self.schedule(now + d, p, op);
             }
-            OpKind::Collective {
-                op: cop,
-                group,
-                bytes,
-            } => match self.mode {
-                ReplayMode::Classes => {
-                    let d = self.collective_time(p, cop, group, bytes);
+            (
+                OpKind::Collective { op: cop, bytes, .. },
+                Link::Collective {
+                    rendezvous,
+                    members,
+                    placement,
+                },
+            ) => match rendezvous {
+                None => {
+                    let d = self.collective_time(cop, bytes, placement);
                     self.schedule(now + d, p, op);
                 }
-                ReplayMode::AllRanks => self.arrive(now, p, op, cop, group, bytes),
+                Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
             },
-            OpKind::Recv { .. } | OpKind::Alloc { .. } | OpKind::Free { .. } => {}
+            // An unresolved send or collective (a participant built without links) takes
+            // no time rather than hanging the replay.
+            _ => self.schedule(now, p, op),
         }
     }
 
     fn collective_time(
         &mut self,
-        p: u32,
         op: CollectiveOp,
-        group: GroupRole,
         bytes: Bytes,
+        placement: GroupPlacement,
     ) -> Picos {
-        let layout = &self.graphs.layout;
-        let pl = layout.placement(self.states[p as usize].rank, group);
-        let placement = GroupPlacement {
-            size: pl.size,
-            nodes: pl.nodes,
-            max_per_node: pl.max_per_node,
-        };
         let kind = net_kind(op);
         let net = self.net;
         *self
@@ -452,18 +523,16 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             })
     }
 
-    /// All-rank mode: a member reached a collective; start it when all members have.
+    /// A member reached a collective with a rendezvous; start it when all members have.
     fn arrive(
         &mut self,
         now: Picos,
         p: u32,
         op: u32,
-        cop: CollectiveOp,
-        group: GroupRole,
-        bytes: Bytes,
+        key: (u32, u32),
+        members: u32,
+        (cop, bytes, placement): (CollectiveOp, Bytes, GroupPlacement),
     ) {
-        let key = self.states[p as usize].rendezvous[op as usize];
-        let size = self.graphs.layout.group_size(group);
         let w = self.rendezvous.entry(key).or_insert_with(|| Waiting {
             arrived: 0,
             members: Vec::new(),
@@ -471,7 +540,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         });
         if w.signature != (cop, bytes) {
             self.error = Some(ReplayError::CollectiveMismatch {
-                group: key.0 .0,
+                group: key.0,
                 rank: self.states[p as usize].rank.0,
                 got: format!("{cop:?} of {} B", bytes.0),
                 expected: format!("{:?} of {} B", w.signature.0, w.signature.1 .0),
@@ -480,9 +549,9 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         }
         w.arrived += 1;
         w.members.push((p, op));
-        if w.arrived == size {
+        if w.arrived >= members {
             if let Some(w) = self.rendezvous.remove(&key) {
-                let d = self.collective_time(p, cop, group, bytes);
+                let d = self.collective_time(cop, bytes, placement);
                 for (mp, mop) in w.members {
                     self.schedule(now + d, mp, mop);
                 }
@@ -505,8 +574,10 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                 st.stream_head[s] += 1;
             }
         }
-        if let OpKind::Send { tag, .. } = kind {
-            let target = self.states[p as usize].send_target[op as usize];
+        if let (OpKind::Send { tag, .. }, Some(Link::Send { target, .. })) = (
+            kind,
+            self.states[p as usize].links.get(op as usize).copied(),
+        ) {
             match self.waiting_recv.remove(&(target, tag)) {
                 Some(recv) => self.schedule(now, target, recv),
                 None => {

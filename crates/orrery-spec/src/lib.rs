@@ -237,6 +237,21 @@ pub struct Gpu {
     pub nvlink_bandwidth: Bandwidth,
 }
 
+impl Gpu {
+    /// A GPU with a preset's datasheet numbers.
+    pub fn from_preset(p: &presets::GpuPreset) -> Gpu {
+        Gpu {
+            name: p.name.to_string(),
+            arch: p.arch,
+            bf16_peak: FlopRate::from_tflops(p.bf16_tflops),
+            fp8_peak: p.fp8_tflops.map(FlopRate::from_tflops),
+            hbm: Bytes::from_gib(p.hbm_gib),
+            hbm_bandwidth: Bandwidth::from_gbytes_per_sec(p.hbm_gbps),
+            nvlink_bandwidth: Bandwidth::from_gbytes_per_sec(p.nvlink_gbps),
+        }
+    }
+}
+
 /// The cluster (validated).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Cluster {
@@ -253,6 +268,21 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// A rail-optimised cluster of `nodes` nodes of `gpus_per_node` preset GPUs with the
+    /// preset's usual NIC and the default memory reserve.
+    pub fn of_preset(gpu: &presets::GpuPreset, gpus_per_node: u64, nodes: u64) -> Cluster {
+        Cluster {
+            gpu: Gpu::from_preset(gpu),
+            gpus_per_node: gpus_per_node.max(1),
+            nodes: nodes.max(1),
+            nic_bandwidth: Bandwidth::from_gbits_per_sec(gpu.default_nic_gbps),
+            topology: TopologyKind::RailOptimized,
+            oversubscription: 1.0,
+            nodes_per_leaf: 16,
+            memory_reserve: Bytes::from_gib(validate::DEFAULT_RESERVE_GIB),
+        }
+    }
+
     pub fn world_size(&self) -> u64 {
         self.gpus_per_node * self.nodes
     }
