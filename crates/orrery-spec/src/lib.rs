@@ -301,6 +301,9 @@ pub enum LoadError {
     Override { text: String, reason: String },
     #[error("unknown job preset `{name}`; known presets: {known}")]
     UnknownPreset { name: String, known: String },
+    /// Fields with unknown names or values of the wrong type, every one of them.
+    #[error("{0}")]
+    Fields(SpecErrors),
 }
 
 /// Parses job TOML and applies `key=value` overrides (`parallel.tp=4`) in order.
@@ -317,10 +320,74 @@ pub fn load_job_spec(text: &str, overrides: &[String]) -> Result<JobSpec, LoadEr
 
 impl JobSpec {
     fn deserialize_table(tree: toml::Table) -> Result<JobSpec, LoadError> {
-        toml::Value::Table(tree)
-            .try_into()
-            .map_err(|e: toml::de::Error| LoadError::Toml(e.to_string()))
+        match toml::Value::Table(tree.clone()).try_into() {
+            Ok(spec) => Ok(spec),
+            Err(first) => {
+                let problems = field_problems::<JobSpec>(&tree, "");
+                if problems.is_empty() {
+                    // Not attributable to one field (should not happen): report it whole.
+                    Err(LoadError::Toml(first.to_string()))
+                } else {
+                    Err(LoadError::Fields(SpecErrors(problems)))
+                }
+            }
+        }
     }
+}
+
+/// Finds every field of a table that does not deserialize into `T`, one field at a time.
+///
+/// Every field of every spec section is optional, so a table holding a single field
+/// deserializes exactly when that field's name is known and its value has the right type.
+/// Checking the fields one by one therefore names every bad field at once, where serde alone
+/// stops at the first. Sub-tables of the known sections are checked the same way.
+fn field_problems<T: serde::de::DeserializeOwned>(
+    table: &toml::Table,
+    prefix: &str,
+) -> Vec<SpecError> {
+    let mut out = Vec::new();
+    for (key, value) in table {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        let mut single = toml::Table::new();
+        single.insert(key.clone(), value.clone());
+        if let Err(e) = toml::Value::Table(single).try_into::<T>() {
+            let nested = match (path.as_str(), value) {
+                ("model", toml::Value::Table(t)) => field_problems::<raw::ModelSpec>(t, &path),
+                ("training", toml::Value::Table(t)) => {
+                    field_problems::<raw::TrainingSpec>(t, &path)
+                }
+                ("parallel", toml::Value::Table(t)) => {
+                    field_problems::<raw::ParallelSpec>(t, &path)
+                }
+                ("cluster", toml::Value::Table(t)) => field_problems::<raw::ClusterSpec>(t, &path),
+                ("model.moe", toml::Value::Table(t)) => field_problems::<raw::MoeSpec>(t, &path),
+                _ => Vec::new(),
+            };
+            if nested.is_empty() {
+                out.push(SpecError {
+                    path,
+                    message: first_line(&e.to_string()),
+                });
+            } else {
+                out.extend(nested);
+            }
+        }
+    }
+    out
+}
+
+/// The meaningful line of a serde/toml error message (they may carry a source excerpt).
+fn first_line(message: &str) -> String {
+    message
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or(message)
+        .to_string()
 }
 
 /// The TOML text of a built-in job, or the list of known names.

@@ -358,12 +358,15 @@ fn bad_overrides_are_load_errors() {
 }
 
 #[test]
-fn override_with_wrong_type_or_unknown_key_is_a_toml_error() {
+fn override_with_wrong_type_or_unknown_key_is_a_field_error() {
     let e = load_job_spec(BASE, &["parallel.tp=four".to_string()]).unwrap_err();
-    assert!(matches!(e, LoadError::Toml(_)), "{e:?}");
+    assert!(
+        matches!(&e, LoadError::Fields(SpecErrors(v)) if v.len() == 1 && v[0].path == "parallel.tp"),
+        "{e:?}"
+    );
     let e = load_job_spec(BASE, &["parallel.tpp=4".to_string()]).unwrap_err();
     assert!(
-        matches!(&e, LoadError::Toml(m) if m.contains("tpp")),
+        matches!(&e, LoadError::Fields(SpecErrors(v)) if v[0].path == "parallel.tpp" && v[0].message.contains("tpp")),
         "{e:?}"
     );
 }
@@ -428,8 +431,12 @@ fn unknown_fields_are_rejected_with_their_name() {
         ("[optimizer]\nlr = 1\n", "optimizer"),
     ] {
         match load_job_spec(text, &[]) {
-            Err(LoadError::Toml(m)) => assert!(m.contains(field), "{field}: {m}"),
-            other => panic!("{field}: expected a TOML error, got {other:?}"),
+            Err(LoadError::Fields(SpecErrors(v))) => {
+                assert_eq!(v.len(), 1, "{field}: {v:?}");
+                assert!(v[0].path.ends_with(field), "{field}: {v:?}");
+                assert!(v[0].message.contains(field), "{field}: {v:?}");
+            }
+            other => panic!("{field}: expected a field error, got {other:?}"),
         }
     }
     assert!(matches!(
@@ -801,5 +808,47 @@ fn generated_specs_are_sometimes_valid() {
             valid >= at_least,
             "{label}: only {valid} of 2000 specs valid"
         );
+    }
+}
+
+#[test]
+fn every_unknown_or_mistyped_field_is_reported_at_once() {
+    let text = r#"
+        bogus = 1
+        [model]
+        layers = "eighty"
+        hidden = 8192
+        heads = -3
+        [model.moe]
+        experts = "many"
+        [training]
+        global_batch = 1024
+        micro = 2
+        [parallel]
+        tp = 8
+        schedule = "zigzag"
+        [cluster]
+        gpu = 100
+    "#;
+    let err = load_job_spec(text, &["parallel.tensor=2".to_string()]).unwrap_err();
+    let LoadError::Fields(SpecErrors(errors)) = err else {
+        panic!("expected field errors, got {err}")
+    };
+    let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "bogus",
+            "cluster.gpu",
+            "model.heads",
+            "model.layers",
+            "model.moe.experts",
+            "parallel.schedule",
+            "parallel.tensor",
+            "training.micro",
+        ]
+    );
+    for e in &errors {
+        assert!(!e.message.is_empty(), "{e:?}");
     }
 }
