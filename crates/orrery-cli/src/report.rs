@@ -107,29 +107,11 @@ pub fn prediction(p: &Prediction) -> String {
             row("MFU", format!("{:.1}%", 100.0 * p.mfu)),
         ],
     );
-    let b: &Breakdown = &p.breakdown;
-    let t = b.total;
-    let part = |name: &str, v: Picos| (name.to_string(), ms(v), share(v, t));
-    table(
-        &mut out,
-        &format!(
-            "Where the time goes (stage {}, the last to finish)",
-            p.critical_stage
-        ),
-        &[
-            part("compute: forward", b.compute_forward),
-            part("compute: backward", b.compute_backward),
-            part("compute: recompute", b.compute_recompute),
-            part("optimizer", b.optimizer),
-            part("exposed TP comm", b.exposed_tp),
-            part("exposed CP comm", b.exposed_cp),
-            part("exposed EP comm", b.exposed_ep),
-            part("exposed PP comm", b.exposed_pp),
-            part("exposed DP comm", b.exposed_dp),
-            part("pipeline bubble", b.bubble),
-            part("total", t),
-        ],
+    let title = format!(
+        "Where the time goes (stage {}, the last to finish)",
+        p.critical_stage
     );
+    table(&mut out, &title, &breakdown_rows(&p.breakdown));
     let mut rows = Vec::new();
     for m in &p.memory {
         let verdict = if m.fits { "fits" } else { "OUT OF MEMORY" };

@@ -712,28 +712,12 @@ impl<'a> StageBuilder<'a> {
     /// One transformer layer's forward; returns the ops the next layer waits for.
     fn layer_forward(&mut self, layer: u64, ph: Phase, x: &[OpId]) -> Vec<OpId> {
         let s = self.s;
-        let t = s.tokens;
-        let e_norm = s.seq_sharded(t * s.h);
+        let e_norm = s.seq_sharded(s.tokens * s.h);
         let ln1 = self.mem(&format!("L{layer}.ln1"), ph, 2 * ACT * e_norm, x);
-        let qkv_in = self.tp_gather(&format!("L{layer}.qkv-ag"), ph, ln1);
-        let qkv = self.gemm(
-            &format!("L{layer}.qkv"),
-            ph,
-            (t, (s.q + 2 * s.kv) / s.tp, s.h),
-            1,
-            &qkv_in.deps,
-        );
-        let after_qkv = qkv_in.join(qkv);
-        let attn = self.attention(layer, ph, false, &after_qkv);
-        let proj = self.gemm(
-            &format!("L{layer}.proj"),
-            ph,
-            (t, s.h, s.q / s.tp),
-            1,
-            &attn,
-        );
-        let proj_out = self.tp_reduce(&format!("L{layer}.proj-rs"), ph, proj);
-        let res1 = self.mem(&format!("L{layer}.residual1"), ph, 7 * e_norm, &proj_out);
+        let qkv = self.column_linear(&format!("L{layer}.qkv"), ph, s.q + 2 * s.kv, s.h, ln1);
+        let attn = self.attention(layer, ph, false, &qkv);
+        let proj = self.row_linear(&format!("L{layer}.proj"), ph, s.h, s.q, &attn);
+        let res1 = self.mem(&format!("L{layer}.residual1"), ph, 7 * e_norm, &proj);
         let ln2 = self.mem(&format!("L{layer}.ln2"), ph, 2 * ACT * e_norm, &[res1]);
         let mlp_out = match self.moe_of(layer) {
             None => self.dense_mlp_forward(layer, ph, ln2),
@@ -743,33 +727,79 @@ impl<'a> StageBuilder<'a> {
         vec![res2]
     }
 
+    /// A column-parallel linear `[tokens, k] x [k, n/tp]`, with the sequence-parallel
+    /// all-gather of its input in front. Returns what its consumers wait for.
+    fn column_linear(&mut self, name: &str, ph: Phase, n: u64, k: u64, input: OpId) -> Vec<OpId> {
+        let s = self.s;
+        let g = self.tp_gather(&format!("{name}-ag"), ph, input);
+        let gemm = self.gemm(name, ph, (s.tokens, n / s.tp, k), 1, &g.deps);
+        g.join(gemm)
+    }
+
+    /// A row-parallel linear `[tokens, k/tp] x [k/tp, n]` followed by the TP reduction of
+    /// its output (reduce-scatter under SP, all-reduce otherwise).
+    fn row_linear(&mut self, name: &str, ph: Phase, n: u64, k: u64, deps: &[OpId]) -> Vec<OpId> {
+        let s = self.s;
+        let gemm = self.gemm(name, ph, (s.tokens, n, k / s.tp), 1, deps);
+        self.tp_reduce(&format!("{name}-rs"), ph, gemm)
+    }
+
+    /// Backward of a row-parallel linear: gather the output gradient (SP), then the data
+    /// and weight gradients.
+    fn row_linear_backward(&mut self, name: &str, n: u64, k: u64, grad: OpId) -> Vec<OpId> {
+        let s = self.s;
+        let ph = Phase::Backward;
+        let g = self.tp_gather(&format!("{name}-grad-ag"), ph, grad);
+        let dgrad = self.gemm(
+            &format!("{name}-dgrad"),
+            ph,
+            (s.tokens, k / s.tp, n),
+            1,
+            &g.deps,
+        );
+        let wgrad = self.gemm(
+            &format!("{name}-wgrad"),
+            ph,
+            (k / s.tp, n, s.tokens),
+            1,
+            &g.join(dgrad),
+        );
+        vec![dgrad, wgrad]
+    }
+
+    /// Backward of a column-parallel linear: the data gradient, whose TP reduction Megatron
+    /// overlaps with the weight gradient, and the input gather (SP) the weight gradient needs.
+    fn column_linear_backward(&mut self, name: &str, n: u64, k: u64, deps: &[OpId]) -> Vec<OpId> {
+        let s = self.s;
+        let ph = Phase::Backward;
+        let dgrad = self.gemm(
+            &format!("{name}-dgrad"),
+            ph,
+            (s.tokens, k, n / s.tp),
+            1,
+            deps,
+        );
+        let reduce = self.tp_reduce_after(&format!("{name}-rs"), ph, dgrad);
+        let input = self.tp_gather(&format!("{name}-in-ag"), ph, dgrad);
+        let wgrad = self.gemm(
+            &format!("{name}-wgrad"),
+            ph,
+            (k, n / s.tp, s.tokens),
+            1,
+            &input.deps,
+        );
+        let mut out = input.join(wgrad);
+        out.extend(reduce);
+        out
+    }
+
     fn dense_mlp_forward(&mut self, layer: u64, ph: Phase, ln2: OpId) -> Vec<OpId> {
         let s = self.s;
-        let t = s.tokens;
-        let fc1_in = self.tp_gather(&format!("L{layer}.fc1-ag"), ph, ln2);
         let width = if s.gated { 2 * s.ffn } else { s.ffn };
-        let fc1 = self.gemm(
-            &format!("L{layer}.fc1"),
-            ph,
-            (t, width / s.tp, s.h),
-            1,
-            &fc1_in.deps,
-        );
-        let after = fc1_in.join(fc1);
-        let act = self.mem(
-            &format!("L{layer}.act"),
-            ph,
-            ACT * t * (width + s.ffn) / s.tp,
-            &after,
-        );
-        let fc2 = self.gemm(
-            &format!("L{layer}.fc2"),
-            ph,
-            (t, s.h, s.ffn / s.tp),
-            1,
-            &[act],
-        );
-        self.tp_reduce(&format!("L{layer}.fc2-rs"), ph, fc2)
+        let fc1 = self.column_linear(&format!("L{layer}.fc1"), ph, width, s.h, ln2);
+        let act_bytes = ACT * s.tokens * (width + s.ffn) / s.tp;
+        let act = self.mem(&format!("L{layer}.act"), ph, act_bytes, &fc1);
+        self.row_linear(&format!("L{layer}.fc2"), ph, s.h, s.ffn, &[act])
     }
 
     fn moe_forward(&mut self, layer: u64, ph: Phase, ln2: OpId, m: &orrery_spec::Moe) -> Vec<OpId> {
@@ -1188,48 +1218,13 @@ impl<'a> StageBuilder<'a> {
             Some(m) => self.moe_backward(layer, res2, m),
         };
         let ln2 = self.mem(&format!("L{layer}.ln2-bwd"), ph, 3 * ACT * e_norm, &mlp);
-        // Attention output projection (row-parallel).
-        let g = self.tp_gather(&format!("L{layer}.proj-grad-ag"), ph, ln2);
-        let pd = self.gemm(
-            &format!("L{layer}.proj-dgrad"),
-            ph,
-            (t, s.q / s.tp, s.h),
-            1,
-            &g.deps,
-        );
-        let pw = self.gemm(
-            &format!("L{layer}.proj-wgrad"),
-            ph,
-            (s.q / s.tp, s.h, t),
-            1,
-            &g.join(pd),
-        );
-        let mut deps = vec![pd, pw];
+        let mut deps = self.row_linear_backward(&format!("L{layer}.proj"), s.h, s.q, ln2);
         if s.recompute == Recompute::Selective && !s.flash {
-            let r = self.attention(layer, Phase::Recompute, false, &deps);
-            deps = r;
+            deps = self.attention(layer, Phase::Recompute, false, &deps);
         }
         let attn = self.attention(layer, ph, true, &deps);
-        // QKV (column-parallel): dgrad, reduce its result; gather the input for wgrad.
-        let qkv_w = (s.q + 2 * s.kv) / s.tp;
-        let qd = self.gemm(
-            &format!("L{layer}.qkv-dgrad"),
-            ph,
-            (t, s.h, qkv_w),
-            1,
-            &attn,
-        );
-        let red = self.tp_reduce_after(&format!("L{layer}.qkv-rs"), ph, qd);
-        let gin = self.tp_gather(&format!("L{layer}.qkv-in-ag"), ph, qd);
-        let qw = self.gemm(
-            &format!("L{layer}.qkv-wgrad"),
-            ph,
-            (s.h, qkv_w, t),
-            1,
-            &gin.deps,
-        );
-        let mut after = gin.join(qw);
-        after.extend(red);
+        let after =
+            self.column_linear_backward(&format!("L{layer}.qkv"), s.q + 2 * s.kv, s.h, &attn);
         let ln1 = self.mem(&format!("L{layer}.ln1-bwd"), ph, 3 * ACT * e_norm, &after);
         if let Some(a) = tmp {
             self.free("recompute-buffer-free", ph, a, &[ln1]);
@@ -1251,45 +1246,16 @@ impl<'a> StageBuilder<'a> {
 
     fn dense_mlp_backward(&mut self, layer: u64, input: OpId) -> Vec<OpId> {
         let s = self.s;
-        let t = s.tokens;
-        let ph = Phase::Backward;
         let width = if s.gated { 2 * s.ffn } else { s.ffn };
-        let g = self.tp_gather(&format!("L{layer}.fc2-grad-ag"), ph, input);
-        let d2 = self.gemm(
-            &format!("L{layer}.fc2-dgrad"),
-            ph,
-            (t, s.ffn / s.tp, s.h),
-            1,
-            &g.deps,
+        let fc2 = self.row_linear_backward(&format!("L{layer}.fc2"), s.h, s.ffn, input);
+        let act_bytes = ACT * s.tokens * (2 * width + s.ffn) / s.tp;
+        let act = self.mem(
+            &format!("L{layer}.act-bwd"),
+            Phase::Backward,
+            act_bytes,
+            &fc2,
         );
-        let w2 = self.gemm(
-            &format!("L{layer}.fc2-wgrad"),
-            ph,
-            (s.ffn / s.tp, s.h, t),
-            1,
-            &g.join(d2),
-        );
-        let act_bytes = ACT * t * (2 * width + s.ffn) / s.tp;
-        let act = self.mem(&format!("L{layer}.act-bwd"), ph, act_bytes, &[d2, w2]);
-        let d1 = self.gemm(
-            &format!("L{layer}.fc1-dgrad"),
-            ph,
-            (t, s.h, width / s.tp),
-            1,
-            &[act],
-        );
-        let red = self.tp_reduce_after(&format!("L{layer}.fc1-rs"), ph, d1);
-        let gin = self.tp_gather(&format!("L{layer}.fc1-in-ag"), ph, d1);
-        let w1 = self.gemm(
-            &format!("L{layer}.fc1-wgrad"),
-            ph,
-            (s.h, width / s.tp, t),
-            1,
-            &gin.deps,
-        );
-        let mut out = gin.join(w1);
-        out.extend(red);
-        out
+        self.column_linear_backward(&format!("L{layer}.fc1"), width, s.h, &[act])
     }
 
     fn moe_backward(&mut self, layer: u64, input: OpId, m: &orrery_spec::Moe) -> Vec<OpId> {
