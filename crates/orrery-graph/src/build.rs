@@ -73,6 +73,8 @@ pub struct Shape {
     pub flash: bool,
     pub fp8: bool,
     pub recompute: Recompute,
+    /// Layers at the start of each chunk that full recomputation applies to.
+    pub recompute_layers: u64,
     pub layers_per_chunk: u64,
     pub microbatches: u64,
     /// Bytes per gradient element as reduced and stored (fp32 main grads under bf16,
@@ -157,6 +159,7 @@ impl Shape {
             flash: t.attention == AttentionKernel::Flash,
             fp8: t.precision == Precision::Fp8,
             recompute: t.recompute,
+            recompute_layers: t.recompute_layers.unwrap_or(m.layers / (p.pp * p.vpp)),
             layers_per_chunk: m.layers / (p.pp * p.vpp),
             microbatches: job.microbatches(),
             grad_bytes: if t.precision == Precision::Fp16 { 2 } else { 4 },
@@ -178,10 +181,26 @@ impl Shape {
         }
     }
 
-    /// Bytes one layer stashes for backward (Korthikanti et al. 2022, generalised).
-    pub fn layer_activation_bytes(&self, moe: Option<&orrery_spec::Moe>) -> Bytes {
-        let th = self.tokens * self.h;
+    /// How layer `layer` (global index) is recomputed: full recomputation covers only the
+    /// first `recompute_layers` layers of each model chunk; the others keep everything.
+    pub fn layer_recompute(&self, layer: u64) -> Recompute {
         match self.recompute {
+            Recompute::Full if layer % self.layers_per_chunk.max(1) >= self.recompute_layers => {
+                Recompute::None
+            }
+            r => r,
+        }
+    }
+
+    /// Bytes one layer stashes for backward under the job's recomputation setting.
+    pub fn layer_activation_bytes(&self, moe: Option<&orrery_spec::Moe>) -> Bytes {
+        self.activation_bytes(moe, self.recompute)
+    }
+
+    /// Bytes one layer stashes for backward (Korthikanti et al. 2022, generalised).
+    pub fn activation_bytes(&self, moe: Option<&orrery_spec::Moe>, recompute: Recompute) -> Bytes {
+        let th = self.tokens * self.h;
+        match recompute {
             // Only the layer input is kept (sequence-sharded under SP).
             Recompute::Full => return Bytes(ACT * self.seq_sharded(th)),
             Recompute::None | Recompute::Selective => {}
@@ -202,7 +221,7 @@ impl Shape {
                     + self.mlp_activation(self.tokens, m.shared_experts * m.expert_ffn)
             }
         };
-        let scores = if self.flash || self.recompute == Recompute::Selective {
+        let scores = if self.flash || recompute == Recompute::Selective {
             0
         } else {
             5 * self.mb * self.heads * self.seq_q * self.seq
@@ -636,7 +655,11 @@ impl<'a> StageBuilder<'a> {
         // The activation stash of this (micro-batch, chunk).
         let mut stash: u64 = self.chunk_layers[c as usize]
             .iter()
-            .map(|&l| self.s.layer_activation_bytes(self.moe_of(l)).0)
+            .map(|&l| {
+                self.s
+                    .activation_bytes(self.moe_of(l), self.s.layer_recompute(l))
+                    .0
+            })
             .sum();
         if self.is_first_vstage(c) {
             // Embedding dropout mask (Korthikanti: s*b*h*p/t over p in-flight micro-batches).
@@ -1194,13 +1217,10 @@ impl<'a> StageBuilder<'a> {
         let ph = Phase::Backward;
         let mut x = x.to_vec();
         let mut tmp = None;
-        if s.recompute == Recompute::Full {
+        let recompute = s.layer_recompute(layer);
+        if recompute == Recompute::Full {
             // Rebuild the layer's stash from its input, then run backward as usual.
-            let bytes = {
-                let mut full = s.clone();
-                full.recompute = Recompute::None;
-                full.layer_activation_bytes(self.moe_of(layer)).0
-            };
+            let bytes = s.activation_bytes(self.moe_of(layer), Recompute::None).0;
             let a = self.alloc(
                 "recompute-buffer",
                 Phase::Recompute,
@@ -1219,7 +1239,7 @@ impl<'a> StageBuilder<'a> {
         };
         let ln2 = self.mem(&format!("L{layer}.ln2-bwd"), ph, 3 * ACT * e_norm, &mlp);
         let mut deps = self.row_linear_backward(&format!("L{layer}.proj"), s.h, s.q, ln2);
-        if s.recompute == Recompute::Selective && !s.flash {
+        if recompute == Recompute::Selective && !s.flash {
             deps = self.attention(layer, Phase::Recompute, false, &deps);
         }
         let attn = self.attention(layer, ph, true, &deps);

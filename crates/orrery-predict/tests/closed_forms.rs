@@ -11,6 +11,7 @@ use orrery_graph::{
 };
 use orrery_net::NetworkModel;
 use orrery_predict::predict;
+use orrery_spec::Recompute;
 
 /// Korthikanti et al. 2022, Table 2, for a 16-bit GPT layer (MHA, f = 4h, unfused
 /// attention): bytes per layer.
@@ -142,6 +143,42 @@ fn first_stage_holds_l_layers_of_activations() {
             acts <= layers_bytes + in_flight * embedding_mask,
             "pp {pp} vpp {vpp}: {acts} > {layers_bytes} + masks"
         );
+    }
+}
+
+/// Partial full recomputation (Megatron's block method): the first k layers of each stage
+/// keep only their input, the others everything; under 1F1B the first stage holds p
+/// micro-batches of that mix.
+#[test]
+fn partial_recomputation_keeps_the_rest_of_the_layers() {
+    let (pp, per_stage) = (4u64, 4u64);
+    for k in 0..=per_stage {
+        let job = small_job(&[
+            "model.layers=16",
+            "parallel.pp=4",
+            "parallel.dp=1",
+            "parallel.tp=1",
+            "training.global_batch=16",
+            "training.recompute=\"full\"",
+            &format!("training.recompute_layers={k}"),
+            "cluster.gpus_per_node=4",
+            "cluster.nodes=1",
+        ]);
+        let shape = Shape::new(&job);
+        let full = shape.activation_bytes(None, Recompute::Full).0 as f64;
+        let none = shape.activation_bytes(None, Recompute::None).0 as f64;
+        let out = predict(&job).unwrap();
+        let at_peak = &out.prediction.memory[0].ledger.at_peak;
+        let acts = at_peak
+            .iter()
+            .find(|(c, _)| *c == MemoryCategory::Activations)
+            .unwrap()
+            .1
+             .0 as f64;
+        let embedding_mask = 128.0 * 256.0;
+        let expected =
+            pp as f64 * (k as f64 * full + (per_stage - k) as f64 * none + embedding_mask);
+        assert_eq!(acts, expected, "k = {k}");
     }
 }
 

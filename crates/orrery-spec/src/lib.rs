@@ -194,6 +194,8 @@ pub struct Training {
     pub micro_batch: u64,
     pub precision: Precision,
     pub recompute: Recompute,
+    /// Layers per model chunk that `Recompute::Full` applies to (`None`: all of them).
+    pub recompute_layers: Option<u64>,
     pub optimizer: OptimizerKind,
     /// 0-3; 1 is Megatron's distributed optimizer.
     pub zero_stage: u8,

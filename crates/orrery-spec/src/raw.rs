@@ -114,6 +114,10 @@ pub struct TrainingSpec {
     pub micro_batch: Option<u64>,
     pub precision: Option<Precision>,
     pub recompute: Option<Recompute>,
+    /// With `recompute = "full"`: recompute only the first N layers of each model chunk and
+    /// keep the rest (Megatron's `--recompute-method block --recompute-num-layers N`).
+    /// Default: every layer.
+    pub recompute_layers: Option<u64>,
     pub optimizer: Option<OptimizerKind>,
     /// ZeRO stage 0-3. Stage 1 is Megatron's distributed optimizer.
     pub zero_stage: Option<u64>,

@@ -852,3 +852,35 @@ fn every_unknown_or_mistyped_field_is_reported_at_once() {
         assert!(!e.message.is_empty(), "{e:?}");
     }
 }
+
+#[test]
+fn recompute_layers_needs_full_recompute_and_fits_a_chunk() {
+    // 32 layers over pp = 2: 16 layers per chunk.
+    let ok = job(
+        BASE,
+        &[
+            "training.recompute=\"full\"",
+            "training.recompute_layers=16",
+        ],
+    );
+    assert_eq!(ok.training().recompute_layers, Some(16));
+    let spec = load(
+        BASE,
+        &[
+            "training.recompute=\"selective\"",
+            "training.recompute_layers=17",
+        ],
+    );
+    let errors = Job::from_spec(&spec).unwrap_err().0;
+    let messages: Vec<String> = errors
+        .iter()
+        .map(|e| format!("{}: {}", e.path, e.message))
+        .collect();
+    assert_eq!(
+        messages,
+        [
+            "training.recompute_layers: applies only to recompute = \"full\"",
+            "training.recompute_layers: 17 exceeds the 16 layers of a model chunk",
+        ]
+    );
+}

@@ -473,6 +473,25 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
             );
         }
     }
+    if let Some(n) = t.recompute_layers {
+        if recompute != Recompute::Full {
+            c.push(
+                "training.recompute_layers",
+                "applies only to recompute = \"full\"",
+            );
+        }
+        if let (Some(l), Some(p), Some(v)) = (layers, pp, vpp) {
+            if n > l / (p * v).max(1) {
+                c.push(
+                    "training.recompute_layers",
+                    format!(
+                        "{n} exceeds the {} layers of a model chunk",
+                        l / (p * v).max(1)
+                    ),
+                );
+            }
+        }
+    }
     if let (Some(v), Some(p)) = (vpp, pp) {
         match schedule {
             PipelineSchedule::OneFOneB if v > 1 => c.push(
@@ -584,6 +603,7 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
             micro_batch: micro_batch?,
             precision,
             recompute,
+            recompute_layers: t.recompute_layers,
             optimizer,
             zero_stage: zero_stage?,
             attention,
