@@ -141,8 +141,11 @@ pub fn prediction(p: &Prediction) -> String {
     let _ = writeln!(out, "Verdict: {verdict}.");
     let _ = writeln!(
         out,
-        "Replayed {} ops in {} events.",
-        p.graph_ops, p.replay_events
+        "Replayed {} ops in {} events: {} symmetry classes standing for {} ranks.",
+        p.graph_ops,
+        p.replay_events,
+        p.classes.len(),
+        p.world_size
     );
     for w in &p.warnings {
         let _ = writeln!(out, "warning: {w}");

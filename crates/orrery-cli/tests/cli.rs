@@ -91,7 +91,7 @@ fn golden_report_for_a_small_job() {
           stage  1 (rank 8)  0.75 / 76.60 GiB  fits  [weights 0.1, gradients 0.2, optimizer 0.1, activations 0.2, temporary 0.1]
 
         Verdict: every rank fits in memory.
-        Replayed 2410 ops in 2410 events.
+        Replayed 2410 ops in 2410 events: 2 symmetry classes standing for 16 ranks.
     "#]].assert_eq(&stdout);
 }
 
@@ -217,6 +217,55 @@ fn exported_chakra_traces_replay_to_the_predicted_step_time() {
         orrery(&["replay", dir.join("nothing").to_str().unwrap()]).0,
         2
     );
+}
+
+/// The published shape of Llama-3-8B's config.json.
+const LLAMA3_8B_CONFIG: &str = r#"{
+  "architectures": ["LlamaForCausalLM"],
+  "model_type": "llama",
+  "hidden_size": 4096,
+  "intermediate_size": 14336,
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "vocab_size": 128256,
+  "max_position_embeddings": 8192,
+  "hidden_act": "silu",
+  "tie_word_embeddings": false,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 500000.0,
+  "torch_dtype": "bfloat16"
+}"#;
+
+#[test]
+fn hf_config_replaces_the_model() {
+    let dir = temp_dir("hf");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let config = dir.join("config.json");
+    std::fs::write(&config, LLAMA3_8B_CONFIG).unwrap();
+    let (code, stdout, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--hf-config",
+        config.to_str().unwrap(),
+        "--set",
+        "model.seq_len=4096",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    // 32 sequences of the job's 4096 tokens (the config's 8192 is its maximum context).
+    assert_eq!(v["tokens_per_step"], 32 * 4096);
+    // A config that is not JSON is bad input.
+    std::fs::write(&config, "{ not json").unwrap();
+    let (code, _, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--hf-config",
+        config.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
 }
 
 #[test]

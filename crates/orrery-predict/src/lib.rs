@@ -92,6 +92,16 @@ pub struct StageMemory {
     pub ledger: MemoryLedger,
 }
 
+/// One symmetry class: the ranks it stands for and the rank replayed for it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassInfo {
+    pub class: u32,
+    /// Pipeline stage of every rank of the class.
+    pub stage: u32,
+    pub ranks: u32,
+    pub representative: RankId,
+}
+
 /// A complete prediction for one training step.
 #[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
@@ -110,6 +120,8 @@ pub struct Prediction {
     pub breakdown: Breakdown,
     pub memory: Vec<StageMemory>,
     pub fits: bool,
+    /// The symmetry classes: every rank belongs to exactly one ([`orrery_graph::Layout::class_of`]).
+    pub classes: Vec<ClassInfo>,
     pub graph_ops: usize,
     pub replay_events: u64,
     pub warnings: Vec<String>,
@@ -156,6 +168,27 @@ pub fn predict_with<N: NetworkModel>(
         graphs,
         timeline,
     })
+}
+
+fn class_summary(layout: &orrery_graph::Layout) -> Vec<ClassInfo> {
+    let mut counts = vec![0u32; layout.num_classes() as usize];
+    for r in 0..layout.world_size() {
+        counts[layout.class_of(RankId(r)).index()] += 1;
+    }
+    counts
+        .into_iter()
+        .enumerate()
+        .map(|(c, ranks)| {
+            let class = ClassId(c as u32);
+            let representative = layout.representative(class);
+            ClassInfo {
+                class: class.0,
+                stage: layout.coords(representative).pp,
+                ranks,
+                representative,
+            }
+        })
+        .collect()
 }
 
 fn summarize(
@@ -214,6 +247,7 @@ fn summarize(
         breakdown,
         fits: memory.iter().all(|m| m.fits),
         memory,
+        classes: class_summary(&graphs.layout),
         graph_ops: graphs.total_ops(),
         replay_events: timeline.events,
         warnings,

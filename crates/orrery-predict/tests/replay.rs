@@ -84,6 +84,9 @@ proptest! {
         for (a, b) in classes.prediction.memory.iter().zip(&all.prediction.memory) {
             prop_assert_eq!(a.peak, b.peak);
         }
+        // The class map covers every rank exactly once.
+        let covered: u32 = classes.prediction.classes.iter().map(|c| c.ranks).sum();
+        prop_assert_eq!(u64::from(covered), job.parallel().world_size());
     }
 
     #[test]
