@@ -8,6 +8,15 @@
 //! lists the members of every communication group ([`comm_groups_json`]); the CLI writes
 //! both, this module only writes to an [`std::io::Write`].
 //!
+//! # Integrity
+//!
+//! A trace orrery writes is sealed: its metadata carries `orrery.body_bytes` (the length of
+//! everything after the metadata message) and `orrery.body_crc32` (a CRC-32 over the metadata
+//! without these two attributes, then that body). Import checks both when present, so a
+//! truncated or bit-flipped file is reported ([`ChakraError::Corrupt`]) instead of replayed;
+//! the nodes are encoded before the metadata is written, so sealing costs one buffer. Traces
+//! from other tools carry no seal and are read as they are.
+//!
 //! # Export: how an orrery op becomes a Chakra node
 //!
 //! [`export_rank`] writes one rank's materialised graph ([`crate::materialize`]), one node
@@ -336,6 +345,13 @@ pub enum ChakraError {
     TimesMismatch { given: usize, ops: usize },
     #[error("the trace is empty: it has no global metadata message")]
     Empty,
+    #[error("the trace is corrupt: its metadata announces {expected_len} bytes with CRC-32 {expected_crc:08x} after it, but {found_len} bytes with CRC-32 {found_crc:08x} follow")]
+    Corrupt {
+        expected_len: u64,
+        found_len: u64,
+        expected_crc: u64,
+        found_crc: u64,
+    },
     #[error("message {message} (0 is the metadata): length prefix at byte {offset} is truncated or malformed")]
     BadLength { message: usize, offset: usize },
     #[error("message {message} (0 is the metadata) at byte {offset} claims {len} bytes but only {available} remain")]
@@ -506,8 +522,9 @@ fn write_rank(
             ),
         ],
     };
-    w.write_all(&meta.encode_length_delimited_to_vec())?;
-
+    let mut meta = meta;
+    // Nodes are encoded first so the metadata can carry their length and checksum.
+    let mut body = Vec::new();
     let mut last_on_stream: [Option<usize>; Stream::ALL.len()] = [None; Stream::ALL.len()];
     for (i, op) in g.ops().iter().enumerate() {
         let mut node = Node {
@@ -617,7 +634,60 @@ fn write_rank(
             }
             last_on_stream[s] = Some(i);
         }
-        w.write_all(&node.encode_length_delimited_to_vec())?;
+        node.encode_length_delimited(&mut body)
+            .map_err(|e| ChakraError::Io(std::io::Error::other(e)))?;
+    }
+    let crc = trace_crc(&meta, &body);
+    meta.attr
+        .push(AttributeProto::uint64(BODY_BYTES, body.len() as u64));
+    meta.attr.push(AttributeProto::uint64(BODY_CRC32, crc));
+    w.write_all(&meta.encode_length_delimited_to_vec())?;
+    w.write_all(&body)?;
+    Ok(())
+}
+
+/// Metadata attributes with which orrery's traces carry the length of everything after the
+/// metadata message and a CRC-32 over the metadata (without these two attributes) and that
+/// body, so a truncated or corrupted file is detected on import. Traces from other tools lack
+/// them and are read unchecked.
+const BODY_BYTES: &str = "orrery.body_bytes";
+const BODY_CRC32: &str = "orrery.body_crc32";
+
+/// CRC-32 of the metadata message (as encoded) followed by the body. prost encodes fields in
+/// a fixed order, so re-encoding the decoded metadata gives the bytes that were hashed.
+fn trace_crc(meta: &GlobalMetadata, body: &[u8]) -> u64 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&meta.encode_to_vec());
+    h.update(body);
+    u64::from(h.finalize())
+}
+
+/// Checks the body length and checksum an orrery trace's metadata announces.
+fn verify_body(meta: &GlobalMetadata, meta_len: usize, bytes: &[u8]) -> Result<(), ChakraError> {
+    let find = |name: &str| {
+        meta.attr
+            .iter()
+            .find(|a| a.name == name)
+            .and_then(|a| a.value.as_ref())
+            .and_then(as_u64)
+    };
+    let (Some(expected_len), Some(expected_crc)) = (find(BODY_BYTES), find(BODY_CRC32)) else {
+        return Ok(());
+    };
+    let start = prost::encoding::encoded_len_varint(meta_len as u64) + meta_len;
+    let body = bytes.get(start..).unwrap_or_default();
+    let mut unsealed = meta.clone();
+    unsealed
+        .attr
+        .retain(|a| a.name != BODY_BYTES && a.name != BODY_CRC32);
+    let crc = trace_crc(&unsealed, body);
+    if body.len() as u64 != expected_len || crc != expected_crc {
+        return Err(ChakraError::Corrupt {
+            expected_len,
+            found_len: body.len() as u64,
+            expected_crc,
+            found_crc: crc,
+        });
     }
     Ok(())
 }
@@ -663,6 +733,7 @@ pub fn import_rank(bytes: &[u8]) -> Result<ImportedRank, ChakraError> {
     let messages = split_messages(bytes)?;
     let (meta_bytes, node_bytes) = messages.split_first().ok_or(ChakraError::Empty)?;
     let meta = GlobalMetadata::decode(*meta_bytes).map_err(ChakraError::Metadata)?;
+    verify_body(&meta, meta_bytes.len(), bytes)?;
     let nodes = node_bytes
         .iter()
         .enumerate()

@@ -755,7 +755,7 @@ fn valid_trace() -> &'static [u8] {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
     fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
@@ -766,12 +766,9 @@ proptest! {
     fn truncated_traces_never_panic(frac in 0.0f64..1.0) {
         let t = valid_trace();
         let cut = ((t.len() as f64) * frac) as usize;
-        let r = import_rank(&t[..cut]);
-        // A cut at a message boundary is a shorter valid prefix or a free without its
-        // allocation; anywhere else it is a framing error.
-        if let Ok(a) = r {
-            prop_assert!(a.graph.len() < import_rank(t).unwrap().graph.len());
-        }
+        // orrery's traces carry their body's length and checksum: any cut is an error,
+        // even one at a message boundary that would otherwise parse as a shorter trace.
+        prop_assert!(import_rank(&t[..cut]).is_err());
     }
 
     #[test]
@@ -783,6 +780,40 @@ proptest! {
             let at = i.index(t.len());
             t[at] ^= b | 1;
         }
-        let _ = import_rank(&t);
+        // Every flip of an orrery trace is caught, by framing, decoding or the checksum.
+        prop_assert!(import_rank(&t).is_err());
     }
+}
+
+#[test]
+fn a_flipped_value_inside_a_valid_message_is_caught_by_the_checksum() {
+    let t = valid_trace();
+    let (meta, mut nodes) = decode(t);
+    // Change one op's FLOPs: the file still parses, only the checksum can tell.
+    let flops = nodes
+        .iter_mut()
+        .flat_map(|n| n.attr.iter_mut())
+        .find(|a| a.name == "orrery.flops")
+        .unwrap();
+    flops.value = Some(Value::DoubleVal(12345.0));
+    let tampered = encode(&meta, &nodes);
+    assert!(matches!(
+        import_rank(&tampered),
+        Err(ChakraError::Corrupt { .. })
+    ));
+    // The checksum covers the metadata too: a changed name table is caught.
+    let (mut meta2, nodes2) = decode(t);
+    for a in &mut meta2.attr {
+        if let Some(Value::StringList(l)) = &mut a.value {
+            l.values[0].push('!');
+        }
+    }
+    assert!(matches!(
+        import_rank(&encode(&meta2, &nodes2)),
+        Err(ChakraError::Corrupt { .. })
+    ));
+    // Without orrery's checksum attributes (a foreign trace) the same bytes import.
+    let mut foreign = meta.clone();
+    foreign.attr.retain(|a| !a.name.starts_with("orrery.body"));
+    assert!(import_rank(&encode(&foreign, &nodes)).is_ok());
 }
