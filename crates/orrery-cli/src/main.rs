@@ -37,7 +37,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Replay Chakra execution traces (PREFIX.<rank>.et for every rank, plus a comm-group
+    /// Replay Chakra execution traces (`PREFIX.<rank>.et` for every rank, plus a comm-group
     /// JSON) on orrery's cost and network models.
     Replay(ReplayArgs),
     /// List the built-in jobs, models and GPUs.
@@ -72,7 +72,7 @@ struct PredictArgs {
     /// Write SVG charts (memory timeline, time breakdown) into this folder.
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
-    /// Export every rank's graph as Chakra ET: PREFIX.<rank>.et plus PREFIX.groups.json.
+    /// Export every rank's graph as Chakra ET: `PREFIX.<rank>.et` plus `PREFIX.groups.json`.
     #[arg(long, value_name = "PREFIX")]
     chakra: Option<PathBuf>,
     /// Replay every rank instead of one per symmetry class (slow; the exact reference).
