@@ -265,7 +265,8 @@ fn huge_values_are_errors_not_overflows() {
             "parallel.pp=1",
         ],
     );
-    assert_eq!(paths(&e), ["model"]);
+    // ... and 2^24 layers are also far too many layer passes to replay.
+    assert_eq!(paths(&e), ["model", "training.global_batch"]);
     assert!(e.0[0].message.contains("parameters"), "{e}");
     let e = errors(
         BASE,
@@ -882,5 +883,18 @@ fn recompute_layers_needs_full_recompute_and_fits_a_chunk() {
             "training.recompute_layers: applies only to recompute = \"full\"",
             "training.recompute_layers: 17 exceeds the 16 layers of a model chunk",
         ]
+    );
+}
+
+#[test]
+fn jobs_too_large_to_replay_are_rejected() {
+    // 2^22 micro-batches of 32 layers over pp = 2 is far beyond the replay bound.
+    let spec = load(BASE, &["training.global_batch=16777216", "cluster.nodes=4"]);
+    let errors = Job::from_spec(&spec).unwrap_err().0;
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.path == "training.global_batch" && e.message.contains("layer passes")),
+        "{errors:?}"
     );
 }

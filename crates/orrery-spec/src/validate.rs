@@ -36,6 +36,9 @@ impl fmt::Display for SpecErrors {
 
 /// Largest world size orrery accepts; beyond it ids and arenas would need to grow.
 const MAX_WORLD: u64 = 1 << 22;
+/// Most (micro-batch, layer) passes one pipeline stage may replay: keeps a stage's graph
+/// under a few hundred million ops.
+const MAX_LAYER_PASSES: u64 = 4_000_000;
 /// Largest value accepted for shape fields, to keep all arithmetic far from overflow.
 const MAX_DIM: u64 = 1 << 24;
 /// Largest parameter count accepted (about 1000x today's largest models), so that parameter
@@ -521,6 +524,20 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
         }
         _ => None,
     };
+    if let (Some(n), Some(l), Some(p)) = (microbatches, layers, pp) {
+        // Each stage's graph has a few dozen ops per layer per micro-batch pass; beyond this
+        // bound the replay would need tens of gigabytes.
+        let passes = n.saturating_mul(l) / p.max(1);
+        if passes > MAX_LAYER_PASSES {
+            c.push(
+                "training.global_batch",
+                format!(
+                    "{n} micro-batches per replica over {} layers per stage is {passes} layer passes per stage; orrery replays at most {MAX_LAYER_PASSES} (raise micro_batch or dp)",
+                    l / p.max(1)
+                ),
+            );
+        }
+    }
     if schedule == PipelineSchedule::Interleaved {
         if let (Some(n), Some(p)) = (microbatches, pp) {
             if n % p != 0 {
