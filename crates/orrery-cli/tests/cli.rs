@@ -67,14 +67,14 @@ fn golden_report_for_a_small_job() {
         --------------------------------
           step time              0.020 s
           tokens / step            65536
-          tokens / s             3266447
-          model TFLOP/s per GPU    230.2
+          tokens / s             3275607
+          model TFLOP/s per GPU    230.9
           MFU                      23.3%
 
         Where the time goes (stage 0, the last to finish)
         -------------------------------------------------
           compute: forward     3.9 ms   19.4%
-          compute: backward    6.9 ms   34.4%
+          compute: backward    6.9 ms   34.5%
           compute: recompute   0.0 ms    0.0%
           optimizer            0.1 ms    0.7%
           exposed TP comm      2.4 ms   12.0%
@@ -82,8 +82,8 @@ fn golden_report_for_a_small_job() {
           exposed EP comm      0.0 ms    0.0%
           exposed PP comm      0.5 ms    2.5%
           exposed DP comm      0.4 ms    2.1%
-          pipeline bubble      5.8 ms   29.0%
-          total               20.1 ms  100.0%
+          pipeline bubble      5.8 ms   28.8%
+          total               20.0 ms  100.0%
 
         Peak memory per pipeline stage (GiB at peak by category)
         --------------------------------------------------------

@@ -278,6 +278,17 @@ struct StageBuilder<'a> {
     microbatch: Option<u32>,
     /// The most recently issued compute op (program order for streamless events).
     last_compute: Option<OpId>,
+    /// Per micro-batch, the output layer's state between its forward and backward.
+    loss: Vec<Option<LossHead>>,
+}
+
+/// The output layer of one micro-batch between forward and backward.
+#[derive(Debug, Clone, Copy)]
+struct LossHead {
+    /// The fp32 logits buffer, freed by the backward.
+    logits: OpId,
+    /// What the loss's backward waits for (the vocab-parallel reductions).
+    loss: OpId,
 }
 
 impl<'a> StageBuilder<'a> {
@@ -309,6 +320,7 @@ impl<'a> StageBuilder<'a> {
             pending: (0, 0),
             microbatch: None,
             last_compute: None,
+            loss: vec![None; s.microbatches as usize],
         }
     }
 
@@ -701,23 +713,17 @@ impl<'a> StageBuilder<'a> {
             x = self.layer_forward(l, ph, &x);
         }
         if self.is_last_vstage(c) {
-            x = self.lm_head_forward(&x);
+            let head = self.lm_head_forward(&x);
+            self.loss[st.microbatch as usize] = Some(head);
         } else {
             let tag = tag(Pass::Forward, st.microbatch, vs);
-            let snd = self.push(
-                OpKind::Send {
-                    peer: PeerStage::Next,
-                    bytes: Bytes(p2p_bytes),
-                    tag,
-                },
-                Stream::PpComm,
-                ph,
-                "send-act",
-                &x,
-            );
-            x = vec![snd];
+            let act = OpKind::Send {
+                peer: PeerStage::Next,
+                bytes: Bytes(p2p_bytes),
+                tag,
+            };
+            self.push(act, Stream::PpComm, ph, "send-act", &x);
         }
-        let _ = x;
     }
 
     fn zero3_gather(&mut self, layer: u64, phase: Phase, deps: &[OpId]) -> Option<OpId> {
@@ -919,7 +925,14 @@ impl<'a> StageBuilder<'a> {
         self.tp_reduce(&format!("L{layer}.moe-rs"), ph, merged)
     }
 
-    /// The attention core (with the CP K/V ring exchange overlapped with it).
+    /// The attention core, with context parallelism's K/V exchange overlapped with it.
+    ///
+    /// Ring attention passes each rank's K/V chunk around the CP ring in `cp - 1` steps, each
+    /// overlapped with the attention over the chunk already present. Every rank sends and
+    /// receives exactly what an all-gather of K/V moves, so the exchange is modelled as one
+    /// all-gather on the CP stream running concurrently with the attention kernel (and, in
+    /// backward, a reduce-scatter of dK/dV); the per-step synchronisation of the real ring
+    /// is not modelled.
     fn attention(&mut self, layer: u64, ph: Phase, backward: bool, deps: &[OpId]) -> Vec<OpId> {
         let s = self.s;
         let heads = s.heads / s.tp;
@@ -1045,7 +1058,9 @@ impl<'a> StageBuilder<'a> {
         }
     }
 
-    fn lm_head_forward(&mut self, x: &[OpId]) -> Vec<OpId> {
+    /// The output layer and loss; returns the logits allocation and what the loss's
+    /// backward waits for.
+    fn lm_head_forward(&mut self, x: &[OpId]) -> LossHead {
         let s = self.s;
         let ph = Phase::Forward;
         let t = s.tokens;
@@ -1058,7 +1073,7 @@ impl<'a> StageBuilder<'a> {
         let head = self.gemm("lm-head", ph, (t, s.vocab / s.tp, s.h), 1, &ag.join(tmp));
         // Vocab-parallel cross-entropy: fp32 passes over the logits, three small all-reduces.
         let ce = self.mem("cross-entropy", ph, 12 * t * s.vocab / s.tp, &[head]);
-        let red = self.coll(
+        let reduce = self.coll(
             "cross-entropy-ar",
             ph,
             CollectiveOp::AllReduce,
@@ -1066,32 +1081,27 @@ impl<'a> StageBuilder<'a> {
             12 * t,
             &[ce],
         );
-        vec![red.unwrap_or(ce)]
+        LossHead {
+            logits: tmp,
+            loss: reduce.unwrap_or(ce),
+        }
     }
 
-    fn lm_head_backward(&mut self, x: &[OpId]) -> Vec<OpId> {
+    fn lm_head_backward(&mut self, head: Option<LossHead>) -> Vec<OpId> {
         let s = self.s;
         let ph = Phase::Backward;
         let t = s.tokens;
-        let ce = self.mem("cross-entropy-bwd", ph, 8 * t * s.vocab / s.tp, x);
+        let loss: Vec<OpId> = head.map(|h| h.loss).into_iter().collect();
+        let ce = self.mem("cross-entropy-bwd", ph, 8 * t * s.vocab / s.tp, &loss);
         let dgrad = self.gemm("lm-head-dgrad", ph, (t, s.h, s.vocab / s.tp), 1, &[ce]);
         let wgrad = self.gemm("lm-head-wgrad", ph, (s.vocab / s.tp, s.h, t), 1, &[ce]);
-        if let Some(tmp) = self.find_last_alloc("logits") {
-            self.free("logits-free", ph, tmp, &[dgrad, wgrad]);
+        if let Some(h) = head {
+            self.free("logits-free", ph, h.logits, &[dgrad, wgrad]);
         }
         let mut out = self.tp_reduce("lm-head-rs", ph, dgrad);
         out.push(wgrad);
         let ln = self.mem("final-ln-bwd", ph, 3 * ACT * s.seq_sharded(t * s.h), &out);
         vec![ln]
-    }
-
-    fn find_last_alloc(&self, name: &str) -> Option<OpId> {
-        let ops = self.g.ops();
-        (0..ops.len()).rev().find_map(|i| {
-            let op = &ops[i];
-            (matches!(op.kind, OpKind::Alloc { .. }) && self.g.name_of(op) == name)
-                .then(|| OpId::from_index(i))
-        })
     }
 
     fn backward(&mut self, st: Step) {
@@ -1102,7 +1112,8 @@ impl<'a> StageBuilder<'a> {
         let p2p_bytes = ACT * s.seq_sharded(s.tokens * s.h);
         let mut x: Vec<OpId> = Vec::new();
         if self.is_last_vstage(c) {
-            x = self.lm_head_backward(&x);
+            let head = self.loss[st.microbatch as usize].take();
+            x = self.lm_head_backward(head);
             if self.is_final_bwd(st) {
                 self.add_grads(self.s.vocab * self.s.h / self.s.tp + self.s.h, 0, &x);
             }
@@ -1420,11 +1431,10 @@ impl<'a> StageBuilder<'a> {
             flops: Flops(12.0 * shard as f64),
             bytes: Bytes(bytes),
         };
-        let mut last = self.push(kind, Stream::Compute, ph, "optimizer-step", &deps);
+        let step = self.push(kind, Stream::Compute, ph, "optimizer-step", &deps);
         if s.optimizer != OptimizerKind::Adamw {
-            last = self.second_order_step(last);
+            self.second_order_step(step);
         }
-        let _ = last;
         if s.zero_stage >= 1 && !s.overlap_param_gather {
             self.param_gather(false);
         }
@@ -1434,7 +1444,7 @@ impl<'a> StageBuilder<'a> {
     /// `G G^T` and `G^T G` and the two rotations each way, `6*r*c*(r + c)` FLOPs, plus an
     /// eigendecomposition of each factor (~10 n^3 FLOPs) amortised over a refresh every
     /// 10 steps. Sharded across data-parallel ranks with the distributed optimizer.
-    fn second_order_step(&mut self, after: OpId) -> OpId {
+    fn second_order_step(&mut self, after: OpId) {
         let mut flops = 0.0;
         for c in 0..self.s.vpp as usize {
             for &l in &self.chunk_layers[c] {
@@ -1456,17 +1466,18 @@ impl<'a> StageBuilder<'a> {
             fp8: false,
         };
         let bytes = Bytes(6 * n * n);
+        let op = OpKind::Compute {
+            kind,
+            flops: Flops(flops),
+            bytes,
+        };
         self.push(
-            OpKind::Compute {
-                kind,
-                flops: Flops(flops),
-                bytes,
-            },
+            op,
             Stream::Compute,
             Phase::Optimizer,
             "preconditioner",
             &[after],
-        )
+        );
     }
 }
 

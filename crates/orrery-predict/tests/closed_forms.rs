@@ -9,7 +9,6 @@ use common::small_job;
 use orrery_graph::{
     build, model_state_bytes, CollectiveOp, MemoryCategory, OpKind, ParamShards, Shape, Stream,
 };
-use orrery_net::NetworkModel;
 use orrery_predict::predict;
 use orrery_spec::Recompute;
 
@@ -244,5 +243,4 @@ fn exposed_dp_time_is_the_ring_alpha_beta_sum() {
         (got - expected).abs() / expected < 1e-6,
         "{got} vs {expected}"
     );
-    let _ = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto).name();
 }
