@@ -30,8 +30,12 @@ use orrery_units::{Bandwidth, Bytes, Picos};
 use serde::{Deserialize, Serialize};
 
 mod analytical;
+pub mod flows;
+pub mod sim;
+pub mod topology;
 
 pub use analytical::AnalyticalNetwork;
+pub use topology::{Link, NetGraph, NodeKind, TopologyError};
 
 /// The collective operations the predictor issues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

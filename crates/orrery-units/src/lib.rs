@@ -13,7 +13,8 @@
 //! - [`Bytes`]: sizes of tensors, messages and memory, as `u64`.
 //! - [`Flops`], [`FlopRate`], [`Bandwidth`]: counts and rates that are naturally real
 //!   numbers (a 405B model's step is ~1e19 FLOPs, beyond exact `u64` arithmetic anyway).
-//! - Dense id newtypes ([`RankId`], [`OpId`], [`GroupId`], [`ClassId`]) that index arenas.
+//! - Dense id newtypes ([`RankId`], [`OpId`], [`GroupId`], [`ClassId`], [`NodeId`],
+//!   [`LinkId`], [`FlowId`]) that index arenas.
 //!
 //! What this crate deliberately does not do: parse units from strings (that is the spec's
 //! job, where errors can name the field), or know anything about LLMs or networks.
@@ -312,6 +313,18 @@ dense_id!(
 dense_id!(
     /// A symmetry class of ranks: ranks of one class execute identical graphs.
     ClassId
+);
+dense_id!(
+    /// A vertex of a network topology (a GPU/NIC endpoint or a switch).
+    NodeId
+);
+dense_id!(
+    /// A directed link of a network topology.
+    LinkId
+);
+dense_id!(
+    /// A flow (one message from one endpoint to another) in a network simulation.
+    FlowId
 );
 
 #[cfg(test)]
