@@ -6,6 +6,7 @@
 //! spec error, an unknown preset) exits with status 2 after listing every problem; other
 //! failures exit with status 1.
 
+mod netsim;
 mod report;
 
 use anyhow::{Context, Result};
@@ -37,6 +38,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Simulate a network scenario (topology + flows or collectives) at packet or flow level.
+    Netsim(netsim::NetsimArgs),
     /// Replay Chakra execution traces (`PREFIX.<rank>.et` for every rank, plus a comm-group
     /// JSON) on orrery's cost and network models.
     Replay(ReplayArgs),
@@ -78,6 +81,11 @@ struct PredictArgs {
     /// Replay every rank instead of one per symmetry class (slow; the exact reference).
     #[arg(long)]
     all_ranks: bool,
+    /// Network model: analytical (alpha-beta), flow (max-min fair sharing) or packet (RDMA
+    /// with DCQCN and PFC; slow for large messages). Flow and packet simulate each distinct
+    /// collective once, alone, on a rail-optimised topology of the group's hosts.
+    #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
+    network: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -138,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Predict(args) => run_predict(&args),
         Command::Validate { json } => run_validate(json),
         Command::Replay(args) => run_replay(&args),
+        Command::Netsim(args) => netsim::run_netsim(&args),
         Command::Presets => {
             print_presets();
             Ok(())
@@ -178,17 +187,27 @@ fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_sp
 
 fn run_predict(args: &PredictArgs) -> Result<()> {
     let job = load_job(args)?;
-    let net = orrery_net::AnalyticalNetwork::new(
-        orrery_predict::fabric_for(&job),
-        orrery_net::AlgorithmChoice::Auto,
-    );
     let mode = if args.all_ranks {
         ReplayMode::AllRanks
     } else {
         ReplayMode::Classes
     };
+    let fabric = orrery_predict::fabric_for(&job);
     let spinner = progress_spinner("building and replaying the step");
-    let out = predict_with(&job, &net, mode).context("prediction failed")?;
+    let out = match args.network.as_str() {
+        "flow" => {
+            let sim = orrery_net::flow_model::FlowLevelSimulator::default();
+            simulated(&job, orrery_net::SimNetwork::new(sim, fabric), mode)?
+        }
+        "packet" => {
+            let sim = orrery_net::packet::PacketSimulator::default();
+            simulated(&job, orrery_net::SimNetwork::new(sim, fabric), mode)?
+        }
+        _ => {
+            let net = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto);
+            predict_with(&job, &net, mode).context("prediction failed")?
+        }
+    };
     spinner.finish_and_clear();
     let p = &out.prediction;
     if args.json {
@@ -218,6 +237,21 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
         export_chakra(&out.graphs, prefix)?;
     }
     Ok(())
+}
+
+/// Predicts with a simulated network, reporting simulations that failed as warnings.
+fn simulated<S: orrery_net::sim::FlowSimulator>(
+    job: &Job,
+    net: orrery_net::SimNetwork<S>,
+    mode: ReplayMode,
+) -> Result<orrery_predict::PredictOutput> {
+    let mut out = predict_with(job, &net, mode).context("prediction failed")?;
+    for f in net.failures() {
+        out.prediction.warnings.push(format!(
+            "network simulation failed, counted as zero time: {f}"
+        ));
+    }
+    Ok(out)
 }
 
 fn export_chakra(graphs: &orrery_graph::JobGraphs, prefix: &Path) -> Result<()> {

@@ -269,6 +269,82 @@ fn hf_config_replaces_the_model() {
 }
 
 #[test]
+fn netsim_runs_a_scenario_at_flow_and_packet_level() {
+    let dir = temp_dir("netsim");
+    let scenario = dir.join("incast.toml");
+    std::fs::write(
+        &scenario,
+        r#"
+        name = "incast"
+        [topology]
+        kind = "single_switch"
+        endpoints = 5
+        link_gbps = 100
+        [[flows]]
+        src = 1
+        dst = 0
+        bytes = 262144
+        [[flows]]
+        src = 2
+        dst = 0
+        bytes = 262144
+        [[flows]]
+        src = 3
+        dst = 0
+        bytes = 262144
+        [[flows]]
+        src = 4
+        dst = 0
+        bytes = 262144
+        "#,
+    )
+    .unwrap();
+    for model in ["flow", "packet"] {
+        let (code, stdout, stderr) = orrery(&[
+            "netsim",
+            scenario.to_str().unwrap(),
+            "--model",
+            model,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["model"], model);
+        assert_eq!(v["fct"]["count"], 4);
+        assert_eq!(v["bytes_delivered"], v["bytes_sent"]);
+        assert_eq!(v["drops"], 0);
+    }
+    // A broken scenario is bad input: exit status 2 with the problem's path.
+    std::fs::write(&scenario, "[topology]\nkind = \"single_switch\"\nendpoints = 2\n[[flows]]\nsrc = 0\ndst = 7\nbytes = 1\n").unwrap();
+    let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("flows[0].dst"), "{stderr}");
+}
+
+#[test]
+fn predict_runs_on_the_flow_level_network() {
+    let dir = temp_dir("network");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let (code, stdout, stderr) = orrery(&[
+        "predict",
+        job.to_str().unwrap(),
+        "--network",
+        "flow",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["network_model"], "flow");
+    assert!(v["step_time"].as_u64().unwrap() > 0);
+    assert!(
+        v["warnings"].as_array().unwrap().is_empty(),
+        "{}",
+        v["warnings"]
+    );
+}
+
+#[test]
 fn validate_prints_errors_and_mape() {
     let (code, stdout, stderr) = orrery(&["validate"]);
     assert_eq!(code, 0, "{stderr}");

@@ -30,12 +30,17 @@ use orrery_units::{Bandwidth, Bytes, Picos};
 use serde::{Deserialize, Serialize};
 
 mod analytical;
+pub mod flow_model;
 pub mod flows;
+pub mod packet;
+pub mod scenario;
 pub mod sim;
+pub mod sim_network;
 pub mod topology;
 
 pub use analytical::AnalyticalNetwork;
-pub use topology::{Link, NetGraph, NodeKind, TopologyError};
+pub use sim_network::SimNetwork;
+pub use topology::{FatTreeSpec, Link, NetGraph, NodeKind, RailOptimizedSpec, TopologyError};
 
 /// The collective operations the predictor issues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -8,7 +8,14 @@
 //! Routing is shortest-path with equal-cost multi-path: among all shortest paths from a
 //! source to a destination, a flow takes the one chosen hop by hop by a deterministic hash
 //! of the flow's identity (its `flow_hash`) and the hop's index, like switch ECMP hashing on
-//! the 5-tuple. The same flow always takes the same path; different flows spread.
+//! the 5-tuple. The same flow always takes the same path; different flows spread. One
+//! tie-break overrides the hash: where an NVLink switch is among the equal-cost next hops,
+//! it is taken (GPUs of one host that also share a leaf talk over NVLink, as NCCL does).
+//!
+//! Builders: [`NetGraph::single_switch`] and [`NetGraph::dumbbell`] for tests,
+//! [`NetGraph::rail_optimized`] ([`RailOptimizedSpec`]) and [`NetGraph::fat_tree`]
+//! ([`FatTreeSpec`]) for clusters. Spec builders validate every field and report every
+//! problem at once, each with the field's name ([`TopologyError::InvalidSpec`]).
 //!
 //! What this module does not do: adaptive routing, failures, or per-packet spraying.
 
@@ -67,6 +74,37 @@ pub enum TopologyError {
     NoRoute { from: u32, to: u32 },
     #[error("endpoint {index} does not exist (the topology has {endpoints})")]
     NoEndpoint { index: usize, endpoints: usize },
+    /// A topology spec (rail-optimised or fat-tree) is invalid; every problem is listed,
+    /// each with the name of the field it concerns.
+    #[error("invalid topology spec: {}", join_problems(problems))]
+    InvalidSpec { problems: Vec<SpecProblem> },
+}
+
+/// One problem with one field of a topology spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SpecProblem {
+    /// The field's name as written in the spec struct (`hosts_per_pod`, `nic`, ...).
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl TopologyError {
+    /// The fields named by an [`TopologyError::InvalidSpec`] (empty for other errors).
+    pub fn fields(&self) -> Vec<&'static str> {
+        match self {
+            TopologyError::InvalidSpec { problems } => problems.iter().map(|p| p.field).collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn join_problems(problems: &[SpecProblem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("{}: {}", p.field, p.reason))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A network topology: nodes, directed links, and the endpoints in rank order.
@@ -287,11 +325,28 @@ impl NetGraph {
         let mut hop = 0u64;
         while at != dst {
             let here = dist[at.index()];
-            let next: Vec<LinkId> = self.out_links[at.index()]
+            // Endpoints do not forward: a neighbouring endpoint other than `dst` may have a
+            // distance that fits (it is one NVLink hop from `dst`), but it is no next hop.
+            let mut next: Vec<LinkId> = self.out_links[at.index()]
                 .iter()
                 .copied()
-                .filter(|&l| dist[self.links[l.index()].to.index()] == here.wrapping_sub(1))
+                .filter(|&l| {
+                    let to = self.links[l.index()].to;
+                    dist[to.index()] == here.wrapping_sub(1)
+                        && (to == dst || self.kinds[to.index()] != NodeKind::Endpoint)
+                })
                 .collect();
+            // Among equal-cost next hops, the NVLink domain wins: GPUs of one host that
+            // also share a leaf (fat-trees) talk over NVLink, never through their NICs.
+            if next.len() > 1
+                && next
+                    .iter()
+                    .any(|&l| self.kinds[self.links[l.index()].to.index()] == NodeKind::NvSwitch)
+            {
+                next.retain(|&l| {
+                    self.kinds[self.links[l.index()].to.index()] == NodeKind::NvSwitch
+                });
+            }
             if next.is_empty() {
                 return Err(no_route);
             }
@@ -314,6 +369,533 @@ impl NetGraph {
     ) -> Result<Vec<LinkId>, TopologyError> {
         let (s, d) = (self.endpoint(src)?, self.endpoint(dst)?);
         self.route_with(s, d, flow_hash, &self.distances_to(d))
+    }
+}
+
+/// The most endpoints a spec-built topology may have (bad input must not exhaust memory).
+pub const MAX_SPEC_ENDPOINTS: usize = 1 << 22;
+/// The most directed links a spec-built topology may have.
+pub const MAX_SPEC_LINKS: usize = 1 << 25;
+/// The most parallel cables between one leaf and one spine of a rail-optimised fabric.
+pub const MAX_PARALLEL_UPLINKS: usize = 64;
+
+/// A rail-optimised multi-tier GPU cluster (the DGX SuperPOD shape).
+///
+/// Inside each host, every GPU has an NVLink link each way to the host's NVLink switch
+/// domain (one [`NodeKind::NvSwitch`] node standing for all of the host's NVSwitch chips).
+/// Across hosts, GPU `l` of every host has its own NIC, cabled to the *rail-`l` leaf* of
+/// its pod: a pod is `hosts_per_pod` consecutive hosts sharing one leaf per rail, so a leaf
+/// sees exactly one GPU of each host of its pod. Every leaf of every pod is cabled to
+/// every spine; pods are joined through that spine layer (a two-level Clos of leaves and
+/// spines, with rails as the leaf grouping).
+///
+/// Endpoint index = `host * gpus_per_host + local_gpu`; the graph's
+/// [`NetGraph::endpoints_per_host`] is `gpus_per_host`.
+///
+/// Routing is the graph's shortest path (ECMP among equals), which gives:
+/// - two GPUs of one host: NVLink, GPU -> NvSwitch -> GPU (2 links); the NIC path is at
+///   least 4 links (the two GPUs sit on different rails), so it is never taken;
+/// - same rail, same pod: GPU -> rail leaf -> GPU (2 links), never a spine;
+/// - same rail, different pods: leaf -> spine -> leaf (4 links), ECMP over the spines and
+///   over parallel cables;
+/// - different rails, any hosts: leaf -> spine -> leaf (4 links) as well. Real NCCL with
+///   PXN would instead move the data over NVLink to the GPU on the destination's rail and
+///   send from there; endpoints never forward in this model, so a collective that wants
+///   rail-aligned traffic must pair ranks on the same rail (ring orders that step host to
+///   host at the same local index, or the hierarchical algorithm, do).
+///
+/// Leaf-spine capacity: a leaf has `hosts_per_pod` NIC-facing ports of `nic`; its uplink
+/// capacity towards each spine is `C = hosts_per_pod * nic / spine_oversubscription /
+/// spines`, carried on `k = ceil(C / uplink)` parallel cables of `C / k` each, so no cable
+/// is faster than the `uplink` port speed and the oversubscription ratio is exact. The
+/// capacity is sized for full pods even when the last pod is partly filled.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RailOptimizedSpec {
+    /// Number of hosts (servers). At least 1.
+    pub hosts: usize,
+    /// GPUs per host, each with its own NIC and its own rail. At least 1; with 1 there is
+    /// no NVLink domain.
+    pub gpus_per_host: usize,
+    /// NVLink bandwidth between one GPU and the host's NVLink switch, per direction.
+    pub nvlink: Bandwidth,
+    /// Propagation (and switching) delay of an NVLink hop.
+    pub nvlink_delay: Picos,
+    /// NIC bandwidth per GPU, per direction.
+    pub nic: Bandwidth,
+    /// Propagation delay of every cable in the scale-out fabric (NIC-leaf, leaf-spine).
+    pub link_delay: Picos,
+    /// Hosts under one set of rail leaves (one leaf per rail per pod). At least 1.
+    pub hosts_per_pod: usize,
+    /// Spine switches; every leaf is cabled to every spine. At least 1 (with no spine,
+    /// different rails of different hosts could not reach each other).
+    pub spines: usize,
+    /// Port speed of one leaf-spine cable, per direction.
+    pub uplink: Bandwidth,
+    /// Leaf downlink capacity over leaf uplink capacity (1.0 = full bisection, 2.0 = the
+    /// spines carry half of what the leaves can take in). Positive and finite.
+    pub spine_oversubscription: f64,
+}
+
+impl RailOptimizedSpec {
+    /// A DGX-H100-like cluster of `hosts` hosts, with each default chosen as follows:
+    /// - 8 GPUs per host (DGX/HGX H100);
+    /// - NVLink 450 GB/s per direction per GPU (NVLink 4: 18 links x 25 GB/s), 200 ns per
+    ///   NVLink hop (sub-microsecond NVSwitch port-to-port latency; per-step software
+    ///   latency of several microseconds dominates it anyway);
+    /// - NIC 400 Gb/s per GPU (ConnectX-7 NDR), 1 us per scale-out hop (the per-link delay
+    ///   the RDMA simulation literature, e.g. the HPCC ns-3 setups, uses for cable plus
+    ///   switch pipeline);
+    /// - 32 hosts per pod (a SuperPOD scalable unit: 32 nodes, one 64-port 400G leaf per
+    ///   rail with 32 ports down and 32 up);
+    /// - 16 spines of 400 Gb/s ports at 1:1 (each leaf reaches every spine through 2 of its
+    ///   32 uplinks: full bisection).
+    pub fn dgx_h100(hosts: usize) -> RailOptimizedSpec {
+        RailOptimizedSpec {
+            hosts,
+            gpus_per_host: 8,
+            nvlink: Bandwidth::from_gbytes_per_sec(450.0),
+            nvlink_delay: Picos::from_nanos(200),
+            nic: Bandwidth::from_gbits_per_sec(400.0),
+            link_delay: Picos::from_micros(1),
+            hosts_per_pod: 32,
+            spines: 16,
+            uplink: Bandwidth::from_gbits_per_sec(400.0),
+            spine_oversubscription: 1.0,
+        }
+    }
+
+    /// Number of pods (`ceil(hosts / hosts_per_pod)`).
+    pub fn pods(&self) -> usize {
+        self.hosts.div_ceil(self.hosts_per_pod.max(1))
+    }
+
+    /// Checks every field; lists every problem at once.
+    pub fn validate(&self) -> Result<(), TopologyError> {
+        self.plan().map(|_| ())
+    }
+
+    /// Validates and works out the leaf-spine cabling: (parallel cables per leaf-spine
+    /// pair, bandwidth of each).
+    fn plan(&self) -> Result<(usize, Bandwidth), TopologyError> {
+        let mut p = Problems::default();
+        p.at_least_one("hosts", self.hosts);
+        p.at_least_one("gpus_per_host", self.gpus_per_host);
+        p.at_least_one("hosts_per_pod", self.hosts_per_pod);
+        p.at_least_one("spines", self.spines);
+        p.rate("nvlink", self.nvlink);
+        p.rate("nic", self.nic);
+        p.rate("uplink", self.uplink);
+        p.ratio("spine_oversubscription", self.spine_oversubscription);
+        p.finish()?;
+        let endpoints = checked_endpoints(self.hosts, self.gpus_per_host)?;
+        let capacity = self.hosts_per_pod as f64 * self.nic.0
+            / self.spine_oversubscription
+            / self.spines as f64;
+        let k = parallel_cables(capacity, self.uplink.0);
+        if k > MAX_PARALLEL_UPLINKS as f64 {
+            return Err(TopologyError::InvalidSpec {
+                problems: vec![SpecProblem {
+                    field: "uplink",
+                    reason: format!(
+                        "each leaf-spine pair would need {k} parallel cables (at most \
+                         {MAX_PARALLEL_UPLINKS}); raise the port speed or add spines"
+                    ),
+                }],
+            });
+        }
+        let k = k as usize;
+        let host_links = if self.gpus_per_host > 1 { 2 } else { 1 };
+        let leaves = self.pods() as u128 * self.gpus_per_host as u128;
+        let links = 2 * (endpoints as u128 * host_links + leaves * self.spines as u128 * k as u128);
+        check_links(links, "spines")?;
+        Ok((k, Bandwidth(capacity / k as f64)))
+    }
+}
+
+/// A 2- or 3-tier fat-tree (folded Clos) of GPU hosts, the NICs of each host on one leaf.
+///
+/// Inside each host, GPUs are joined by an NVLink domain exactly as in
+/// [`RailOptimizedSpec`]. Every GPU has its own NIC of `nic` bandwidth; all NICs of a host
+/// go to the same leaf (top-of-rack) switch, `hosts_per_leaf` hosts per leaf. Endpoint
+/// index = `host * gpus_per_host + local_gpu`.
+///
+/// - **2 tiers**: `ceil(hosts / hosts_per_leaf)` leaves, each cabled to every one of
+///   `spines` spines ([`NodeKind::Spine`]).
+/// - **3 tiers**: leaves are grouped in pods of `leaves_per_pod`; each pod has `spines`
+///   aggregation switches ([`NodeKind::Spine`]), each cabled to every leaf of its pod; the
+///   `cores` core switches ([`NodeKind::Core`]) are split into `spines` planes of
+///   `cores / spines`, and aggregation switch `a` of every pod is cabled to every core of
+///   plane `a` (the classic k-ary fat-tree wiring).
+///
+/// Oversubscription is applied to uplinks: each leaf-to-spine cable carries
+/// `hosts_per_leaf * gpus_per_host * nic / oversubscription / spines`; in a 3-tier tree each
+/// aggregation-to-core cable carries `leaves_per_pod * (leaf uplink) /
+/// core_oversubscription / (cores / spines)`. Capacities are sized for full leaves and pods
+/// even when the last ones are partly filled.
+///
+/// Hop counts (links, endpoint to endpoint): same host 2 (NVLink; preferred over the
+/// equally short path through the shared leaf), same leaf 2, same pod (or any two leaves
+/// of a 2-tier tree) 4, different pods 6.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FatTreeSpec {
+    /// Number of hosts. At least 1.
+    pub hosts: usize,
+    /// GPUs (each with a NIC) per host. At least 1; with 1 there is no NVLink domain.
+    pub gpus_per_host: usize,
+    /// NVLink bandwidth between one GPU and the host's NVLink switch, per direction.
+    pub nvlink: Bandwidth,
+    /// Delay of an NVLink hop.
+    pub nvlink_delay: Picos,
+    /// NIC bandwidth per GPU, per direction.
+    pub nic: Bandwidth,
+    /// Propagation delay of every cable of the scale-out fabric.
+    pub link_delay: Picos,
+    /// 2 (leaf-spine) or 3 (leaf-aggregation-core).
+    pub tiers: u8,
+    /// Hosts per leaf switch. At least 1.
+    pub hosts_per_leaf: usize,
+    /// 2 tiers: number of spines. 3 tiers: aggregation switches per pod. At least 1.
+    pub spines: usize,
+    /// Leaf downlink over leaf uplink capacity (1.0 = full bisection). Positive, finite.
+    pub oversubscription: f64,
+    /// 3 tiers only: leaves per pod. At least 1 (ignored for 2 tiers).
+    pub leaves_per_pod: usize,
+    /// 3 tiers only: core switches, a positive multiple of `spines` (ignored for 2 tiers).
+    pub cores: usize,
+    /// 3 tiers only: aggregation downlink over uplink capacity. Positive, finite (ignored
+    /// for 2 tiers).
+    pub core_oversubscription: f64,
+}
+
+impl FatTreeSpec {
+    /// A 2-tier fat-tree of 64-port 400 Gb/s switches, with each default chosen as follows:
+    /// - 8 GPUs per host with H100 NVLink (450 GB/s, 200 ns per hop) and a 400 Gb/s NIC per
+    ///   GPU, 1 us per scale-out hop (see [`RailOptimizedSpec::dgx_h100`]);
+    /// - 4 hosts per leaf: 32 NIC ports down, leaving 32 ports up;
+    /// - 32 spines, one 400 Gb/s cable from each leaf to each (full bisection, 1:1);
+    ///   64-port spines then take up to 64 leaves (256 hosts, 2048 GPUs).
+    ///
+    /// The 3-tier fields are preset for [`FatTreeSpec::three_tier`]'s geometry.
+    pub fn two_tier(hosts: usize) -> FatTreeSpec {
+        FatTreeSpec {
+            hosts,
+            gpus_per_host: 8,
+            nvlink: Bandwidth::from_gbytes_per_sec(450.0),
+            nvlink_delay: Picos::from_nanos(200),
+            nic: Bandwidth::from_gbits_per_sec(400.0),
+            link_delay: Picos::from_micros(1),
+            tiers: 2,
+            hosts_per_leaf: 4,
+            spines: 32,
+            oversubscription: 1.0,
+            leaves_per_pod: 32,
+            cores: 1024,
+            core_oversubscription: 1.0,
+        }
+    }
+
+    /// A 3-tier fat-tree of 64-port switches (the k = 64 fat-tree): as
+    /// [`FatTreeSpec::two_tier`], with pods of 32 leaves and 32 aggregation switches (32
+    /// ports down, 32 up each) and 1024 cores in 32 planes of 32, all 1:1.
+    pub fn three_tier(hosts: usize) -> FatTreeSpec {
+        FatTreeSpec {
+            tiers: 3,
+            ..FatTreeSpec::two_tier(hosts)
+        }
+    }
+
+    /// Number of leaves (`ceil(hosts / hosts_per_leaf)`).
+    pub fn leaves(&self) -> usize {
+        self.hosts.div_ceil(self.hosts_per_leaf.max(1))
+    }
+
+    /// Number of pods of a 3-tier tree (`ceil(leaves / leaves_per_pod)`); 1 for 2 tiers.
+    pub fn pods(&self) -> usize {
+        if self.tiers == 3 {
+            self.leaves().div_ceil(self.leaves_per_pod.max(1))
+        } else {
+            1
+        }
+    }
+
+    /// Bandwidth of one leaf-to-spine (or leaf-to-aggregation) cable.
+    pub fn leaf_uplink(&self) -> Bandwidth {
+        Bandwidth(
+            self.hosts_per_leaf as f64 * self.gpus_per_host as f64 * self.nic.0
+                / self.oversubscription
+                / self.spines.max(1) as f64,
+        )
+    }
+
+    /// Bandwidth of one aggregation-to-core cable (3 tiers).
+    pub fn core_uplink(&self) -> Bandwidth {
+        let per_plane = (self.cores / self.spines.max(1)).max(1);
+        Bandwidth(
+            self.leaves_per_pod as f64 * self.leaf_uplink().0
+                / self.core_oversubscription
+                / per_plane as f64,
+        )
+    }
+
+    /// Checks every field; lists every problem at once.
+    pub fn validate(&self) -> Result<(), TopologyError> {
+        let mut p = Problems::default();
+        if self.tiers != 2 && self.tiers != 3 {
+            p.push("tiers", format!("must be 2 or 3, not {}", self.tiers));
+        }
+        p.at_least_one("hosts", self.hosts);
+        p.at_least_one("gpus_per_host", self.gpus_per_host);
+        p.at_least_one("hosts_per_leaf", self.hosts_per_leaf);
+        p.at_least_one("spines", self.spines);
+        p.rate("nvlink", self.nvlink);
+        p.rate("nic", self.nic);
+        p.ratio("oversubscription", self.oversubscription);
+        if self.tiers == 3 {
+            p.at_least_one("leaves_per_pod", self.leaves_per_pod);
+            p.ratio("core_oversubscription", self.core_oversubscription);
+            if self.cores == 0 || (self.spines > 0 && self.cores % self.spines != 0) {
+                p.push(
+                    "cores",
+                    format!(
+                        "must be a positive multiple of spines ({}), not {}",
+                        self.spines, self.cores
+                    ),
+                );
+            }
+        }
+        p.finish()?;
+        let endpoints = checked_endpoints(self.hosts, self.gpus_per_host)?;
+        let host_links = if self.gpus_per_host > 1 { 2 } else { 1 };
+        let mut links =
+            endpoints as u128 * host_links + self.leaves() as u128 * self.spines as u128;
+        if self.tiers == 3 {
+            // Core nodes exist whether or not a second pod uses them.
+            links += self.pods() as u128 * self.cores as u128 + self.cores as u128;
+        }
+        check_links(2 * links, "hosts")
+    }
+}
+
+impl NetGraph {
+    /// Builds a rail-optimised cluster (see [`RailOptimizedSpec`] for the shape, the node
+    /// order and what shortest-path routing implies).
+    ///
+    /// Node order: endpoints (`host * gpus_per_host + gpu`), then one NvSwitch per host
+    /// (when `gpus_per_host > 1`), then leaves (`pod * gpus_per_host + rail`), then spines.
+    pub fn rail_optimized(spec: &RailOptimizedSpec) -> Result<NetGraph, TopologyError> {
+        let (k, uplink) = spec.plan()?;
+        let (h, g) = (spec.hosts, spec.gpus_per_host);
+        let mut w = Wiring::new(h * g);
+        w.add_nvswitches(h, g, spec.nvlink, spec.nvlink_delay);
+        let pods = spec.pods();
+        let leaf0 = w.add(NodeKind::Leaf, pods * g);
+        let spine0 = w.add(NodeKind::Spine, spec.spines);
+        for host in 0..h {
+            let pod = host / spec.hosts_per_pod;
+            for gpu in 0..g {
+                let leaf = leaf0 + pod * g + gpu;
+                w.cable(host * g + gpu, leaf, spec.nic, spec.link_delay);
+            }
+        }
+        for leaf in leaf0..leaf0 + pods * g {
+            for spine in spine0..spine0 + spec.spines {
+                for _ in 0..k {
+                    w.cable(leaf, spine, uplink, spec.link_delay);
+                }
+            }
+        }
+        NetGraph::from_parts(w.kinds, w.links, g)
+    }
+
+    /// Builds a 2- or 3-tier fat-tree (see [`FatTreeSpec`]).
+    ///
+    /// Node order: endpoints (`host * gpus_per_host + gpu`), then one NvSwitch per host
+    /// (when `gpus_per_host > 1`), then leaves, then spines (2 tiers) or aggregation
+    /// switches (`pod * spines + a`, 3 tiers), then cores (`plane * cores / spines + c`).
+    pub fn fat_tree(spec: &FatTreeSpec) -> Result<NetGraph, TopologyError> {
+        spec.validate()?;
+        let (h, g) = (spec.hosts, spec.gpus_per_host);
+        let mut w = Wiring::new(h * g);
+        w.add_nvswitches(h, g, spec.nvlink, spec.nvlink_delay);
+        let leaves = spec.leaves();
+        let leaf0 = w.add(NodeKind::Leaf, leaves);
+        for host in 0..h {
+            let leaf = leaf0 + host / spec.hosts_per_leaf;
+            for gpu in 0..g {
+                w.cable(host * g + gpu, leaf, spec.nic, spec.link_delay);
+            }
+        }
+        let leaf_up = spec.leaf_uplink();
+        if spec.tiers == 2 {
+            let spine0 = w.add(NodeKind::Spine, spec.spines);
+            for leaf in leaf0..leaf0 + leaves {
+                for spine in spine0..spine0 + spec.spines {
+                    w.cable(leaf, spine, leaf_up, spec.link_delay);
+                }
+            }
+        } else {
+            let pods = spec.pods();
+            let aggs = spec.spines;
+            let agg0 = w.add(NodeKind::Spine, pods * aggs);
+            let core0 = w.add(NodeKind::Core, spec.cores);
+            let per_plane = spec.cores / aggs;
+            let core_up = spec.core_uplink();
+            for leaf in 0..leaves {
+                let pod = leaf / spec.leaves_per_pod;
+                for a in 0..aggs {
+                    w.cable(
+                        leaf0 + leaf,
+                        agg0 + pod * aggs + a,
+                        leaf_up,
+                        spec.link_delay,
+                    );
+                }
+            }
+            for pod in 0..pods {
+                for a in 0..aggs {
+                    for c in 0..per_plane {
+                        w.cable(
+                            agg0 + pod * aggs + a,
+                            core0 + a * per_plane + c,
+                            core_up,
+                            spec.link_delay,
+                        );
+                    }
+                }
+            }
+        }
+        NetGraph::from_parts(w.kinds, w.links, g)
+    }
+
+    /// The nodes of one kind, in id order.
+    pub fn nodes_of_kind(&self, kind: NodeKind) -> Vec<NodeId> {
+        self.kinds
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| **k == kind)
+            .map(|(i, _)| NodeId::from_index(i))
+            .collect()
+    }
+}
+
+/// Collects spec problems so that all are reported at once.
+#[derive(Debug, Default)]
+struct Problems(Vec<SpecProblem>);
+
+impl Problems {
+    fn push(&mut self, field: &'static str, reason: String) {
+        self.0.push(SpecProblem { field, reason });
+    }
+    fn at_least_one(&mut self, field: &'static str, v: usize) {
+        if v == 0 {
+            self.push(field, "must be at least 1".to_string());
+        }
+    }
+    fn rate(&mut self, field: &'static str, b: Bandwidth) {
+        if !(b.0.is_finite() && b.0 > 0.0) {
+            self.push(
+                field,
+                format!("bandwidth must be positive and finite, not {} B/s", b.0),
+            );
+        }
+    }
+    fn ratio(&mut self, field: &'static str, x: f64) {
+        if !(x.is_finite() && x > 0.0) {
+            self.push(field, format!("must be positive and finite, not {x}"));
+        }
+    }
+    fn finish(self) -> Result<(), TopologyError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(TopologyError::InvalidSpec { problems: self.0 })
+        }
+    }
+}
+
+fn checked_endpoints(hosts: usize, gpus_per_host: usize) -> Result<usize, TopologyError> {
+    match hosts.checked_mul(gpus_per_host) {
+        Some(n) if n <= MAX_SPEC_ENDPOINTS => Ok(n),
+        _ => Err(TopologyError::InvalidSpec {
+            problems: vec![SpecProblem {
+                field: "hosts",
+                reason: format!(
+                    "{hosts} hosts x {gpus_per_host} GPUs is more than {MAX_SPEC_ENDPOINTS} \
+                     endpoints"
+                ),
+            }],
+        }),
+    }
+}
+
+fn check_links(links: u128, field: &'static str) -> Result<(), TopologyError> {
+    if links > MAX_SPEC_LINKS as u128 {
+        return Err(TopologyError::InvalidSpec {
+            problems: vec![SpecProblem {
+                field,
+                reason: format!(
+                    "the topology would have {links} directed links, more than {MAX_SPEC_LINKS}"
+                ),
+            }],
+        });
+    }
+    Ok(())
+}
+
+/// `ceil(capacity / port)` parallel cables (at least 1), tolerant of float round-off.
+fn parallel_cables(capacity: f64, port: f64) -> f64 {
+    (capacity / port * (1.0 - 1e-12)).ceil().max(1.0)
+}
+
+/// Node kinds and links under construction, with nodes addressed by index.
+#[derive(Debug)]
+struct Wiring {
+    kinds: Vec<NodeKind>,
+    links: Vec<Link>,
+}
+
+impl Wiring {
+    /// Starts with `endpoints` endpoint nodes (ids `0..endpoints`).
+    fn new(endpoints: usize) -> Wiring {
+        Wiring {
+            kinds: vec![NodeKind::Endpoint; endpoints],
+            links: Vec::new(),
+        }
+    }
+    /// Adds `count` nodes of `kind`; returns the first one's index.
+    fn add(&mut self, kind: NodeKind, count: usize) -> usize {
+        let first = self.kinds.len();
+        self.kinds.extend(std::iter::repeat_n(kind, count));
+        first
+    }
+    /// One NvSwitch per host cabled to each of its GPUs (none with one GPU per host).
+    fn add_nvswitches(&mut self, hosts: usize, gpus: usize, bw: Bandwidth, delay: Picos) -> usize {
+        if gpus < 2 {
+            return self.kinds.len();
+        }
+        let first = self.add(NodeKind::NvSwitch, hosts);
+        for host in 0..hosts {
+            for gpu in 0..gpus {
+                self.cable(host * gpus + gpu, first + host, bw, delay);
+            }
+        }
+        first
+    }
+    /// A cable between nodes `a` and `b`: one link each way.
+    fn cable(&mut self, a: usize, b: usize, bandwidth: Bandwidth, delay: Picos) {
+        let (a, b) = (NodeId::from_index(a), NodeId::from_index(b));
+        self.links.push(Link {
+            from: a,
+            to: b,
+            bandwidth,
+            delay,
+        });
+        self.links.push(Link {
+            from: b,
+            to: a,
+            bandwidth,
+            delay,
+        });
     }
 }
 

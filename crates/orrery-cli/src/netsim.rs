@@ -1,0 +1,265 @@
+//! `orrery netsim SCENARIO`: run a network scenario and report flow completion times,
+//! per-collective completion, link utilisation and PFC pauses.
+
+use crate::{atomic_write, bad};
+use anyhow::Result;
+use orrery_net::flow_model::FlowLevelSimulator;
+use orrery_net::packet::{PacketConfig, PacketSimulator};
+use orrery_net::scenario::{load_scenario, Scenario, SimModel};
+use orrery_net::sim::{FlowSimulator, SimReport};
+use orrery_units::Picos;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct NetsimArgs {
+    /// The scenario TOML file.
+    scenario: PathBuf,
+    /// Override the scenario's simulator model.
+    #[arg(long, value_parser = ["packet", "flow"])]
+    model: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also write the full report (every flow's start and finish) as JSON to this file.
+    #[arg(long, value_name = "FILE.json")]
+    out: Option<PathBuf>,
+}
+
+/// A distribution summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Distribution {
+    pub count: usize,
+    pub min: Picos,
+    pub p50: Picos,
+    pub p90: Picos,
+    pub p99: Picos,
+    pub max: Picos,
+    pub mean: Picos,
+}
+
+fn distribution(mut v: Vec<Picos>) -> Option<Distribution> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    let sum: u128 = v.iter().map(|p| u128::from(p.0)).sum();
+    Some(Distribution {
+        count: v.len(),
+        min: v[0],
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+        max: v[v.len() - 1],
+        mean: Picos((sum / v.len() as u128) as u64),
+    })
+}
+
+/// One collective's completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveSummary {
+    pub name: String,
+    pub flows: usize,
+    pub start: Picos,
+    pub finish: Picos,
+}
+
+/// One link's load.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkSummary {
+    pub link: u32,
+    pub from: u32,
+    pub to: u32,
+    pub bytes: u64,
+    pub utilisation: f64,
+    pub pfc_pauses: u64,
+}
+
+/// What `orrery netsim` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct NetsimSummary {
+    pub scenario: String,
+    pub model: String,
+    pub end: Picos,
+    pub fct: Option<Distribution>,
+    pub collectives: Vec<CollectiveSummary>,
+    /// The busiest links (by bytes carried), at most 10.
+    pub busiest_links: Vec<LinkSummary>,
+    pub pfc_pauses: u64,
+    pub drops: u64,
+    pub bytes_sent: u64,
+    pub bytes_delivered: u64,
+    pub events: u64,
+    /// Wall-clock seconds the simulation took on this machine (not deterministic).
+    pub wall_seconds: f64,
+}
+
+fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
+    let fct = distribution(r.flows.iter().map(|f| f.fct()).collect());
+    let mut collectives: Vec<CollectiveSummary> = s
+        .flows
+        .collectives
+        .iter()
+        .map(|c| CollectiveSummary {
+            name: c.name.clone(),
+            flows: 0,
+            start: Picos(u64::MAX),
+            finish: Picos::ZERO,
+        })
+        .collect();
+    for (f, o) in s.flows.flows.iter().zip(&r.flows) {
+        if let Some(c) = collectives.get_mut(f.collective as usize) {
+            c.flows += 1;
+            c.start = c.start.min(o.start);
+            c.finish = c.finish.max(o.finish);
+        }
+    }
+    // Point-to-point flows are their own one-flow "collectives"; the FCT distribution
+    // already covers them.
+    let is_collective: Vec<bool> = s
+        .flows
+        .collectives
+        .iter()
+        .map(|c| c.kind.is_some())
+        .collect();
+    let mut index = 0;
+    collectives.retain(|c| {
+        let keep = c.flows > 0 && is_collective[index];
+        index += 1;
+        keep
+    });
+    let end_s = r.end.as_secs_f64().max(f64::MIN_POSITIVE);
+    let mut links: Vec<LinkSummary> = s
+        .graph
+        .links()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let bytes = r.link_bytes.get(i).copied().unwrap_or(0);
+            LinkSummary {
+                link: i as u32,
+                from: l.from.0,
+                to: l.to.0,
+                bytes,
+                utilisation: bytes as f64 / (l.bandwidth.0 * end_s),
+                pfc_pauses: r.pfc_pauses.get(i).copied().unwrap_or(0),
+            }
+        })
+        .filter(|l| l.bytes > 0 || l.pfc_pauses > 0)
+        .collect();
+    links.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.link.cmp(&b.link)));
+    links.truncate(10);
+    NetsimSummary {
+        scenario: s.name.clone(),
+        model: r.model.clone(),
+        end: r.end,
+        fct,
+        collectives,
+        busiest_links: links,
+        pfc_pauses: r.pfc_pauses.iter().sum(),
+        drops: r.drops,
+        bytes_sent: r.bytes_sent,
+        bytes_delivered: r.bytes_delivered,
+        events: r.events,
+        wall_seconds: wall,
+    }
+}
+
+fn render(s: &NetsimSummary) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "orrery netsim: {} ({} model)", s.scenario, s.model);
+    let _ = writeln!(
+        out,
+        "simulated time {}, {} events in {:.2} s wall ({:.2} M events/s)\n",
+        s.end,
+        s.events,
+        s.wall_seconds,
+        s.events as f64 / s.wall_seconds.max(1e-9) / 1e6
+    );
+    if let Some(d) = &s.fct {
+        let _ = writeln!(out, "Flow completion times ({} flows)", d.count);
+        let _ = writeln!(
+            out,
+            "  min {}  p50 {}  p90 {}  p99 {}  max {}  mean {}\n",
+            d.min, d.p50, d.p90, d.p99, d.max, d.mean
+        );
+    }
+    if !s.collectives.is_empty() {
+        let _ = writeln!(out, "Collectives");
+        for c in &s.collectives {
+            let _ = writeln!(
+                out,
+                "  {:<28} {:>6} flows  done at {}  (took {})",
+                c.name,
+                c.flows,
+                c.finish,
+                c.finish - c.start
+            );
+        }
+        out.push('\n');
+    }
+    let _ = writeln!(out, "Busiest links");
+    for l in &s.busiest_links {
+        let _ = writeln!(
+            out,
+            "  link {:>5} ({:>5} -> {:>5})  {:>14} B  {:5.1}% busy  {} PFC pauses",
+            l.link,
+            l.from,
+            l.to,
+            l.bytes,
+            100.0 * l.utilisation,
+            l.pfc_pauses
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nPFC pauses {}, drops {}, bytes sent {}, delivered {}",
+        s.pfc_pauses, s.drops, s.bytes_sent, s.bytes_delivered
+    );
+    out
+}
+
+pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.scenario).map_err(|e| {
+        bad(format!(
+            "cannot read scenario {}: {e}",
+            args.scenario.display()
+        ))
+    })?;
+    let scenario = load_scenario(&text).map_err(|e| bad(e.to_string()))?;
+    let model = match args.model.as_deref() {
+        Some("flow") => SimModel::Flow,
+        Some(_) => SimModel::Packet,
+        None => scenario.model,
+    };
+    let spinner = crate::progress_spinner("simulating");
+    let start = std::time::Instant::now();
+    let report = match model {
+        SimModel::Flow => FlowLevelSimulator::default().simulate(&scenario.graph, &scenario.flows),
+        SimModel::Packet => {
+            let mut config: PacketConfig = match &scenario.packet {
+                Some(t) => toml::Value::Table(t.clone())
+                    .try_into()
+                    .map_err(|e| bad(format!("[packet]: {e}")))?,
+                None => PacketConfig::default(),
+            };
+            config.seed = scenario.seed;
+            PacketSimulator { config }.simulate(&scenario.graph, &scenario.flows)
+        }
+    }
+    .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;
+    let wall = start.elapsed().as_secs_f64();
+    spinner.finish_and_clear();
+    let summary = summarize(&scenario, &report, wall);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", render(&summary));
+    }
+    if let Some(path) = &args.out {
+        atomic_write(path, serde_json::to_string_pretty(&report)?.as_bytes())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,530 @@
+//! Settings of the packet-level model: every field, its default and where the default comes
+//! from. The module essay in [`crate::packet`] explains how each mechanism uses them.
+
+use orrery_units::{Bandwidth, Picos};
+use serde::{Deserialize, Serialize};
+
+/// One point of the ECN marking table: RED-style thresholds for links of `gbps`.
+///
+/// Thresholds for other link speeds are interpolated (see [`PacketConfig::ecn_for`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EcnPoint {
+    /// Link speed this point is for, in Gb/s.
+    pub gbps: f64,
+    /// Egress queue length (bytes) at or below which nothing is marked.
+    pub kmin: u64,
+    /// Egress queue length (bytes) above which every packet is marked.
+    pub kmax: u64,
+    /// Marking probability reached just below `kmax` (linear from 0 at `kmin`).
+    pub pmax: f64,
+}
+
+/// The RED/ECN thresholds that apply to one egress port.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EcnThresholds {
+    pub kmin: f64,
+    pub kmax: f64,
+    pub pmax: f64,
+}
+
+impl EcnThresholds {
+    /// Marking probability at egress queue length `queue` bytes.
+    pub fn probability(&self, queue: f64) -> f64 {
+        if queue <= self.kmin {
+            0.0
+        } else if queue > self.kmax {
+            1.0
+        } else if self.kmax > self.kmin {
+            self.pmax * (queue - self.kmin) / (self.kmax - self.kmin)
+        } else {
+            1.0
+        }
+    }
+}
+
+/// DCQCN reaction-point (sender) and notification-point (receiver) parameters.
+///
+/// Defaults are the ones the RDMA simulation literature uses for Mellanox/NVIDIA ConnectX
+/// NICs in ns-3 (the HPCC simulator's `mlx` DCQCN, as listed in the issue): they are not
+/// tuned to any measurement here.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DcqcnParams {
+    /// Rate-increase timer period: every period without a rate decrease brings one
+    /// increase event (fast recovery, then additive, then hyper increase).
+    /// Default 900 us (ns-3 HPCC `RP_TIMER`).
+    pub rate_increase_timer: Picos,
+    /// Period of the alpha update: `alpha = (1 - g) * alpha (+ g if a CNP arrived in the
+    /// period)`. Default 1 us (`ALPHA_RESUME_INTERVAL`).
+    pub alpha_update_interval: Picos,
+    /// Period at which a pending CNP is turned into a rate decrease (at most one decrease
+    /// per period). Default 4 us (`RATE_DECREASE_INTERVAL`).
+    pub rate_decrease_interval: Picos,
+    /// EWMA gain of alpha. Default 1/256 (`EWMA_GAIN` = 0.00390625).
+    pub g: f64,
+    /// Additive increase of the target rate per increase event after fast recovery.
+    /// Default 50 Mb/s (`RATE_AI`).
+    pub additive_increase: Bandwidth,
+    /// Hyper increase of the target rate per increase event in the hyper stage.
+    /// Default 100 Mb/s (`RATE_HAI`).
+    pub hyper_increase: Bandwidth,
+    /// Lowest rate a decrease may reach. Default 100 Mb/s (`MIN_RATE`).
+    pub min_rate: Bandwidth,
+    /// Number of fast-recovery increase events (rate halves its distance to the target)
+    /// before additive increase starts. Default 1 (`FAST_RECOVERY_TIMES`).
+    pub fast_recovery_stages: u32,
+    /// Whether every decrease also resets the target rate to the current rate (otherwise
+    /// only decreases that interrupt an increase phase do). Default false
+    /// (`CLAMP_TARGET_RATE 0`).
+    pub clamp_target_rate: bool,
+    /// Alpha set at the first CNP a queue pair receives. Default 1.0 (ns-3 `mlx`).
+    pub initial_alpha: f64,
+    /// Notification point: a receiver sends at most one CNP per flow per this interval,
+    /// when ECN-marked packets of the flow arrive. Default 50 us (the DCQCN paper's `N`,
+    /// the ConnectX `min_time_between_cnps` default).
+    pub cnp_interval: Picos,
+}
+
+impl Default for DcqcnParams {
+    fn default() -> Self {
+        DcqcnParams {
+            rate_increase_timer: Picos::from_micros(900),
+            alpha_update_interval: Picos::from_micros(1),
+            rate_decrease_interval: Picos::from_micros(4),
+            g: 1.0 / 256.0,
+            additive_increase: Bandwidth::from_gbits_per_sec(0.05),
+            hyper_increase: Bandwidth::from_gbits_per_sec(0.1),
+            min_rate: Bandwidth::from_gbits_per_sec(0.1),
+            fast_recovery_stages: 1,
+            clamp_target_rate: false,
+            initial_alpha: 1.0,
+            cnp_interval: Picos::from_micros(50),
+        }
+    }
+}
+
+/// Settings of the packet-level simulator. Every field has a documented default; a TOML or
+/// JSON table may give any subset of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PacketConfig {
+    /// Payload bytes per data packet (the last packet of a flow carries the rest).
+    /// Default 1000 B: the payload size of the ns-3 RDMA simulators (HPCC, DCQCN studies),
+    /// so results compare with published packet-level figures. (Real RoCE path MTUs are
+    /// 1024 or 4096; set 4096 for a closer model of NCCL traffic at a quarter the events.)
+    pub mtu_payload: u32,
+    /// Header and trailer bytes per data packet, counted in buffers and on the wire.
+    /// Default 62 B: RoCEv2 = Ethernet 14 + IPv4 20 + UDP 8 + InfiniBand BTH 12 + ICRC 4 +
+    /// Ethernet FCS 4.
+    pub header_bytes: u32,
+    /// Bytes of line time per frame that are never buffered. Default 20 B: preamble and
+    /// start delimiter 8 + minimum inter-frame gap 12. A 1000 B payload thus takes 1082 byte
+    /// times: goodput is 92.4% of the line rate.
+    pub framing_bytes: u32,
+    /// Frame size of an ACK or NACK. Default 66 B: RoCEv2 headers + AETH 4.
+    pub ack_bytes: u32,
+    /// Frame size of a CNP. Default 78 B: RoCEv2 headers + 16 reserved bytes.
+    pub cnp_bytes: u32,
+    /// Frame size of a PFC pause/resume frame. Default 64 B (minimum Ethernet frame;
+    /// IEEE 802.1Qbb).
+    pub pfc_frame_bytes: u32,
+    /// The receiver acknowledges every `ack_every`-th in-order packet (and always the last
+    /// packet of a flow). Default 1: one ACK per packet, as the ns-3 simulators' default
+    /// (`L2_ACK_INTERVAL 1`). Larger values model coalesced ACKs.
+    pub ack_every: u32,
+    /// Whether the receiver sends a NACK (RoCE "sequence error") for the first
+    /// out-of-order packet after a gap, so the sender goes back at once instead of waiting
+    /// for the timeout. Default true (RoCE go-back-N behaviour).
+    pub nack: bool,
+    /// Retransmission timeout: when nothing has been acknowledged for this long while
+    /// packets are outstanding, the sender goes back to the first unacknowledged packet.
+    /// Default 4 ms: above the worst queueing delay of one full default buffer (32 MiB at
+    /// 100 Gb/s drains in 2.7 ms), so a lossless fabric never times out spuriously; close to
+    /// the InfiniBand local ACK timeout 4.096 us * 2^10.
+    pub rto: Picos,
+    /// Consecutive timeouts without progress after which a queue pair gives up (its flow
+    /// then never finishes and the simulation reports it unfinished). Default 7, the
+    /// InfiniBand `retry_cnt` maximum.
+    pub max_retries: u32,
+    /// Shared buffer per switch, bytes. Default 32 MiB (the issue's 32 MB; the ns-3 HPCC
+    /// setups' `BUFFER_SIZE 32`).
+    pub buffer_bytes: u64,
+    /// Priority flow control on data. Default true (lossless RoCE). When false a switch
+    /// drops a data packet that does not fit in its buffer (tail drop).
+    pub pfc: bool,
+    /// Dynamic-threshold factor: an ingress port pauses its upstream when its shared-buffer
+    /// use exceeds `pfc_alpha * (free shared buffer)`. Default 1/8 (the ns-3 HPCC switch
+    /// MMU's `pfc_a_shift = 3`, a common Broadcom setting).
+    pub pfc_alpha: f64,
+    /// Resume hysteresis: a paused ingress resumes when its shared use plus this is at most
+    /// the threshold (or its use is zero) and its headroom is empty. Default 3072 B (ns-3
+    /// HPCC MMU `resume_offset`).
+    pub pfc_resume_offset: u64,
+    /// Bytes of buffer guaranteed to every ingress port before it draws on the shared pool.
+    /// Default 4096 B (ns-3 HPCC MMU `reserve`).
+    pub pfc_reserve: u64,
+    /// Headroom per ingress port, bytes: buffer kept back to absorb what is still in flight
+    /// after a pause is sent. `None` (default) sizes it per link to
+    /// `2 * bandwidth * delay + 3 * (MTU frame) + PFC frame` (line time), which covers the
+    /// bytes on the wire both ways, the frame the upstream is sending when the pause
+    /// arrives, the frame that crossed the threshold and the pause frame itself.
+    pub pfc_headroom: Option<u64>,
+    /// ECN marking table (RED at egress), by link speed. Default: 100 Gb/s: Kmin 400 KB,
+    /// Kmax 1600 KB, Pmax 0.2; 400 Gb/s: 800 KB, 3200 KB, 0.2 (the issue's values; KB =
+    /// 1000 B as in the ns-3 `KMIN_MAP`/`KMAX_MAP`). See [`PacketConfig::ecn_for`] for
+    /// other speeds.
+    pub ecn: Vec<EcnPoint>,
+    /// DCQCN congestion control (ECN marking at switches, CNPs from receivers, rate
+    /// control at senders). Default true. When false senders always send at line rate and
+    /// switches do not mark.
+    pub dcqcn: bool,
+    /// DCQCN parameters.
+    pub dcqcn_params: DcqcnParams,
+    /// Seed of the random numbers (ECN marking decisions). Default 0.
+    pub seed: u64,
+}
+
+impl Default for PacketConfig {
+    fn default() -> Self {
+        PacketConfig {
+            mtu_payload: 1000,
+            header_bytes: 62,
+            framing_bytes: 20,
+            ack_bytes: 66,
+            cnp_bytes: 78,
+            pfc_frame_bytes: 64,
+            ack_every: 1,
+            nack: true,
+            rto: Picos::from_micros(4000),
+            max_retries: 7,
+            buffer_bytes: 32 * 1024 * 1024,
+            pfc: true,
+            pfc_alpha: 0.125,
+            pfc_resume_offset: 3 * 1024,
+            pfc_reserve: 4 * 1024,
+            pfc_headroom: None,
+            ecn: vec![
+                EcnPoint {
+                    gbps: 100.0,
+                    kmin: 400_000,
+                    kmax: 1_600_000,
+                    pmax: 0.2,
+                },
+                EcnPoint {
+                    gbps: 400.0,
+                    kmin: 800_000,
+                    kmax: 3_200_000,
+                    pmax: 0.2,
+                },
+            ],
+            dcqcn: true,
+            dcqcn_params: DcqcnParams::default(),
+            seed: 0,
+        }
+    }
+}
+
+/// One problem with one field of a [`PacketConfig`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConfigProblem {
+    /// The field's path (`dcqcn_params.g`, `ecn[1].kmax`).
+    pub field: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl PacketConfig {
+    /// Every problem with this configuration, each with its field path; empty when valid.
+    ///
+    /// The simulator never panics on a bad configuration: it clamps each bad value to the
+    /// nearest sensible one (documented per check below). Callers that take configurations
+    /// from users should call this first and report the problems.
+    pub fn problems(&self) -> Vec<ConfigProblem> {
+        let mut out = Vec::new();
+        let mut bad = |field: &str, reason: &str| {
+            out.push(ConfigProblem {
+                field: field.to_string(),
+                reason: reason.to_string(),
+            })
+        };
+        if self.mtu_payload == 0 {
+            bad("mtu_payload", "must be at least 1 (clamped to 1)");
+        }
+        if self.ack_every == 0 {
+            bad("ack_every", "must be at least 1 (clamped to 1)");
+        }
+        if self.rto == Picos::ZERO {
+            bad("rto", "must be positive (clamped to 1 ps)");
+        }
+        if !(self.pfc_alpha.is_finite() && self.pfc_alpha > 0.0) {
+            bad("pfc_alpha", "must be positive and finite (replaced by 1/8)");
+        }
+        for (i, p) in self.ecn.iter().enumerate() {
+            if !(p.gbps.is_finite() && p.gbps > 0.0) {
+                bad(
+                    &format!("ecn[{i}].gbps"),
+                    "must be positive and finite (point ignored)",
+                );
+            }
+            if p.kmax < p.kmin {
+                bad(
+                    &format!("ecn[{i}].kmax"),
+                    "must be at least kmin (raised to kmin)",
+                );
+            }
+            if !(p.pmax.is_finite() && (0.0..=1.0).contains(&p.pmax)) {
+                bad(&format!("ecn[{i}].pmax"), "must be in [0, 1] (clamped)");
+            }
+        }
+        let d = &self.dcqcn_params;
+        for (name, v) in [
+            ("dcqcn_params.rate_increase_timer", d.rate_increase_timer),
+            (
+                "dcqcn_params.alpha_update_interval",
+                d.alpha_update_interval,
+            ),
+            (
+                "dcqcn_params.rate_decrease_interval",
+                d.rate_decrease_interval,
+            ),
+        ] {
+            if v == Picos::ZERO {
+                bad(name, "must be positive (clamped to 1 ps)");
+            }
+        }
+        if !(d.g.is_finite() && d.g > 0.0 && d.g <= 1.0) {
+            bad("dcqcn_params.g", "must be in (0, 1] (replaced by 1/256)");
+        }
+        for (name, v) in [
+            ("dcqcn_params.additive_increase", d.additive_increase),
+            ("dcqcn_params.hyper_increase", d.hyper_increase),
+        ] {
+            if !(v.0.is_finite() && v.0 >= 0.0) {
+                bad(name, "must be non-negative and finite (replaced by 0)");
+            }
+        }
+        if !(d.min_rate.0.is_finite() && d.min_rate.0 > 0.0) {
+            bad(
+                "dcqcn_params.min_rate",
+                "must be positive and finite (replaced by 100 Mb/s)",
+            );
+        }
+        if !(d.initial_alpha.is_finite() && (0.0..=1.0).contains(&d.initial_alpha)) {
+            bad("dcqcn_params.initial_alpha", "must be in [0, 1] (clamped)");
+        }
+        out
+    }
+
+    /// The configuration with every bad value clamped as [`PacketConfig::problems`]
+    /// describes, and the ECN table sorted by speed with bad points removed.
+    pub fn sanitized(&self) -> PacketConfig {
+        let mut c = self.clone();
+        c.mtu_payload = c.mtu_payload.max(1);
+        c.ack_every = c.ack_every.max(1);
+        c.rto = c.rto.max(Picos(1));
+        if !(c.pfc_alpha.is_finite() && c.pfc_alpha > 0.0) {
+            c.pfc_alpha = 0.125;
+        }
+        c.ecn.retain(|p| p.gbps.is_finite() && p.gbps > 0.0);
+        for p in &mut c.ecn {
+            p.kmax = p.kmax.max(p.kmin);
+            p.pmax = if p.pmax.is_finite() {
+                p.pmax.clamp(0.0, 1.0)
+            } else {
+                1.0
+            };
+        }
+        c.ecn.sort_by(|a, b| a.gbps.total_cmp(&b.gbps));
+        let d = &mut c.dcqcn_params;
+        d.rate_increase_timer = d.rate_increase_timer.max(Picos(1));
+        d.alpha_update_interval = d.alpha_update_interval.max(Picos(1));
+        d.rate_decrease_interval = d.rate_decrease_interval.max(Picos(1));
+        if !(d.g.is_finite() && d.g > 0.0 && d.g <= 1.0) {
+            d.g = 1.0 / 256.0;
+        }
+        for v in [&mut d.additive_increase, &mut d.hyper_increase] {
+            if !(v.0.is_finite() && v.0 >= 0.0) {
+                *v = Bandwidth(0.0);
+            }
+        }
+        if !(d.min_rate.0.is_finite() && d.min_rate.0 > 0.0) {
+            d.min_rate = Bandwidth::from_gbits_per_sec(0.1);
+        }
+        d.initial_alpha = if d.initial_alpha.is_finite() {
+            d.initial_alpha.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        c
+    }
+
+    /// The ECN thresholds for an egress port of `bandwidth`.
+    ///
+    /// The table (sorted by speed) is read as a piecewise-linear function of the link
+    /// speed: below the slowest point thresholds scale in proportion to the speed (a link
+    /// at a quarter of 100 Gb/s marks at a quarter of the queue: 25 Gb/s -> 100/400 KB),
+    /// between two points Kmin, Kmax and Pmax are interpolated linearly (200 Gb/s ->
+    /// 533/2133 KB), and above the fastest point they scale in proportion again
+    /// (800 Gb/s -> 1600/6400 KB). An empty table disables marking.
+    pub fn ecn_for(&self, bandwidth: Bandwidth) -> EcnThresholds {
+        let none = EcnThresholds {
+            kmin: f64::INFINITY,
+            kmax: f64::INFINITY,
+            pmax: 0.0,
+        };
+        let speed = bandwidth.0 * 8.0 / 1e9;
+        let pts: Vec<&EcnPoint> = self
+            .ecn
+            .iter()
+            .filter(|p| p.gbps.is_finite() && p.gbps > 0.0)
+            .collect();
+        let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
+            return none;
+        };
+        let scaled = |p: &EcnPoint, s: f64| EcnThresholds {
+            kmin: p.kmin as f64 * s,
+            kmax: p.kmax as f64 * s,
+            pmax: p.pmax,
+        };
+        if !(speed.is_finite() && speed > 0.0) {
+            return none;
+        }
+        if speed <= first.gbps {
+            return scaled(first, speed / first.gbps);
+        }
+        if speed >= last.gbps {
+            return scaled(last, speed / last.gbps);
+        }
+        for w in pts.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if speed <= b.gbps {
+                let t = if b.gbps > a.gbps {
+                    (speed - a.gbps) / (b.gbps - a.gbps)
+                } else {
+                    1.0
+                };
+                let lerp = |x: f64, y: f64| x + (y - x) * t;
+                return EcnThresholds {
+                    kmin: lerp(a.kmin as f64, b.kmin as f64),
+                    kmax: lerp(a.kmax as f64, b.kmax as f64),
+                    pmax: lerp(a.pmax, b.pmax),
+                };
+            }
+        }
+        scaled(last, speed / last.gbps)
+    }
+
+    /// Line bytes of a full data packet (payload + headers + framing).
+    pub fn data_wire_bytes(&self) -> u64 {
+        u64::from(self.mtu_payload) + u64::from(self.header_bytes) + u64::from(self.framing_bytes)
+    }
+
+    /// The PFC headroom of an ingress port fed by a link of `bandwidth` and `delay`.
+    pub fn headroom_for(&self, bandwidth: Bandwidth, delay: Picos) -> u64 {
+        if let Some(h) = self.pfc_headroom {
+            return h;
+        }
+        let bdp = bandwidth.0 * delay.as_secs_f64();
+        let bdp = if bdp.is_finite() && bdp > 0.0 {
+            bdp.ceil() as u64
+        } else {
+            0
+        };
+        2 * bdp
+            + 3 * self.data_wire_bytes()
+            + u64::from(self.pfc_frame_bytes)
+            + u64::from(self.framing_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gbps(x: f64) -> Bandwidth {
+        Bandwidth::from_gbits_per_sec(x)
+    }
+
+    #[test]
+    fn ecn_table_points_and_scaling() {
+        let c = PacketConfig::default();
+        let at = |g: f64| c.ecn_for(gbps(g));
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6 * b.abs().max(1.0);
+        assert!(close(at(100.0).kmin, 400_000.0) && close(at(100.0).kmax, 1_600_000.0));
+        assert!(close(at(400.0).kmin, 800_000.0) && close(at(400.0).kmax, 3_200_000.0));
+        assert!(close(at(25.0).kmin, 100_000.0) && close(at(25.0).kmax, 400_000.0));
+        assert!(close(at(200.0).kmin, 400_000.0 + 400_000.0 / 3.0));
+        assert!(close(at(800.0).kmin, 1_600_000.0));
+        assert!(close(at(250.0).pmax, 0.2));
+        let empty = PacketConfig {
+            ecn: Vec::new(),
+            ..PacketConfig::default()
+        };
+        assert_eq!(empty.ecn_for(gbps(100.0)).probability(1e12), 0.0);
+    }
+
+    #[test]
+    fn red_probability() {
+        let t = EcnThresholds {
+            kmin: 100.0,
+            kmax: 300.0,
+            pmax: 0.2,
+        };
+        assert_eq!(t.probability(100.0), 0.0);
+        assert!((t.probability(200.0) - 0.1).abs() < 1e-12);
+        assert!((t.probability(300.0) - 0.2).abs() < 1e-12);
+        assert_eq!(t.probability(301.0), 1.0);
+    }
+
+    #[test]
+    fn defaults_are_valid_and_bad_values_are_reported_and_clamped() {
+        assert!(PacketConfig::default().problems().is_empty());
+        let mut c = PacketConfig {
+            mtu_payload: 0,
+            ack_every: 0,
+            pfc_alpha: f64::NAN,
+            ..PacketConfig::default()
+        };
+        c.dcqcn_params.g = 2.0;
+        c.ecn[0].kmax = 1;
+        let fields: Vec<String> = c.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "mtu_payload",
+                "ack_every",
+                "pfc_alpha",
+                "ecn[0].kmax",
+                "dcqcn_params.g"
+            ]
+        );
+        let s = c.sanitized();
+        assert!(s.problems().is_empty());
+        assert_eq!(s.mtu_payload, 1);
+    }
+
+    #[test]
+    fn toml_round_trip_and_partial_tables() {
+        let c = PacketConfig::default();
+        let text = toml::to_string(&c).unwrap();
+        let back: PacketConfig = toml::from_str(&text).unwrap();
+        assert_eq!(back, c);
+        let partial: PacketConfig =
+            toml::from_str("pfc = false\nbuffer_bytes = 1000\n[dcqcn_params]\ng = 0.5\n").unwrap();
+        assert!(!partial.pfc);
+        assert_eq!(partial.buffer_bytes, 1000);
+        assert_eq!(partial.dcqcn_params.g, 0.5);
+        assert_eq!(partial.dcqcn_params.min_rate, c.dcqcn_params.min_rate);
+        assert_eq!(partial.mtu_payload, 1000);
+        assert!(toml::from_str::<PacketConfig>("mtu = 4096").is_err());
+    }
+
+    #[test]
+    fn default_headroom_covers_two_bdps_and_three_frames() {
+        let c = PacketConfig::default();
+        // 100 Gb/s, 1 us: BDP 12 500 B.
+        let h = c.headroom_for(gbps(100.0), Picos::from_micros(1));
+        assert_eq!(h, 25_000 + 3 * 1082 + 84);
+    }
+}

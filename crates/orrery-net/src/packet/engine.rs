@@ -1,0 +1,554 @@
+//! The simulation state, the events and the event loop. Hosts ([`super::host`]) and
+//! switches ([`super::switch`]) add their handlers to [`Engine`] in their own files.
+
+use super::config::{EcnThresholds, PacketConfig};
+use super::dcqcn::ReactionPoint;
+use super::{PacketRun, PacketStats, Sample, TraceRequest};
+use crate::flow_model::flow_hash;
+use crate::flows::FlowSet;
+use crate::sim::{FlowOutcome, SimError, SimReport};
+use crate::topology::NetGraph;
+use orrery_des::{EventKey, EventQueue, HeapQueue, Rng};
+use orrery_units::{Bandwidth, NodeId, Picos};
+use std::collections::VecDeque;
+
+/// "No link" (a packet at a host has no ingress link).
+pub(super) const NO_LINK: u32 = u32::MAX;
+
+/// What can happen. Every payload is an index into one of the engine's arenas, so an
+/// event is 8 bytes and scheduling one allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ev {
+    /// A flow's dependencies are done and its delay has passed.
+    Release(u32),
+    /// The egress port of a link finished serialising a frame.
+    PortFree(u32),
+    /// A host port's earliest rate-limited queue pair may send now.
+    PortWake(u32),
+    /// A packet's last bit reached the far end of its current link.
+    Arrive(u32),
+    /// A PFC pause frame reached the sender of a link.
+    Pause(u32),
+    /// A PFC resume frame reached the sender of a link.
+    Resume(u32),
+    /// A flow's retransmission timer.
+    Rto(u32),
+    /// A flow's DCQCN rate-decrease tick.
+    RpDecrease(u32),
+    /// A flow's DCQCN rate-increase timer.
+    RpIncrease(u32),
+    /// Take a trace sample (not counted as a simulation event).
+    Sample,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Data,
+    Ack,
+    Nack,
+    Cnp,
+}
+
+/// A packet in flight or in a queue.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Packet {
+    /// Data: packet index in its flow. ACK/NACK: the next packet the receiver expects.
+    pub seq: u64,
+    pub flow: u32,
+    pub payload: u32,
+    /// Bytes counted in buffers (payload + headers, or the control frame).
+    pub frame: u32,
+    /// The link the packet is on (or queued for).
+    pub link: u32,
+    /// The link it entered the current switch by (PFC ingress accounting).
+    pub in_link: u32,
+    /// Index of `link` in the packet's path (forward for data, reverse for control).
+    pub hop: u32,
+    pub kind: Kind,
+    pub ecn: bool,
+}
+
+/// One directed link: the egress port at its sender and the ingress accounting at its
+/// receiver.
+#[derive(Debug)]
+pub(super) struct Port {
+    pub from: u32,
+    pub to: u32,
+    pub from_switch: bool,
+    pub to_switch: bool,
+    /// Bytes per second.
+    pub bw: f64,
+    pub delay: Picos,
+    pub busy: bool,
+    /// Data transmission paused by PFC from the receiver.
+    pub paused: bool,
+    /// Control frames (ACK, NACK, CNP): strict priority, never paused, never buffered
+    /// against the shared pool.
+    pub ctrl: VecDeque<u32>,
+    /// Switch data FIFO.
+    pub data: VecDeque<u32>,
+    /// Bytes in `data`.
+    pub queued: u64,
+    pub ecn: EcnThresholds,
+    /// Host port: the queue pairs that send on it, served round-robin.
+    pub qps: Vec<u32>,
+    pub rr: usize,
+    pub wake: Option<(Picos, EventKey)>,
+    /// Ingress accounting at the receiving switch: reserved + shared bytes, headroom bytes.
+    pub in_bytes: u64,
+    pub in_hdrm: u64,
+    pub headroom: u64,
+    /// A pause is in force (sent, not yet resumed).
+    pub pause_sent: bool,
+}
+
+/// A switch's shared buffer.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SwitchBuf {
+    /// Buffer minus all headroom and reserves: the pool the dynamic threshold divides.
+    pub shared_cap: u64,
+    pub shared_used: u64,
+    /// Every data byte in the switch.
+    pub used: u64,
+}
+
+/// A flow: its RDMA queue pair at the sender and its receiver state.
+#[derive(Debug)]
+pub(super) struct FlowState {
+    pub src_port: u32,
+    pub fwd: (u32, u32),
+    pub rev: (u32, u32),
+    pub npkts: u64,
+    pub last_payload: u32,
+    pub delay: Picos,
+    pub waiting: u32,
+    pub released: bool,
+    pub start: Picos,
+    pub finish: Option<Picos>,
+    // Sender.
+    pub snd_nxt: u64,
+    pub snd_una: u64,
+    pub high: u64,
+    pub ready_at: Picos,
+    pub rp: ReactionPoint,
+    pub rto_pending: bool,
+    pub last_progress: Picos,
+    pub retries: u32,
+    pub dead: bool,
+    pub sender_done: bool,
+    // Receiver.
+    pub rcv_nxt: u64,
+    /// The out-of-order sequence number that triggered the last NACK (`u64::MAX`: none).
+    pub nack_trigger: u64,
+    pub last_cnp: Option<Picos>,
+    pub delivered: u64,
+}
+
+/// The whole simulation.
+#[derive(Debug)]
+pub(super) struct Engine<'a> {
+    pub cfg: &'a PacketConfig,
+    pub q: HeapQueue<Ev>,
+    pub now: Picos,
+    pub ports: Vec<Port>,
+    pub bufs: Vec<SwitchBuf>,
+    pub flows: Vec<FlowState>,
+    dependents_at: Vec<u32>,
+    dependents: Vec<u32>,
+    pub paths: Vec<u32>,
+    pub pkts: Vec<Packet>,
+    free: Vec<u32>,
+    pub rng: Rng,
+    pub unfinished: usize,
+    trace: &'a TraceRequest,
+    samples: Vec<Sample>,
+    // Report counters.
+    pub link_bytes: Vec<u64>,
+    pub pfc_pauses: Vec<u64>,
+    pub drops: u64,
+    pub bytes_sent: u64,
+    pub bytes_delivered: u64,
+    pub events: u64,
+    pub stats: PacketStats,
+}
+
+/// Serialisation time of `bytes` at `bw` bytes per second, rounded to the picosecond.
+pub(super) fn ser(bytes: u64, bw: f64) -> Picos {
+    Bandwidth(bw).time_for(bytes as f64)
+}
+
+impl<'a> Engine<'a> {
+    /// Builds the state: ports, buffers, routes and queue pairs. `cfg` must be sanitised.
+    pub fn new(
+        cfg: &'a PacketConfig,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        trace: &'a TraceRequest,
+    ) -> Result<Engine<'a>, SimError> {
+        flows.check()?;
+        let n_nodes = graph.num_nodes();
+        let mut ports = Vec::with_capacity(graph.links().len());
+        for l in graph.links() {
+            let from_switch = graph.kind(l.from).is_switch();
+            let to_switch = graph.kind(l.to).is_switch();
+            ports.push(Port {
+                from: l.from.0,
+                to: l.to.0,
+                from_switch,
+                to_switch,
+                bw: l.bandwidth.0,
+                delay: l.delay,
+                busy: false,
+                paused: false,
+                ctrl: VecDeque::new(),
+                data: VecDeque::new(),
+                queued: 0,
+                ecn: cfg.ecn_for(l.bandwidth),
+                qps: Vec::new(),
+                rr: 0,
+                wake: None,
+                in_bytes: 0,
+                in_hdrm: 0,
+                headroom: if to_switch {
+                    cfg.headroom_for(l.bandwidth, l.delay)
+                } else {
+                    0
+                },
+                pause_sent: false,
+            });
+        }
+        let mut bufs = vec![SwitchBuf::default(); n_nodes];
+        let mut reserved = vec![0u64; n_nodes];
+        for p in &ports {
+            if p.to_switch {
+                reserved[p.to as usize] = reserved[p.to as usize]
+                    .saturating_add(p.headroom)
+                    .saturating_add(cfg.pfc_reserve);
+            }
+        }
+        for (b, r) in bufs.iter_mut().zip(&reserved) {
+            b.shared_cap = cfg.buffer_bytes.saturating_sub(*r);
+        }
+
+        // Routes: forward for data, reverse for ACK/NACK/CNP, with the flow model's ECMP
+        // hash so both models put a flow on the same path.
+        let mut dist_cache: Vec<Option<Vec<u32>>> = vec![None; n_nodes];
+        let mut paths = Vec::new();
+        let push_path = |paths: &mut Vec<u32>,
+                         dist_cache: &mut Vec<Option<Vec<u32>>>,
+                         s: NodeId,
+                         d: NodeId,
+                         hash: u64|
+         -> Result<(u32, u32), SimError> {
+            let dist = dist_cache[d.index()].get_or_insert_with(|| graph.distances_to(d));
+            let route = graph.route_with(s, d, hash, dist)?;
+            let start = paths.len() as u32;
+            paths.extend(route.iter().map(|l| l.0));
+            Ok((start, route.len() as u32))
+        };
+        let mtu = u64::from(cfg.mtu_payload);
+        let mut states = Vec::with_capacity(flows.flows.len());
+        let mut n_dependents = vec![0u32; flows.flows.len() + 1];
+        for (i, f) in flows.flows.iter().enumerate() {
+            let s = graph.endpoint(f.src as usize)?;
+            let d = graph.endpoint(f.dst as usize)?;
+            let fwd = push_path(
+                &mut paths,
+                &mut dist_cache,
+                s,
+                d,
+                flow_hash(f.src, f.dst, i),
+            )?;
+            let rev = push_path(
+                &mut paths,
+                &mut dist_cache,
+                d,
+                s,
+                flow_hash(f.dst, f.src, i),
+            )?;
+            let src_port = paths[fwd.0 as usize];
+            let bytes = f.bytes.0;
+            let npkts = bytes.div_ceil(mtu);
+            let last_payload = (bytes - npkts.saturating_sub(1) * mtu) as u32;
+            let line = ports[src_port as usize].bw;
+            for dep in &f.deps {
+                n_dependents[dep.index()] += 1;
+            }
+            states.push(FlowState {
+                src_port,
+                fwd,
+                rev,
+                npkts,
+                last_payload,
+                delay: f.delay,
+                waiting: f.deps.len() as u32,
+                released: false,
+                start: Picos::ZERO,
+                finish: None,
+                snd_nxt: 0,
+                snd_una: 0,
+                high: 0,
+                ready_at: Picos::ZERO,
+                rp: ReactionPoint::new(line),
+                rto_pending: false,
+                last_progress: Picos::ZERO,
+                retries: 0,
+                dead: false,
+                sender_done: false,
+                rcv_nxt: 0,
+                nack_trigger: u64::MAX,
+                last_cnp: None,
+                delivered: 0,
+            });
+        }
+        // Dependents in CSR form (a flow listed twice as a dependency is counted twice).
+        let mut dependents_at = vec![0u32; flows.flows.len() + 1];
+        for i in 0..flows.flows.len() {
+            dependents_at[i + 1] = dependents_at[i] + n_dependents[i];
+        }
+        let mut fill = dependents_at.clone();
+        let mut dependents = vec![0u32; dependents_at[flows.flows.len()] as usize];
+        for (i, f) in flows.flows.iter().enumerate() {
+            for dep in &f.deps {
+                dependents[fill[dep.index()] as usize] = i as u32;
+                fill[dep.index()] += 1;
+            }
+        }
+
+        let n_links = ports.len();
+        let mut q = HeapQueue::new();
+        for (i, f) in states.iter().enumerate() {
+            if f.waiting == 0 {
+                q.schedule(f.delay, Ev::Release(i as u32));
+            }
+        }
+        if trace.interval > Picos::ZERO {
+            q.schedule(Picos::ZERO, Ev::Sample);
+        }
+        Ok(Engine {
+            cfg,
+            q,
+            now: Picos::ZERO,
+            ports,
+            bufs,
+            unfinished: states.len(),
+            flows: states,
+            dependents_at,
+            dependents,
+            paths,
+            pkts: Vec::new(),
+            free: Vec::new(),
+            rng: Rng::seed_from_u64(cfg.seed),
+            trace,
+            samples: Vec::new(),
+            link_bytes: vec![0; n_links],
+            pfc_pauses: vec![0; n_links],
+            drops: 0,
+            bytes_sent: 0,
+            bytes_delivered: 0,
+            events: 0,
+            stats: PacketStats::default(),
+        })
+    }
+
+    /// Runs until no event is left.
+    pub fn run(mut self) -> Result<PacketRun, SimError> {
+        while let Some((t, ev)) = self.q.pop() {
+            self.now = t;
+            match ev {
+                Ev::Release(f) => self.release(f),
+                Ev::PortFree(l) => {
+                    self.ports[l as usize].busy = false;
+                    self.try_send(l);
+                }
+                Ev::PortWake(l) => {
+                    self.ports[l as usize].wake = None;
+                    self.try_send(l);
+                }
+                Ev::Arrive(p) => self.arrive(p),
+                Ev::Pause(l) => self.ports[l as usize].paused = true,
+                Ev::Resume(l) => {
+                    self.ports[l as usize].paused = false;
+                    self.try_send(l);
+                }
+                Ev::Rto(f) => self.on_rto(f),
+                Ev::RpDecrease(f) => self.on_rp_decrease(f),
+                Ev::RpIncrease(f) => self.on_rp_increase(f),
+                Ev::Sample => {
+                    self.sample();
+                    continue;
+                }
+            }
+            self.events += 1;
+        }
+        self.stats.clamped_schedules = self.q.clamped_schedules();
+        let unfinished = self.flows.iter().filter(|f| f.finish.is_none()).count();
+        if unfinished > 0 {
+            return Err(SimError::Unfinished { unfinished });
+        }
+        let outcomes: Vec<FlowOutcome> = self
+            .flows
+            .iter()
+            .map(|f| FlowOutcome {
+                start: f.start,
+                finish: f.finish.unwrap_or(f.start),
+            })
+            .collect();
+        let end = outcomes
+            .iter()
+            .map(|o| o.finish)
+            .max()
+            .unwrap_or(Picos::ZERO);
+        Ok(PacketRun {
+            report: SimReport {
+                model: "packet".to_string(),
+                flows: outcomes,
+                end,
+                link_bytes: self.link_bytes,
+                pfc_pauses: self.pfc_pauses,
+                drops: self.drops,
+                bytes_sent: self.bytes_sent,
+                bytes_delivered: self.bytes_delivered,
+                events: self.events,
+            },
+            stats: self.stats,
+            samples: self.samples,
+        })
+    }
+
+    fn sample(&mut self) {
+        let s = Sample {
+            time: self.now,
+            delivered: self.flows.iter().map(|f| f.delivered).collect(),
+            rate: self
+                .flows
+                .iter()
+                .map(|f| {
+                    let active = f.released && !f.sender_done && !f.dead;
+                    if active && self.cfg.dcqcn {
+                        f.rp.rate
+                    } else if active {
+                        f.rp.line
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+            queue: self
+                .trace
+                .ports
+                .iter()
+                .map(|l| self.ports.get(l.index()).map_or(0, |p| p.queued))
+                .collect(),
+        };
+        self.samples.push(s);
+        // Keep sampling while anything else can still happen.
+        if self.unfinished > 0 && !self.q.is_empty() {
+            let at = Picos(self.now.0.saturating_add(self.trace.interval.0));
+            self.q.schedule(at, Ev::Sample);
+        }
+    }
+
+    /// Stores a packet in the arena.
+    pub fn alloc(&mut self, p: Packet) -> u32 {
+        if let Some(i) = self.free.pop() {
+            self.pkts[i as usize] = p;
+            i
+        } else {
+            self.pkts.push(p);
+            (self.pkts.len() - 1) as u32
+        }
+    }
+
+    pub fn release_packet(&mut self, p: u32) {
+        self.free.push(p);
+    }
+
+    /// The link at `hop` of packet `p`'s path.
+    pub fn path_link(&self, p: &Packet, hop: u32) -> Option<u32> {
+        let f = &self.flows[p.flow as usize];
+        let (start, len) = if p.kind == Kind::Data { f.fwd } else { f.rev };
+        (hop < len).then(|| self.paths[(start + hop) as usize])
+    }
+
+    /// Starts serialising packet `p` on link `l` (the port must be idle).
+    pub fn transmit(&mut self, l: u32, p: u32) {
+        let (frame, payload, is_data) = {
+            let pk = &mut self.pkts[p as usize];
+            pk.link = l;
+            (pk.frame, pk.payload, pk.kind == Kind::Data)
+        };
+        let port = &mut self.ports[l as usize];
+        port.busy = true;
+        let dt = ser(
+            u64::from(frame) + u64::from(self.cfg.framing_bytes),
+            port.bw,
+        );
+        let done = Picos(self.now.0 + dt.0);
+        let arrive = Picos(done.0 + port.delay.0);
+        if is_data {
+            self.link_bytes[l as usize] += u64::from(payload);
+        }
+        self.q.schedule(done, Ev::PortFree(l));
+        self.q.schedule(arrive, Ev::Arrive(p));
+    }
+
+    /// Sends the next frame on link `l` if its port is idle: control first, then data
+    /// unless paused.
+    pub fn try_send(&mut self, l: u32) {
+        let port = &mut self.ports[l as usize];
+        if port.busy {
+            return;
+        }
+        if let Some(p) = port.ctrl.pop_front() {
+            self.transmit(l, p);
+            return;
+        }
+        if port.paused {
+            return;
+        }
+        if port.from_switch {
+            if let Some(p) = port.data.pop_front() {
+                self.switch_dequeue(l, p);
+                self.transmit(l, p);
+            }
+        } else {
+            self.host_pick(l);
+        }
+    }
+
+    /// A packet reached the far end of its link.
+    fn arrive(&mut self, p: u32) {
+        let pk = self.pkts[p as usize];
+        let port = &self.ports[pk.link as usize];
+        if port.to_switch {
+            self.switch_arrive(p);
+        } else {
+            self.host_arrive(p);
+            self.release_packet(p);
+        }
+    }
+
+    /// Marks flow `f` finished now and releases the flows waiting on it.
+    pub fn finish_flow(&mut self, f: u32) {
+        let fl = &mut self.flows[f as usize];
+        if fl.finish.is_some() {
+            return;
+        }
+        fl.finish = Some(self.now);
+        self.unfinished -= 1;
+        let (a, b) = (
+            self.dependents_at[f as usize] as usize,
+            self.dependents_at[f as usize + 1] as usize,
+        );
+        for k in a..b {
+            let d = self.dependents[k] as usize;
+            let dep = &mut self.flows[d];
+            dep.waiting -= 1;
+            if dep.waiting == 0 {
+                let at = Picos(self.now.0.saturating_add(dep.delay.0));
+                self.q.schedule(at, Ev::Release(d as u32));
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Switches: store-and-forward along each flow's route, a shared buffer with per-ingress
+//! PFC accounting (reserve, shared pool under a dynamic threshold, headroom), one FIFO per
+//! egress port, RED/ECN marking as a packet leaves its egress queue.
+
+use super::engine::{ser, Engine, Ev, Kind};
+use orrery_des::EventQueue;
+use orrery_units::Picos;
+
+impl Engine<'_> {
+    /// A packet reached a switch: forward it to the egress port of its next hop.
+    pub(super) fn switch_arrive(&mut self, p: u32) {
+        let pk = self.pkts[p as usize];
+        let l_in = pk.link;
+        let Some(out) = self.path_link(&pk, pk.hop + 1) else {
+            // A path never ends at a switch; if it did, the packet has nowhere to go.
+            self.release_packet(p);
+            return;
+        };
+        {
+            let pk = &mut self.pkts[p as usize];
+            pk.hop += 1;
+            pk.link = out;
+            pk.in_link = l_in;
+        }
+        if pk.kind != Kind::Data {
+            self.ports[out as usize].ctrl.push_back(p);
+            self.try_send(out);
+            return;
+        }
+        let sw = self.ports[l_in as usize].to as usize;
+        let size = u64::from(pk.frame);
+        if self.cfg.pfc {
+            if !self.ingress_admit(sw, l_in, size) {
+                self.drop_packet(p);
+                return;
+            }
+            self.check_pause(sw, l_in);
+        } else if self.bufs[sw].used + size > self.cfg.buffer_bytes {
+            self.drop_packet(p);
+            return;
+        }
+        let b = &mut self.bufs[sw];
+        b.used += size;
+        if b.used > self.stats.peak_switch_bytes {
+            self.stats.peak_switch_bytes = b.used;
+        }
+        let port = &mut self.ports[out as usize];
+        port.data.push_back(p);
+        port.queued += size;
+        self.try_send(out);
+    }
+
+    fn drop_packet(&mut self, p: u32) {
+        self.drops += 1;
+        self.release_packet(p);
+    }
+
+    /// A data packet leaves its egress queue at a switch to be transmitted on `l`: free its
+    /// buffer, mark it (RED on the queue it leaves behind), maybe resume its ingress.
+    pub(super) fn switch_dequeue(&mut self, l: u32, p: u32) {
+        let size = u64::from(self.pkts[p as usize].frame);
+        let in_link = self.pkts[p as usize].in_link;
+        let port = &mut self.ports[l as usize];
+        port.queued -= size;
+        let queue = port.queued as f64;
+        let ecn = port.ecn;
+        let sw = port.from as usize;
+        let b = &mut self.bufs[sw];
+        b.used = b.used.saturating_sub(size);
+        if self.cfg.pfc {
+            self.ingress_remove(sw, in_link, size);
+            self.check_resume(sw, in_link);
+        }
+        if self.cfg.dcqcn {
+            let prob = ecn.probability(queue);
+            if prob >= 1.0 || (prob > 0.0 && self.rng.next_f64() < prob) {
+                self.pkts[p as usize].ecn = true;
+                self.stats.ecn_marks += 1;
+            }
+        }
+    }
+
+    /// Bytes of ingress `l`'s use beyond its reserve (its share of the pool).
+    fn shared_of(&self, l: u32) -> u64 {
+        self.ports[l as usize]
+            .in_bytes
+            .saturating_sub(self.cfg.pfc_reserve)
+    }
+
+    /// The dynamic threshold: `pfc_alpha` times the free shared pool of switch `sw`.
+    fn threshold(&self, sw: usize) -> u64 {
+        let b = &self.bufs[sw];
+        let free = b.shared_cap.saturating_sub(b.shared_used) as f64;
+        (free * self.cfg.pfc_alpha) as u64
+    }
+
+    /// PFC admission of `size` bytes arriving on ingress `l` at switch `sw`: into the
+    /// reserve, else the shared pool while under the threshold, else the headroom; dropped
+    /// if the headroom is full too (only if headroom is undersized).
+    fn ingress_admit(&mut self, sw: usize, l: u32, size: u64) -> bool {
+        let thr = self.threshold(sw);
+        let shared = self.shared_of(l);
+        let reserve = self.cfg.pfc_reserve;
+        let port = &mut self.ports[l as usize];
+        if size + port.in_hdrm > port.headroom && size + shared > thr {
+            return false;
+        }
+        let new = port.in_bytes + size;
+        if new <= reserve {
+            port.in_bytes = new;
+        } else if new - reserve > thr {
+            port.in_hdrm += size;
+        } else {
+            port.in_bytes = new;
+            self.bufs[sw].shared_used += size.min(new - reserve);
+        }
+        true
+    }
+
+    /// Removes `size` bytes of ingress `l` from switch `sw`'s accounting (headroom first).
+    fn ingress_remove(&mut self, sw: usize, l: u32, size: u64) {
+        let shared = self.shared_of(l);
+        let port = &mut self.ports[l as usize];
+        let from_hdrm = port.in_hdrm.min(size);
+        let from_shared = (size - from_hdrm).min(shared);
+        port.in_hdrm -= from_hdrm;
+        port.in_bytes = port.in_bytes.saturating_sub(size - from_hdrm);
+        let b = &mut self.bufs[sw];
+        b.shared_used = b.shared_used.saturating_sub(from_shared);
+    }
+
+    /// When the frame's time to reach the upstream sender of `l`.
+    fn pfc_arrival(&self, l: u32) -> Picos {
+        let port = &self.ports[l as usize];
+        let frame = u64::from(self.cfg.pfc_frame_bytes) + u64::from(self.cfg.framing_bytes);
+        Picos(self.now.0 + ser(frame, port.bw).0 + port.delay.0)
+    }
+
+    /// Pauses the upstream of ingress `l` if it uses headroom or exceeds the threshold.
+    fn check_pause(&mut self, sw: usize, l: u32) {
+        let port = &self.ports[l as usize];
+        if port.pause_sent {
+            return;
+        }
+        if port.in_hdrm > 0 || self.shared_of(l) > self.threshold(sw) {
+            self.ports[l as usize].pause_sent = true;
+            self.pfc_pauses[l as usize] += 1;
+            let at = self.pfc_arrival(l);
+            self.q.schedule(at, Ev::Pause(l));
+        }
+    }
+
+    /// Resumes the upstream of ingress `l` once its headroom is empty and its shared use is
+    /// `pfc_resume_offset` below the threshold (or zero).
+    fn check_resume(&mut self, sw: usize, l: u32) {
+        let port = &self.ports[l as usize];
+        if !port.pause_sent || port.in_hdrm > 0 {
+            return;
+        }
+        let shared = self.shared_of(l);
+        if shared == 0 || shared + self.cfg.pfc_resume_offset <= self.threshold(sw) {
+            self.ports[l as usize].pause_sent = false;
+            let at = self.pfc_arrival(l);
+            self.q.schedule(at, Ev::Resume(l));
+        }
+    }
+}

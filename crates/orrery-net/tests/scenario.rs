@@ -1,0 +1,78 @@
+//! Scenario files: valid ones build topologies and flows; invalid ones list every problem.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use orrery_net::scenario::{load_scenario, SimModel};
+
+#[test]
+fn a_ring_on_a_rail_optimised_fabric_loads() {
+    let s = load_scenario(
+        r#"
+        name = "ring"
+        [topology]
+        kind = "rail_optimized"
+        hosts = 4
+        gpus_per_host = 8
+        link_gbps = 400
+        [simulator]
+        model = "flow"
+        [[collectives]]
+        kind = "all_reduce"
+        algorithm = "ring"
+        channels = 8
+        ranks = { first = 0, count = 32 }
+        bytes = 1048576
+        [[flows]]
+        src = 0
+        dst = 31
+        bytes = 4096
+        start_us = 5.0
+        "#,
+    )
+    .unwrap();
+    assert_eq!(s.graph.num_endpoints(), 32);
+    assert_eq!(s.model, SimModel::Flow);
+    assert_eq!(s.flows.collectives.len(), 2);
+    assert!(s.flows.check().is_ok());
+}
+
+#[test]
+fn every_problem_is_reported_with_its_path() {
+    let err = load_scenario(
+        r#"
+        [topology]
+        kind = "single_switch"
+        endpoints = 4
+        link_gbps = -1
+        [[flows]]
+        src = 0
+        dst = 9
+        [[collectives]]
+        kind = "all_reduce"
+        algorithm = "zigzag"
+        ranks = [0, 1, 1]
+        bytes = 10
+        "#,
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "topology.link_gbps",
+            "flows[0].bytes",
+            "collectives[0].algorithm",
+            "collectives[0].ranks",
+        ],
+        "{err}"
+    );
+}
+
+#[test]
+fn syntax_errors_and_unknown_fields_are_errors() {
+    assert!(load_scenario("[topology\n").is_err());
+    let e = load_scenario("[topology]\nkind = \"single_switch\"\nendpoint = 3\n").unwrap_err();
+    assert!(e.to_string().contains("endpoint"), "{e}");
+    let e = load_scenario("[topology]\nkind = \"single_switch\"\nendpoints = 2\n").unwrap_err();
+    assert!(e.to_string().contains("no traffic"), "{e}");
+}
