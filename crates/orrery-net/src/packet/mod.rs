@@ -138,8 +138,8 @@
 //!   `mtu_payload = 4096`) for a closer model of coalescing ConnectX NICs.
 //! - With CNPs at most every 50 us and alpha updated every 1 us with g = 1/256, alpha decays
 //!   by ~18% between two CNPs of a flow and settles near 0.02, so each CNP cuts the rate by
-//!   only ~1%: at a congested 100 Gb/s port the queue grows to the PFC equilibrium (a third
-//!   of the shared pool for three-plus busy ingresses, ~11 MB with 32 MiB) before DCQCN
+//!   only ~1%: at a congested 100 Gb/s port the queue grows to the PFC equilibrium (`k / (8 +
+//!   k)` of the shared pool for `k` busy ingress ports: ~11 MB for four with 32 MiB) before DCQCN
 //!   brings the rates down, and flows converge to fair shares over milliseconds.
 //! - `buffer_bytes` must exceed the headroom and reserve of all the switch's ingress ports
 //!   (about 32 KB per 100 Gb/s port with 1 us links); otherwise the shared pool is empty,
