@@ -4,7 +4,7 @@
 use crate::{atomic_write, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
-use orrery_net::packet::{PacketConfig, PacketSimulator};
+use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::scenario::{load_scenario, Scenario, SimModel};
 use orrery_net::sim::{FlowSimulator, SimReport};
 use orrery_units::Picos;
@@ -25,6 +25,16 @@ pub struct NetsimArgs {
     /// Also write the full report (every flow's start and finish) as JSON to this file.
     #[arg(long, value_name = "FILE.json")]
     out: Option<PathBuf>,
+    /// Packet model: sample the egress queue depth of this directed link (see the busiest
+    /// links table for ids) and write it as CSV to --queue-trace-out.
+    #[arg(long, value_name = "LINK")]
+    queue_trace: Option<u32>,
+    /// Where the queue-depth trace goes.
+    #[arg(long, value_name = "FILE.csv", default_value = "queue-trace.csv")]
+    queue_trace_out: PathBuf,
+    /// Sampling period of the queue-depth trace, microseconds.
+    #[arg(long, default_value_t = 1.0)]
+    queue_trace_us: f64,
 }
 
 /// A distribution summary.
@@ -236,6 +246,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     };
     let spinner = crate::progress_spinner("simulating");
     let start = std::time::Instant::now();
+    let mut samples = Vec::new();
     let report = match model {
         SimModel::Flow => FlowLevelSimulator::default().simulate(&scenario.graph, &scenario.flows),
         SimModel::Packet => {
@@ -245,8 +256,43 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                     .map_err(|e| bad(format!("[packet]: {e}")))?,
                 None => PacketConfig::default(),
             };
+            let problems = config.problems();
+            if !problems.is_empty() {
+                let list: Vec<String> = problems
+                    .iter()
+                    .map(|p| format!("packet.{}: {}", p.field, p.reason))
+                    .collect();
+                return Err(bad(format!(
+                    "the [packet] table has problems:\n  {}",
+                    list.join("\n  ")
+                )));
+            }
             config.seed = scenario.seed;
-            PacketSimulator { config }.simulate(&scenario.graph, &scenario.flows)
+            let mut trace = TraceRequest {
+                interval: Picos::ZERO,
+                ports: Vec::new(),
+            };
+            if let Some(link) = args.queue_trace {
+                if link as usize >= scenario.graph.links().len() {
+                    return Err(bad(format!(
+                        "--queue-trace: link {link} does not exist (the topology has {})",
+                        scenario.graph.links().len()
+                    )));
+                }
+                if !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0) {
+                    return Err(bad("--queue-trace-us must be a positive number"));
+                }
+                trace = TraceRequest {
+                    interval: Picos::from_secs_f64(args.queue_trace_us * 1e-6),
+                    ports: vec![orrery_units::LinkId(link)],
+                };
+            }
+            PacketSimulator::new(config)
+                .run(&scenario.graph, &scenario.flows, &trace)
+                .map(|run| {
+                    samples = run.samples;
+                    run.report
+                })
         }
     }
     .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;
@@ -257,6 +303,27 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print!("{}", render(&summary));
+    }
+    if let Some(link) = args.queue_trace {
+        if model == SimModel::Flow {
+            eprintln!("note: the flow model has no queues; --queue-trace needs --model packet");
+        } else {
+            let mut csv = String::from("time_us,queue_bytes\n");
+            for s in &samples {
+                let _ = writeln!(
+                    csv,
+                    "{:.3},{}",
+                    s.time.as_micros_f64(),
+                    s.queue.first().copied().unwrap_or(0)
+                );
+            }
+            atomic_write(&args.queue_trace_out, csv.as_bytes())?;
+            eprintln!(
+                "wrote queue-depth trace of link {link} ({} samples) to {}",
+                samples.len(),
+                args.queue_trace_out.display()
+            );
+        }
     }
     if let Some(path) = &args.out {
         atomic_write(path, serde_json::to_string_pretty(&report)?.as_bytes())?;

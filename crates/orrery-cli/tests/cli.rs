@@ -314,6 +314,32 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
         assert_eq!(v["bytes_delivered"], v["bytes_sent"]);
         assert_eq!(v["drops"], 0);
     }
+    // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
+    let trace = dir.join("queue.csv");
+    let (code, _, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--queue-trace",
+        "1",
+        "--queue-trace-out",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let csv = std::fs::read_to_string(&trace).unwrap();
+    assert!(csv.starts_with("time_us,queue_bytes\n"));
+    let peak = csv
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(',').nth(1)?.parse::<u64>().ok())
+        .max();
+    assert!(
+        peak.unwrap_or(0) > 0,
+        "an incast must queue at the receiver's port"
+    );
+    assert_eq!(
+        orrery(&["netsim", scenario.to_str().unwrap(), "--queue-trace", "999"]).0,
+        2
+    );
     // A broken scenario is bad input: exit status 2 with the problem's path.
     std::fs::write(&scenario, "[topology]\nkind = \"single_switch\"\nendpoints = 2\n[[flows]]\nsrc = 0\ndst = 7\nbytes = 1\n").unwrap();
     let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);

@@ -372,7 +372,13 @@ proptest::proptest! {
             .collect();
         let total: u64 = flows.iter().map(|f| f.bytes.0).sum();
         let fs = flow_set(flows);
-        let cfg = PacketConfig { pfc, buffer_bytes: buffer, ack_every, seed, ..PacketConfig::default() };
+        let cfg = PacketConfig {
+            pfc,
+            buffer_bytes: buffer,
+            ack_every,
+            seed,
+            ..PacketConfig::default()
+        };
         let r = run(cfg, &g, &fs);
         proptest::prop_assert_eq!(r.report.bytes_delivered, total);
         proptest::prop_assert_eq!(r.stats.clamped_schedules, 0);

@@ -96,7 +96,9 @@
 //! | `mtu_payload` | 1000 B | ns-3 RDMA simulators' packet payload |
 //! | `header_bytes` | 62 B | RoCEv2: Eth 14 + IPv4 20 + UDP 8 + BTH 12 + ICRC 4 + FCS 4 |
 //! | `framing_bytes` | 20 B | Ethernet preamble + SFD 8 + inter-frame gap 12 |
-//! | `ack_bytes` / `cnp_bytes` / `pfc_frame_bytes` | 66 / 78 / 64 B | RoCEv2 + AETH; + 16 B reserved; minimum frame |
+//! | `ack_bytes` | 66 B | RoCEv2 headers + AETH 4 |
+//! | `cnp_bytes` | 78 B | RoCEv2 headers + 16 reserved |
+//! | `pfc_frame_bytes` | 64 B | minimum Ethernet frame (802.1Qbb) |
 //! | `ack_every` | 1 | per-packet ACKs (ns-3 `L2_ACK_INTERVAL 1`) |
 //! | `nack` | true | RoCE go-back-N sequence-error NAK |
 //! | `rto` | 4 ms | above one full 32 MiB buffer's drain time at 100 Gb/s (2.7 ms) |
@@ -106,8 +108,8 @@
 //! | `pfc_alpha` | 1/8 | ns-3 HPCC MMU `pfc_a_shift = 3` |
 //! | `pfc_resume_offset` | 3 KiB | ns-3 HPCC MMU `resume_offset` |
 //! | `pfc_reserve` | 4 KiB | ns-3 HPCC MMU `reserve` |
-//! | `pfc_headroom` | auto: 2 BDP + 3 MTU frames + pause frame | in-flight bytes during pause propagation |
-//! | `ecn` | 100G: 400 KB / 1600 KB / 0.2; 400G: 800 KB / 3200 KB / 0.2 | the issue (ns-3 `KMIN_MAP`/`KMAX_MAP`/`PMAX_MAP`) |
+//! | `pfc_headroom` | 2 BDP + 3 MTU frames + pause frame | bytes in flight while a pause travels |
+//! | `ecn` | 100G: 400/1600 KB, 0.2; 400G: 800/3200 KB, 0.2 | the issue; ns-3 `KMIN_MAP` etc. |
 //! | `dcqcn` | true | |
 //! | `dcqcn_params.rate_increase_timer` | 900 us | the issue; ns-3 `RP_TIMER` |
 //! | `dcqcn_params.alpha_update_interval` | 1 us | the issue; `ALPHA_RESUME_INTERVAL` |
@@ -138,9 +140,10 @@
 //!   `mtu_payload = 4096`) for a closer model of coalescing ConnectX NICs.
 //! - With CNPs at most every 50 us and alpha updated every 1 us with g = 1/256, alpha decays
 //!   by ~18% between two CNPs of a flow and settles near 0.02, so each CNP cuts the rate by
-//!   only ~1%: at a congested 100 Gb/s port the queue grows to the PFC equilibrium (`k / (8 +
-//!   k)` of the shared pool for `k` busy ingress ports: ~11 MB for four with 32 MiB) before DCQCN
-//!   brings the rates down, and flows converge to fair shares over milliseconds.
+//!   only ~1%: at a congested 100 Gb/s port the queue grows to the PFC equilibrium
+//!   (`k / (8 + k)` of the shared pool for `k` busy ingress ports: ~11 MB for four with
+//!   32 MiB) before DCQCN brings the rates down, and flows converge to fair shares over
+//!   milliseconds.
 //! - `buffer_bytes` must exceed the headroom and reserve of all the switch's ingress ports
 //!   (about 32 KB per 100 Gb/s port with 1 us links); otherwise the shared pool is empty,
 //!   every port pauses at once, and a switch can hold more than `buffer_bytes`.
