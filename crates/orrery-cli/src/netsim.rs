@@ -5,7 +5,7 @@ use crate::{atomic_write, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
-use orrery_net::scenario::{load_scenario, Scenario, SimModel};
+use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
 use orrery_net::sim::{FlowSimulator, SimReport};
 use orrery_units::Picos;
 use serde::Serialize;
@@ -198,7 +198,8 @@ fn render(s: &NetsimSummary) -> String {
     }
     if !s.collectives.is_empty() {
         let _ = writeln!(out, "Collectives");
-        for c in &s.collectives {
+        const SHOWN: usize = 20;
+        for c in s.collectives.iter().take(SHOWN) {
             let _ = writeln!(
                 out,
                 "  {:<28} {:>6} flows  done at {}  (took {})",
@@ -206,6 +207,19 @@ fn render(s: &NetsimSummary) -> String {
                 c.flows,
                 c.finish,
                 c.finish - c.start
+            );
+        }
+        if s.collectives.len() > SHOWN {
+            let last = s
+                .collectives
+                .iter()
+                .map(|c| c.finish)
+                .max()
+                .unwrap_or(Picos::ZERO);
+            let _ = writeln!(
+                out,
+                "  ... {} more (all in --json); the last finishes at {last}",
+                s.collectives.len() - SHOWN
             );
         }
         out.push('\n');
@@ -231,6 +245,63 @@ fn render(s: &NetsimSummary) -> String {
     out
 }
 
+/// The `[job]` table of a scenario: a job (preset or file, with overrides) whose training
+/// step's communication is the traffic.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobTraffic {
+    preset: Option<String>,
+    /// A job TOML file, relative to the scenario file.
+    file: Option<PathBuf>,
+    #[serde(default)]
+    set: Vec<String>,
+    /// Which communication to include: any of tp, cp, ep, dp, pp (default all).
+    traffic: Option<Vec<String>>,
+}
+
+fn job_scenario(
+    table: &toml::Table,
+    spec: &ScenarioSpec,
+    scenario_path: &std::path::Path,
+) -> Result<Scenario> {
+    let j: JobTraffic = toml::Value::Table(table.clone())
+        .try_into()
+        .map_err(|e| bad(format!("[job]: {e}")))?;
+    let text = match (&j.preset, &j.file) {
+        (Some(_), Some(_)) => return Err(bad("[job]: give either preset or file, not both")),
+        (Some(name), None) => orrery_spec::preset_job_text(name)
+            .map_err(|e| bad(format!("job.preset: {e}")))?
+            .to_string(),
+        (None, Some(file)) => {
+            let path = scenario_path
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join(file);
+            std::fs::read_to_string(&path)
+                .map_err(|e| bad(format!("job.file: cannot read {}: {e}", path.display())))?
+        }
+        (None, None) => return Err(bad("[job]: needs preset or file")),
+    };
+    let job_spec = orrery_spec::load_job_spec(&text, &j.set).map_err(|e| bad(e.to_string()))?;
+    let job = orrery_spec::Job::from_spec(&job_spec).map_err(|e| bad(e.to_string()))?;
+    let select = match &j.traffic {
+        None => orrery_predict::traffic::TrafficSelection::ALL,
+        Some(names) => {
+            orrery_predict::traffic::TrafficSelection::from_names(names).map_err(|unknown| {
+                bad(format!(
+                    "job.traffic: unknown kinds {unknown:?}; known: tp, cp, ep, dp, pp"
+                ))
+            })?
+        }
+    };
+    let (graph, flows) = orrery_predict::traffic::job_traffic(&job, select)?;
+    let name = spec
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("training step of {}", job.name()));
+    Ok(Scenario::from_parts(&name, graph, flows, spec))
+}
+
 pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.scenario).map_err(|e| {
         bad(format!(
@@ -238,7 +309,11 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             args.scenario.display()
         ))
     })?;
-    let scenario = load_scenario(&text).map_err(|e| bad(e.to_string()))?;
+    let spec = parse_scenario(&text).map_err(|e| bad(e.to_string()))?;
+    let scenario = match &spec.job {
+        Some(job) => job_scenario(job, &spec, &args.scenario)?,
+        None => build(&spec).map_err(|e| bad(e.to_string()))?,
+    };
     let model = match args.model.as_deref() {
         Some("flow") => SimModel::Flow,
         Some(_) => SimModel::Packet,

@@ -154,6 +154,30 @@ pub struct ScenarioSpec {
     /// Packet-model settings (see `PacketConfig`), kept as raw TOML so this module does not
     /// depend on the packet model; the caller deserializes it.
     pub packet: Option<toml::Table>,
+    /// The communication of a training job as the traffic (`preset`, `file`, `set`,
+    /// `traffic`). This crate knows nothing of jobs: the CLI builds the topology and flows
+    /// through the predictor; `[topology]`, `[[flows]]` and `[[collectives]]` must then be
+    /// absent.
+    pub job: Option<toml::Table>,
+}
+
+impl Scenario {
+    /// A scenario from an already built topology and flows (job traffic).
+    pub fn from_parts(
+        name: &str,
+        graph: NetGraph,
+        flows: FlowSet,
+        spec: &ScenarioSpec,
+    ) -> Scenario {
+        Scenario {
+            name: name.to_string(),
+            graph,
+            flows,
+            model: spec.simulator.model.unwrap_or(SimModel::Packet),
+            seed: spec.simulator.seed.unwrap_or(1),
+            packet: spec.packet.clone(),
+        }
+    }
 }
 
 /// A validated scenario: the topology, its traffic and the simulator choice.
@@ -200,8 +224,8 @@ impl Problems {
 /// Largest endpoint count a scenario may build.
 const MAX_ENDPOINTS: u64 = 1 << 16;
 
-/// Parses and validates a scenario.
-pub fn load_scenario(text: &str) -> Result<Scenario, ScenarioError> {
+/// Parses a scenario file without validating it.
+pub fn parse_scenario(text: &str) -> Result<ScenarioSpec, ScenarioError> {
     let single = |m: String| {
         ScenarioError(vec![ScenarioProblem {
             path: "scenario".into(),
@@ -209,7 +233,30 @@ pub fn load_scenario(text: &str) -> Result<Scenario, ScenarioError> {
         }])
     };
     let spec: ScenarioSpec = toml::from_str(text).map_err(|e| single(e.to_string()))?;
-    build(&spec)
+    if spec.job.is_some() {
+        let mut p = Problems(Vec::new());
+        if spec.topology != TopologySpec::default() {
+            p.push(
+                "topology",
+                "a [job] scenario takes its topology from the job's cluster",
+            );
+        }
+        if !spec.flows.is_empty() || !spec.collectives.is_empty() {
+            p.push(
+                "job",
+                "a [job] scenario cannot also list [[flows]] or [[collectives]]",
+            );
+        }
+        if !p.0.is_empty() {
+            return Err(ScenarioError(p.0));
+        }
+    }
+    Ok(spec)
+}
+
+/// Parses and validates a scenario whose traffic is flows and collectives (not a `[job]`).
+pub fn load_scenario(text: &str) -> Result<Scenario, ScenarioError> {
+    build(&parse_scenario(text)?)
 }
 
 fn micros(path: &str, v: Option<f64>, p: &mut Problems) -> Picos {
@@ -242,6 +289,13 @@ fn algorithm(name: &str, channels: u32) -> Option<FlowAlgorithm> {
 /// Validates a parsed scenario into a topology and flows.
 pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
     let mut p = Problems(Vec::new());
+    if spec.job.is_some() {
+        p.push(
+            "job",
+            "job traffic is built by `orrery netsim`, not by this function",
+        );
+        return Err(ScenarioError(p.0));
+    }
     let graph = build_topology(&spec.topology, &mut p);
     let endpoints = graph.as_ref().map(|g| g.num_endpoints() as u64);
     let per_host = graph.as_ref().map_or(1, |g| g.endpoints_per_host());

@@ -26,6 +26,7 @@ pub mod memory;
 pub mod replay;
 pub mod sinks;
 pub mod traces;
+pub mod traffic;
 pub mod validation;
 
 pub use breakdown::Breakdown;
