@@ -6,7 +6,7 @@ use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
-use orrery_net::sim::{FlowSimulator, SimReport};
+use orrery_net::sim::{FlowSimulator, SimProgress, SimReport};
 use orrery_units::Picos;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -319,11 +319,26 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         Some(_) => SimModel::Packet,
         None => scenario.model,
     };
-    let spinner = crate::progress_spinner("simulating");
+    let total = scenario.flows.flows.len() as u64;
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "simulating {bar:40} {pos}/{len} flows done, {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut progress = |p: SimProgress| {
+        bar.set_position(p.flows_done as u64);
+        bar.set_message(format!("simulated {} , {} events", p.now, p.events));
+    };
     let start = std::time::Instant::now();
     let mut samples = Vec::new();
     let report = match model {
-        SimModel::Flow => FlowLevelSimulator::default().simulate(&scenario.graph, &scenario.flows),
+        SimModel::Flow => FlowLevelSimulator::default().simulate_with_progress(
+            &scenario.graph,
+            &scenario.flows,
+            &mut progress,
+        ),
         SimModel::Packet => {
             let mut config: PacketConfig = match &scenario.packet {
                 Some(t) => toml::Value::Table(t.clone())
@@ -372,7 +387,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     }
     .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;
     let wall = start.elapsed().as_secs_f64();
-    spinner.finish_and_clear();
+    bar.finish_and_clear();
     let summary = summarize(&scenario, &report, wall);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);

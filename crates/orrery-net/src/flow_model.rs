@@ -54,7 +54,7 @@
 //! two should agree closely.
 
 use crate::flows::FlowSet;
-use crate::sim::{FlowOutcome, FlowSimulator, SimError, SimReport};
+use crate::sim::{FlowOutcome, FlowSimulator, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::{mix, NetGraph};
 use orrery_des::{EventKey, EventQueue, HeapQueue};
 use orrery_units::{NodeId, Picos, PICOS_PER_SEC};
@@ -128,7 +128,18 @@ impl FlowSimulator for FlowLevelSimulator {
     fn simulate(&self, graph: &NetGraph, flows: &FlowSet) -> Result<SimReport, SimError> {
         flows.check()?;
         let routes = Routes::build(graph, flows)?;
-        run(graph, flows, &routes, &self.config)
+        run(graph, flows, &routes, &self.config, &mut |_| {})
+    }
+
+    fn simulate_with_progress(
+        &self,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        progress: &mut dyn FnMut(SimProgress),
+    ) -> Result<SimReport, SimError> {
+        flows.check()?;
+        let routes = Routes::build(graph, flows)?;
+        run(graph, flows, &routes, &self.config, progress)
     }
 }
 
@@ -363,6 +374,7 @@ fn run(
     set: &FlowSet,
     routes: &Routes,
     config: &FlowModelConfig,
+    progress: &mut dyn FnMut(SimProgress),
 ) -> Result<SimReport, SimError> {
     let flows = &set.flows;
     let n = flows.len();
@@ -416,7 +428,18 @@ fn run(
     let mut comp_flows: Vec<u32> = Vec::new();
     let mut stack: Vec<u32> = Vec::new();
 
+    let mut flows_done = 0usize;
+    let mut next_report = 0u64;
     while let Some(now) = queue.peek_time() {
+        if events >= next_report {
+            progress(SimProgress {
+                now,
+                flows_done,
+                flows_total: n,
+                events,
+            });
+            next_report = events + PROGRESS_EVERY;
+        }
         done_now.clear();
         released_now.clear();
         while queue.peek_time() == Some(now) {
@@ -430,6 +453,8 @@ fn run(
         done_now.sort_unstable();
         released_now.sort_unstable();
         dirty.clear();
+        // For progress reports only (zero-byte flows finish without a transmission end).
+        flows_done += done_now.len();
 
         // Ends of transmission: leave the links, finish after the propagation delay,
         // release the dependents whose last dependency this was.

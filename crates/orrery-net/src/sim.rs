@@ -55,9 +55,34 @@ pub enum SimError {
     Unfinished { unfinished: usize },
 }
 
+/// How far a running simulation has got, reported every few thousand events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SimProgress {
+    /// Simulated time reached.
+    pub now: Picos,
+    pub flows_done: usize,
+    pub flows_total: usize,
+    pub events: u64,
+}
+
+/// Events between two progress reports: rare enough that the callback costs nothing.
+pub const PROGRESS_EVERY: u64 = 1 << 16;
+
 /// A simulator of flows on a topology. Implementations are deterministic: the same graph,
 /// flows and configuration (seed included) give the same report.
 pub trait FlowSimulator {
     fn name(&self) -> &'static str;
     fn simulate(&self, graph: &NetGraph, flows: &FlowSet) -> Result<SimReport, SimError>;
+
+    /// Like [`FlowSimulator::simulate`], calling `progress` every [`PROGRESS_EVERY`] events.
+    /// The report is identical to `simulate`'s.
+    fn simulate_with_progress(
+        &self,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        progress: &mut dyn FnMut(SimProgress),
+    ) -> Result<SimReport, SimError> {
+        let _ = progress;
+        self.simulate(graph, flows)
+    }
 }

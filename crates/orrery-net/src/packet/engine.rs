@@ -6,7 +6,7 @@ use super::dcqcn::ReactionPoint;
 use super::{PacketRun, PacketStats, Sample, TraceRequest};
 use crate::flow_model::flow_hash;
 use crate::flows::FlowSet;
-use crate::sim::{FlowOutcome, SimError, SimReport};
+use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
 use orrery_des::{EventKey, EventQueue, HeapQueue, Rng};
 use orrery_units::{Bandwidth, NodeId, Picos};
@@ -351,9 +351,18 @@ impl<'a> Engine<'a> {
         })
     }
 
-    /// Runs until no event is left.
-    pub fn run(mut self) -> Result<PacketRun, SimError> {
+    /// Runs until no event is left, reporting progress every [`PROGRESS_EVERY`] events.
+    pub fn run(mut self, progress: &mut dyn FnMut(SimProgress)) -> Result<PacketRun, SimError> {
+        let total = self.flows.len();
         while let Some((t, ev)) = self.q.pop() {
+            if self.events % PROGRESS_EVERY == 0 {
+                progress(SimProgress {
+                    now: t,
+                    flows_done: total - self.unfinished,
+                    flows_total: total,
+                    events: self.events,
+                });
+            }
             self.now = t;
             match ev {
                 Ev::Release(f) => self.release(f),

@@ -189,7 +189,7 @@ mod switch;
 pub use config::{ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
 
 use crate::flows::FlowSet;
-use crate::sim::{FlowSimulator, SimError, SimReport};
+use crate::sim::{FlowSimulator, SimError, SimProgress, SimReport};
 use crate::topology::NetGraph;
 use orrery_units::{LinkId, Picos};
 use serde::Serialize;
@@ -267,8 +267,19 @@ impl PacketSimulator {
         flows: &FlowSet,
         trace: &TraceRequest,
     ) -> Result<PacketRun, SimError> {
+        self.run_with_progress(graph, flows, trace, &mut |_| {})
+    }
+
+    /// [`PacketSimulator::run`] reporting progress every few thousand events.
+    pub fn run_with_progress(
+        &self,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        trace: &TraceRequest,
+        progress: &mut dyn FnMut(SimProgress),
+    ) -> Result<PacketRun, SimError> {
         let cfg = self.config.sanitized();
-        engine::Engine::new(&cfg, graph, flows, trace)?.run()
+        engine::Engine::new(&cfg, graph, flows, trace)?.run(progress)
     }
 }
 
@@ -279,5 +290,16 @@ impl FlowSimulator for PacketSimulator {
 
     fn simulate(&self, graph: &NetGraph, flows: &FlowSet) -> Result<SimReport, SimError> {
         Ok(self.run(graph, flows, &TraceRequest::default())?.report)
+    }
+
+    fn simulate_with_progress(
+        &self,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        progress: &mut dyn FnMut(SimProgress),
+    ) -> Result<SimReport, SimError> {
+        Ok(self
+            .run_with_progress(graph, flows, &TraceRequest::default(), progress)?
+            .report)
     }
 }
