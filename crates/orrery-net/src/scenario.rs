@@ -25,6 +25,14 @@
 //! bytes = 1073741824
 //! ```
 //!
+//! Topologies: `single_switch` (`endpoints`), `dumbbell` (`endpoints` per side,
+//! `bottleneck_gbps`), `rail_optimized` and `fat_tree` (`hosts`, `gpus_per_host`,
+//! `nvlink_gbytes`, `hosts_per_pod`, `spines`, `oversubscription`, `tiers`). Instead of a
+//! topology and flows, a `[job]` table (`preset` or `file`, `set`, `traffic`) makes the
+//! communication of one training step the traffic; the CLI builds that through the
+//! predictor, since this crate knows nothing of jobs. A `[packet]` table overrides the
+//! packet model's settings.
+//!
 //! Parsing reports every problem at once with its path, like job specs. The parser never
 //! panics on any input (fuzzed in `fuzz/`).
 

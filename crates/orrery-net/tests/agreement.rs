@@ -74,19 +74,31 @@ fn a_ring_all_reduce_across_hosts_agrees() {
 #[test]
 fn progress_reports_do_not_change_the_report() {
     use orrery_net::sim::SimProgress;
-    let g = NetGraph::single_switch(4, Bandwidth::from_gbits_per_sec(100.0), Picos::from_nanos(1000)).unwrap();
+    let g = NetGraph::single_switch(
+        4,
+        Bandwidth::from_gbits_per_sec(100.0),
+        Picos::from_nanos(1000),
+    )
+    .unwrap();
     let mut set = FlowSet::default();
     for i in 1..4u32 {
         set.push_p2p("incast", i, 0, Bytes(1 << 20), Picos::ZERO);
     }
-    let sims: [&dyn FlowSimulator; 2] = [&FlowLevelSimulator::default(), &PacketSimulator::default()];
+    let sims: [&dyn FlowSimulator; 2] =
+        [&FlowLevelSimulator::default(), &PacketSimulator::default()];
     for sim in sims {
         let mut calls = Vec::new();
-        let with = sim.simulate_with_progress(&g, &set, &mut |p: SimProgress| calls.push(p)).unwrap();
+        let with = sim
+            .simulate_with_progress(&g, &set, &mut |p: SimProgress| calls.push(p))
+            .unwrap();
         let without = sim.simulate(&g, &set).unwrap();
         assert_eq!(with, without, "{}", sim.name());
         assert!(!calls.is_empty(), "{}", sim.name());
-        assert!(calls.windows(2).all(|w| w[0].now <= w[1].now && w[0].events <= w[1].events));
-        assert!(calls.iter().all(|p| p.flows_total == 3 && p.flows_done <= 3));
+        assert!(calls
+            .windows(2)
+            .all(|w| w[0].now <= w[1].now && w[0].events <= w[1].events));
+        assert!(calls
+            .iter()
+            .all(|p| p.flows_total == 3 && p.flows_done <= 3));
     }
 }
