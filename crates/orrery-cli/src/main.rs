@@ -420,6 +420,7 @@ fn run_bench(runs: u32) -> Result<()> {
             .step_time;
         Ok(())
     })?;
+    network_bench(runs)?;
     println!(
         "\nclass replay vs all-rank replay (mixtral-8x7b-h100x64, 64 GPUs): {:.1} ms vs {:.1} ms, {:.1}x faster, step times {} ({} vs {})",
         classes * 1e3,
@@ -429,6 +430,49 @@ fn run_bench(runs: u32) -> Result<()> {
         steps.0,
         steps.1
     );
+    Ok(())
+}
+
+/// Packet- versus flow-level simulation of one ring all-reduce, in one run.
+fn network_bench(runs: u32) -> Result<()> {
+    use orrery_net::sim::FlowSimulator;
+    let graph = orrery_net::NetGraph::rail_optimized(&orrery_net::RailOptimizedSpec::dgx_h100(2))?;
+    let mut set = orrery_net::flows::FlowSet::default();
+    let ranks: Vec<u32> = (0..16).collect();
+    orrery_net::flows::collective_flows(
+        &mut set,
+        "ring",
+        orrery_net::CollectiveKind::AllReduce,
+        orrery_net::flows::FlowAlgorithm::Ring { channels: 8 },
+        &ranks,
+        orrery_units::Bytes(64 << 20),
+        8,
+        orrery_units::Picos::from_nanos(2000),
+    )?;
+    let mut reports = (None, None);
+    let packet = median_secs(runs, || {
+        reports.0 = Some(orrery_net::packet::PacketSimulator::default().simulate(&graph, &set)?);
+        Ok(())
+    })?;
+    let flow = median_secs(runs, || {
+        reports.1 =
+            Some(orrery_net::flow_model::FlowLevelSimulator::default().simulate(&graph, &set)?);
+        Ok(())
+    })?;
+    if let (Some(p), Some(f)) = reports {
+        println!(
+            "\n64 MiB ring all-reduce, 16 GPUs on 2 hosts: packet {:.1} ms wall ({} events, {:.1} M events/s, simulated {}) vs flow {:.2} ms wall ({} events, simulated {}): flow is {:.0}x faster, packet/flow simulated time {:.3}",
+            packet * 1e3,
+            p.events,
+            p.events as f64 / packet / 1e6,
+            p.end,
+            flow * 1e3,
+            f.events,
+            f.end,
+            packet / flow,
+            p.end.as_secs_f64() / f.end.as_secs_f64()
+        );
+    }
     Ok(())
 }
 

@@ -1,0 +1,76 @@
+//! Simulator speed: packet-level events per second on an incast and a ring all-reduce, and
+//! the flow-level model on the same ring. Run with `cargo bench -p orrery-net`.
+
+use orrery_net::flow_model::FlowLevelSimulator;
+use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
+use orrery_net::packet::PacketSimulator;
+use orrery_net::sim::FlowSimulator;
+use orrery_net::topology::{NetGraph, RailOptimizedSpec};
+use orrery_net::CollectiveKind;
+use orrery_units::{Bandwidth, Bytes, Picos};
+
+fn main() {
+    divan::main();
+}
+
+fn incast() -> (NetGraph, FlowSet) {
+    let g = NetGraph::single_switch(
+        17,
+        Bandwidth::from_gbits_per_sec(100.0),
+        Picos::from_nanos(1000),
+    )
+    .expect("topology");
+    let mut set = FlowSet::default();
+    for i in 1..17u32 {
+        set.push_p2p("incast", i, 0, Bytes(1 << 20), Picos::ZERO);
+    }
+    (g, set)
+}
+
+fn ring() -> (NetGraph, FlowSet) {
+    let g = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(2)).expect("topology");
+    let mut set = FlowSet::default();
+    let ranks: Vec<u32> = (0..16).collect();
+    collective_flows(
+        &mut set,
+        "ring",
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels: 8 },
+        &ranks,
+        Bytes(16 << 20),
+        8,
+        Picos::from_nanos(2000),
+    )
+    .expect("flows");
+    (g, set)
+}
+
+#[divan::bench(sample_count = 10)]
+fn packet_incast_16_to_1(b: divan::Bencher) {
+    let (g, set) = incast();
+    b.bench(|| {
+        PacketSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+#[divan::bench(sample_count = 10)]
+fn packet_ring_16_gpus_16mib(b: divan::Bencher) {
+    let (g, set) = ring();
+    b.bench(|| {
+        PacketSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+#[divan::bench(sample_count = 10)]
+fn flow_ring_16_gpus_16mib(b: divan::Bencher) {
+    let (g, set) = ring();
+    b.bench(|| {
+        FlowLevelSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
