@@ -12,8 +12,17 @@
 //!   many nodes, how many on the busiest node), which is all an analytical model needs.
 //! - [`CollectiveRequest`] and [`CollectiveCost`]: the question and the answer.
 //! - [`NetworkModel`]: the trait every network model implements. [`AnalyticalNetwork`] is the
-//!   alpha-beta model of NCCL-like ring, tree and hierarchical algorithms; flow-level and
-//!   packet-level models implement the same trait.
+//!   alpha-beta model of NCCL-like ring, tree and hierarchical algorithms; [`SimNetwork`]
+//!   answers the same question with a simulator.
+//!
+//! The simulators' side:
+//! - [`topology`]: [`NetGraph`], an arena of endpoints, switches and directed links, with
+//!   rail-optimised and fat-tree builders and deterministic ECMP routing.
+//! - [`flows`]: [`flows::FlowSet`], messages with dependencies, and `collective_flows`, which
+//!   expands NCCL-like collective algorithms into them.
+//! - [`sim`]: the [`sim::FlowSimulator`] trait and its [`sim::SimReport`];
+//!   [`flow_model`] (max-min fair sharing) and [`packet`] (RDMA, ECN, PFC, DCQCN) implement it.
+//! - [`scenario`]: the `orrery netsim` file format.
 //!
 //! Byte convention: [`CollectiveRequest::bytes`] is the size `S` of the *full* buffer per
 //! rank, as nccl-tests reports it: the all-reduce buffer, the all-gather output, the
@@ -22,9 +31,10 @@
 //! `(n-1)/n * S`).
 //!
 //! What this crate deliberately does not do: contention between different collectives that
-//! run at the same time on shared links is not modelled by the analytical model (on a
-//! rail-optimised fabric concurrent groups of a Megatron layout use disjoint NICs, so this is
-//! mostly harmless; the flow- and packet-level models exist for the rest).
+//! run at the same time is seen only when they are simulated together (`orrery netsim`,
+//! including a job's whole step); behind [`NetworkModel`] every collective is costed alone,
+//! by the analytical model and by [`SimNetwork`] alike. On a rail-optimised fabric the
+//! concurrent groups of a Megatron layout use disjoint NICs, so this is mostly harmless.
 
 use orrery_units::{Bandwidth, Bytes, Picos};
 use serde::{Deserialize, Serialize};
