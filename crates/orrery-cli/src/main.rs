@@ -72,6 +72,10 @@ struct PredictArgs {
     /// Write a Perfetto/Chrome trace of the step (one track per rank and stream).
     #[arg(long, value_name = "FILE.json")]
     trace: Option<PathBuf>,
+    /// Put at most this many replayed ranks in the trace (every stage is kept first); useful
+    /// with --all-ranks on large jobs.
+    #[arg(long, value_name = "N")]
+    trace_limit: Option<usize>,
     /// Write SVG charts (memory timeline, time breakdown) into this folder.
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
@@ -217,7 +221,10 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     }
     if let Some(path) = &args.trace {
         let mut buf = Vec::new();
-        orrery_predict::sinks::write_perfetto_trace(&out, &mut buf)?;
+        let opts = orrery_predict::sinks::TraceOptions {
+            max_participants: args.trace_limit,
+        };
+        orrery_predict::sinks::write_perfetto_trace_with(&out, &opts, &mut buf)?;
         atomic_write(path, &buf)?;
         eprintln!("wrote trace {}", path.display());
     }
