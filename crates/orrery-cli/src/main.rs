@@ -6,6 +6,17 @@
 //! spec error, an unknown preset) exits with status 2 after listing every problem; other
 //! failures exit with status 1.
 
+/// Prints to stdout through [`emit`], so a closed pipe ends the program quietly.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::emit(&format!($($arg)*)) };
+}
+
+/// [`out!`] with a newline.
+macro_rules! outln {
+    () => { $crate::emit("\n") };
+    ($($arg:tt)*) => { $crate::emit(&format!("{}\n", format_args!($($arg)*))) };
+}
+
 mod netsim;
 mod report;
 
@@ -130,6 +141,22 @@ fn bad(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(BadInput(msg.into()))
 }
 
+/// Writes to stdout. When the reader has gone away (`orrery presets | head`) the program
+/// ends quietly with success, as command-line tools do, instead of panicking.
+fn emit(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -215,9 +242,9 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     spinner.finish_and_clear();
     let p = &out.prediction;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(p)?);
+        outln!("{}", serde_json::to_string_pretty(p)?);
     } else {
-        print!("{}", report::prediction(p));
+        out!("{}", report::prediction(p));
     }
     if let Some(path) = &args.trace {
         let mut buf = Vec::new();
@@ -342,9 +369,9 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
         orrery_predict::traces::replay_traces(&traces, &groups, &cluster, args.measured)
             .map_err(|e| bad(e.to_string()))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", report::trace_replay(&report));
+        out!("{}", report::trace_replay(&report));
     }
     Ok(())
 }
@@ -361,9 +388,9 @@ fn run_validate(json: bool) -> Result<()> {
     })?;
     bar.finish_and_clear();
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", report::validation(&report));
+        out!("{}", report::validation(&report));
     }
     Ok(())
 }
@@ -387,7 +414,7 @@ fn median_secs(runs: u32, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// Benchmark scenarios measured in one run, so ratios compare like with like.
 fn run_bench(runs: u32) -> Result<()> {
-    println!("orrery bench: median of {runs} runs per scenario\n");
+    outln!("orrery bench: median of {runs} runs per scenario\n");
     for name in ["llama3-405b-h100x8192", "llama3-70b-h100x1024"] {
         let job = preset_job(name)?;
         let build = median_secs(runs, || {
@@ -400,7 +427,7 @@ fn run_bench(runs: u32) -> Result<()> {
             ops = out.prediction.graph_ops;
             Ok(())
         })?;
-        println!(
+        outln!(
             "predict {name:<24} {:>4} GPUs: {:8.1} ms (graph build {:6.1} ms, {ops} ops, {:.2} M ops/s)",
             job.parallel().world_size(),
             total * 1e3,
@@ -428,7 +455,7 @@ fn run_bench(runs: u32) -> Result<()> {
         Ok(())
     })?;
     network_bench(runs)?;
-    println!(
+    outln!(
         "\nclass replay vs all-rank replay (mixtral-8x7b-h100x64, 64 GPUs): {:.1} ms vs {:.1} ms, {:.1}x faster, step times {} ({} vs {})",
         classes * 1e3,
         all * 1e3,
@@ -467,7 +494,7 @@ fn network_bench(runs: u32) -> Result<()> {
         Ok(())
     })?;
     if let (Some(p), Some(f)) = reports {
-        println!(
+        outln!(
             "\n64 MiB ring all-reduce, 16 GPUs on 2 hosts: packet {:.1} ms wall ({} events, {:.1} M events/s, simulated {}) vs flow {:.2} ms wall ({} events, simulated {}): flow is {:.0}x faster, packet/flow simulated time {:.3}",
             packet * 1e3,
             p.events,
@@ -484,22 +511,22 @@ fn network_bench(runs: u32) -> Result<()> {
 }
 
 fn print_presets() {
-    println!("Jobs (orrery predict --preset NAME):");
+    outln!("Jobs (orrery predict --preset NAME):");
     for name in presets::JOB_NAMES {
         let tag = if *name == presets::DEFAULT_JOB {
             " (default)"
         } else {
             ""
         };
-        println!("  {name}{tag}");
+        outln!("  {name}{tag}");
     }
-    println!("\nModels ([model] preset = \"NAME\"):");
+    outln!("\nModels ([model] preset = \"NAME\"):");
     for name in presets::MODEL_NAMES {
-        println!("  {name}");
+        outln!("  {name}");
     }
-    println!("\nGPUs ([cluster] gpu = \"NAME\"):");
+    outln!("\nGPUs ([cluster] gpu = \"NAME\"):");
     for g in presets::GPUS {
-        println!(
+        outln!(
             "  {:<10} {:>7.1} TFLOP/s bf16, {:>6.1} GiB HBM at {:>5.0} GB/s, NVLink {:>4.0} GB/s per direction",
             g.name, g.bf16_tflops, g.hbm_gib, g.hbm_gbps, g.nvlink_gbps
         );

@@ -390,9 +390,9 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     bar.finish_and_clear();
     let summary = summarize(&scenario, &report, wall);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        outln!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        print!("{}", render(&summary));
+        out!("{}", render(&summary));
     }
     if let Some(link) = args.queue_trace {
         if model == SimModel::Flow {

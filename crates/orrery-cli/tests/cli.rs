@@ -371,6 +371,23 @@ fn predict_runs_on_the_flow_level_network() {
 }
 
 #[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_orrery"))
+        .arg("presets")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the program writes (like `orrery presets | head -0`).
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
+
+#[test]
 fn validate_prints_errors_and_mape() {
     let (code, stdout, stderr) = orrery(&["validate"]);
     assert_eq!(code, 0, "{stderr}");
