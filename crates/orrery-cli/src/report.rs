@@ -182,6 +182,17 @@ pub fn validation(r: &ValidationReport) -> String {
         100.0 * r.step_time_mape,
         r.step_times.len()
     );
+    let mut sources: Vec<&str> = r.step_times.iter().map(|c| c.source.as_str()).collect();
+    sources.dedup();
+    let _ = writeln!(out, "Assumptions for settings the sources do not publish:");
+    let mut seen = std::collections::BTreeSet::new();
+    for src in sources {
+        let a = orrery_predict::validation::assumptions(src);
+        if seen.insert(a) {
+            let _ = writeln!(out, "  {src}: {a}");
+        }
+    }
+    out.push('\n');
     let _ = writeln!(out, "Model-state memory (ZeRO paper, Table 1)");
     let _ = writeln!(
         out,
