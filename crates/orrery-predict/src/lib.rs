@@ -15,6 +15,8 @@
 //! - [`memory::ledger`], [`breakdown::breakdown`]: readers of a replayed timeline.
 //! - [`sinks`]: the Perfetto trace and SVG charts.
 //! - [`validation`]: the published measurements and the predictions against them.
+//! - [`traces`]: replay of imported Chakra traces on the same engine and models.
+//! - [`traffic`]: a training step's communication as network flows for `orrery netsim`.
 //!
 //! What this crate deliberately does not do: print, read files or the clock. The CLI owns
 //! all I/O; this crate returns values and writes into `std::io::Write` handed to it.
