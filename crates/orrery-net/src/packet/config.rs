@@ -183,6 +183,73 @@ pub struct PacketConfig {
     pub dcqcn_params: DcqcnParams,
     /// Seed of the random numbers (ECN marking decisions). Default 0.
     pub seed: u64,
+    /// Acceleration (steady-state fast-forwarding). Off by default: the simulation is then
+    /// exactly the packet-by-packet reference. See [`AccelConfig`].
+    pub accel: AccelConfig,
+}
+
+/// Settings of the accelerated packet model (see the "Acceleration" section of
+/// [`crate::packet`]).
+///
+/// Every `sample_interval` the simulator records each active flow's delivered bytes in that
+/// interval; a flow is *steady* when its last `window` samples, all taken since the last
+/// flow release or completion, have `(max - min) / mean < theta`. When every active flow
+/// is steady the whole network jumps ahead (see [`crate::packet`] for what bounds a jump).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AccelConfig {
+    /// Steady-state fast-forwarding. Default false: the equivalence harness
+    /// (`tests/accel.rs`) holds the error bounds on its scenarios, but the
+    /// mechanism is new and not yet checked on full training workloads.
+    pub fast_forward: bool,
+    /// Partitioning into independent groups of flows and ports. Not implemented yet: the
+    /// whole network is one partition whatever this says (accepted so configurations that
+    /// set it keep parsing). Default false.
+    pub partitioning: bool,
+    /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
+    /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow
+    /// delivers ~115 packets per sample, so packet quantisation moves a sample by under 1%
+    /// (well inside `theta`), and short enough that sampling costs well under one event per
+    /// hundred packets.
+    pub sample_interval: Picos,
+    /// Samples a flow must be steady over. Default 20 (200 us at the default interval):
+    /// four DCQCN CNP intervals (50 us) and 50 rate-decrease periods (4 us), so a flow under
+    /// rate control has been cut and recovered within the window. The published default
+    /// (2000) is for per-RTT-scale sampling of long runs; at 10 us it would require 20 ms
+    /// of steadiness and nothing shorter than a few hundred MB per flow would ever jump.
+    pub window: usize,
+    /// Largest relative spread `(max - min) / mean` of a steady flow's samples. Default
+    /// 0.05 (the published value).
+    pub theta: f64,
+    /// Largest relative spread `(max - min) / max` of a steady flow's DCQCN sending rate
+    /// over the window, and largest gap between a recovering flow's target and current
+    /// rate. Default 0.01. The delivered rate of a flow at a shared bottleneck is flat
+    /// while its DCQCN rate still drifts (CNPs cutting it ~1% at a time as the queue
+    /// builds); a jump freezes that state, and the lag shows once the contention ends and
+    /// the flow runs at its own rate again. 1% keeps that lag inside the 1% mean FCT bound.
+    pub rate_theta: f64,
+    /// Simulated time left before the earliest projected completion when a jump stops, so
+    /// the end of every flow (its last packets, the queue draining behind it, the
+    /// completion of others it releases) is simulated packet by packet. Default 50 us
+    /// (several RTTs plus a DCQCN CNP interval).
+    pub tail_margin: Picos,
+    /// Shortest jump worth taking; shorter ones are not taken. Default 20 us.
+    pub min_jump: Picos,
+}
+
+impl Default for AccelConfig {
+    fn default() -> Self {
+        AccelConfig {
+            fast_forward: false,
+            partitioning: false,
+            sample_interval: Picos::from_micros(10),
+            window: 20,
+            theta: 0.05,
+            rate_theta: 0.01,
+            tail_margin: Picos::from_micros(50),
+            min_jump: Picos::from_micros(20),
+        }
+    }
 }
 
 impl Default for PacketConfig {
@@ -221,6 +288,7 @@ impl Default for PacketConfig {
             dcqcn: true,
             dcqcn_params: DcqcnParams::default(),
             seed: 0,
+            accel: AccelConfig::default(),
         }
     }
 }
@@ -313,6 +381,28 @@ impl PacketConfig {
         if !(d.initial_alpha.is_finite() && (0.0..=1.0).contains(&d.initial_alpha)) {
             bad("dcqcn_params.initial_alpha", "must be in [0, 1] (clamped)");
         }
+        let a = &self.accel;
+        if a.sample_interval == Picos::ZERO {
+            bad(
+                "accel.sample_interval",
+                "must be positive (clamped to 1 us)",
+            );
+        }
+        if a.window < 2 {
+            bad("accel.window", "must be at least 2 (clamped to 2)");
+        }
+        if !(a.theta.is_finite() && a.theta >= 0.0) {
+            bad(
+                "accel.theta",
+                "must be non-negative and finite (replaced by 0.05)",
+            );
+        }
+        if !(a.rate_theta.is_finite() && a.rate_theta >= 0.0) {
+            bad(
+                "accel.rate_theta",
+                "must be non-negative and finite (replaced by 0.01)",
+            );
+        }
         out
     }
 
@@ -356,6 +446,17 @@ impl PacketConfig {
         } else {
             1.0
         };
+        let a = &mut c.accel;
+        if a.sample_interval == Picos::ZERO {
+            a.sample_interval = Picos::from_micros(1);
+        }
+        a.window = a.window.max(2);
+        if !(a.theta.is_finite() && a.theta >= 0.0) {
+            a.theta = 0.05;
+        }
+        if !(a.rate_theta.is_finite() && a.rate_theta >= 0.0) {
+            a.rate_theta = 0.01;
+        }
         c
     }
 
@@ -502,6 +603,18 @@ mod tests {
         let s = c.sanitized();
         assert!(s.problems().is_empty());
         assert_eq!(s.mtu_payload, 1);
+        let mut c = PacketConfig::default();
+        c.accel.sample_interval = Picos::ZERO;
+        c.accel.window = 1;
+        c.accel.theta = f64::NAN;
+        let fields: Vec<String> = c.problems().into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            ["accel.sample_interval", "accel.window", "accel.theta"]
+        );
+        let s = c.sanitized();
+        assert!(s.problems().is_empty());
+        assert_eq!(s.accel.window, 2);
     }
 
     #[test]
@@ -518,6 +631,11 @@ mod tests {
         assert_eq!(partial.dcqcn_params.min_rate, c.dcqcn_params.min_rate);
         assert_eq!(partial.mtu_payload, 1000);
         assert!(toml::from_str::<PacketConfig>("mtu = 4096").is_err());
+        let accel: PacketConfig =
+            toml::from_str("[accel]\nfast_forward = true\ntheta = 0.02\n").unwrap();
+        assert!(accel.accel.fast_forward);
+        assert_eq!(accel.accel.theta, 0.02);
+        assert_eq!(accel.accel.window, AccelConfig::default().window);
     }
 
     #[test]

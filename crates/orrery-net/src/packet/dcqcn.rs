@@ -74,6 +74,12 @@ impl ReactionPoint {
         }
     }
 
+    /// When the rate-increase timer will next raise the rate, if it is running (the
+    /// fast-forward stops there for a queue pair that is recovering without CNPs).
+    pub fn next_increase(&self) -> Option<Picos> {
+        self.increase_pending.then_some(self.increase_deadline)
+    }
+
     /// Applies the alpha ticks up to and including `now`.
     fn catch_up_alpha(&mut self, now: Picos, p: &DcqcnParams) {
         if !self.cnp_seen || now <= self.alpha_tick {

@@ -1,6 +1,7 @@
 //! The simulation state, the events and the event loop. Hosts ([`super::host`]) and
 //! switches ([`super::switch`]) add their handlers to [`Engine`] in their own files.
 
+use super::accel::FastForward;
 use super::config::{EcnThresholds, PacketConfig};
 use super::dcqcn::ReactionPoint;
 use super::{PacketRun, PacketStats, Sample, TraceRequest};
@@ -39,6 +40,9 @@ pub(super) enum Ev {
     RpIncrease(u32),
     /// Take a trace sample (not counted as a simulation event).
     Sample,
+    /// Take a fast-forward rate sample, maybe jump (not counted as a simulation event;
+    /// scheduled only with `accel.fast_forward`).
+    FfSample,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +166,20 @@ pub(super) struct Engine<'a> {
     pub unfinished: usize,
     trace: &'a TraceRequest,
     samples: Vec<Sample>,
+    /// A trace sample is pending.
+    trace_pending: bool,
+    /// Simulated time skipped by fast-forwarding: global time = `now + offset`. Every
+    /// pending event and every time kept in the state is local (`now`'s clock); only what
+    /// the report shows (flow start and finish, sample and progress times) is global.
+    /// Zero without fast-forwarding.
+    pub offset: Picos,
+    /// Each flow's pending release event (local time, key), so a jump can keep releases
+    /// at their global times.
+    pub pending_rel: Vec<Option<(Picos, EventKey)>>,
+    /// Data packets sent (for the skipped-events estimate).
+    pub data_packets: u64,
+    /// Fast-forwarding state (`accel.fast_forward` only).
+    pub ff: Option<FastForward>,
     // Report counters.
     pub link_bytes: Vec<u64>,
     pub pfc_pauses: Vec<u64>,
@@ -317,14 +335,21 @@ impl<'a> Engine<'a> {
 
         let n_links = ports.len();
         let mut q = HeapQueue::new();
+        let mut pending_rel = vec![None; states.len()];
         for (i, f) in states.iter().enumerate() {
             if f.waiting == 0 {
-                q.schedule(f.delay, Ev::Release(i as u32));
+                let key = q.schedule(f.delay, Ev::Release(i as u32));
+                pending_rel[i] = Some((f.delay, key));
             }
         }
-        if trace.interval > Picos::ZERO {
+        let trace_pending = trace.interval > Picos::ZERO;
+        if trace_pending {
             q.schedule(Picos::ZERO, Ev::Sample);
         }
+        let ff = cfg
+            .accel
+            .fast_forward
+            .then(|| FastForward::new(states.len(), cfg.accel.window));
         Ok(Engine {
             cfg,
             q,
@@ -341,6 +366,11 @@ impl<'a> Engine<'a> {
             rng: Rng::seed_from_u64(cfg.seed),
             trace,
             samples: Vec::new(),
+            trace_pending,
+            offset: Picos::ZERO,
+            pending_rel,
+            data_packets: 0,
+            ff,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -357,7 +387,7 @@ impl<'a> Engine<'a> {
         while let Some((t, ev)) = self.q.pop() {
             if self.events % PROGRESS_EVERY == 0 {
                 progress(SimProgress {
-                    now: t,
+                    now: Picos(t.0 + self.offset.0),
                     flows_done: total - self.unfinished,
                     flows_total: total,
                     events: self.events,
@@ -384,7 +414,12 @@ impl<'a> Engine<'a> {
                 Ev::RpDecrease(f) => self.on_rp_decrease(f),
                 Ev::RpIncrease(f) => self.on_rp_increase(f),
                 Ev::Sample => {
+                    self.trace_pending = false;
                     self.sample();
+                    continue;
+                }
+                Ev::FfSample => {
+                    self.ff_sample();
                     continue;
                 }
             }
@@ -425,9 +460,14 @@ impl<'a> Engine<'a> {
         })
     }
 
+    /// Pending trace samples (0 or 1).
+    pub fn trace_pending(&self) -> usize {
+        usize::from(self.trace_pending)
+    }
+
     fn sample(&mut self) {
         let s = Sample {
-            time: self.now,
+            time: Picos(self.now.0 + self.offset.0),
             delivered: self.flows.iter().map(|f| f.delivered).collect(),
             rate: self
                 .flows
@@ -452,9 +492,10 @@ impl<'a> Engine<'a> {
         };
         self.samples.push(s);
         // Keep sampling while anything else can still happen.
-        if self.unfinished > 0 && !self.q.is_empty() {
+        if self.unfinished > 0 && self.q.len() > self.ff_pending() {
             let at = Picos(self.now.0.saturating_add(self.trace.interval.0));
             self.q.schedule(at, Ev::Sample);
+            self.trace_pending = true;
         }
     }
 
@@ -467,6 +508,11 @@ impl<'a> Engine<'a> {
             self.pkts.push(p);
             (self.pkts.len() - 1) as u32
         }
+    }
+
+    /// Arena slots not holding a live packet.
+    pub fn free_slots(&self) -> &[u32] {
+        &self.free
     }
 
     pub fn release_packet(&mut self, p: u32) {
@@ -544,8 +590,9 @@ impl<'a> Engine<'a> {
         if fl.finish.is_some() {
             return;
         }
-        fl.finish = Some(self.now);
+        fl.finish = Some(Picos(self.now.0 + self.offset.0));
         self.unfinished -= 1;
+        self.ff_on_finish(f);
         let (a, b) = (
             self.dependents_at[f as usize] as usize,
             self.dependents_at[f as usize + 1] as usize,
@@ -556,7 +603,8 @@ impl<'a> Engine<'a> {
             dep.waiting -= 1;
             if dep.waiting == 0 {
                 let at = Picos(self.now.0.saturating_add(dep.delay.0));
-                self.q.schedule(at, Ev::Release(d as u32));
+                let key = self.q.schedule(at, Ev::Release(d as u32));
+                self.pending_rel[d] = Some((at, key));
             }
         }
     }

@@ -15,8 +15,9 @@ impl Engine<'_> {
     /// A flow is released: its queue pair joins its NIC port.
     pub(super) fn release(&mut self, f: u32) {
         let now = self.now;
+        self.pending_rel[f as usize] = None;
         let fl = &mut self.flows[f as usize];
-        fl.start = now;
+        fl.start = Picos(now.0 + self.offset.0);
         fl.released = true;
         if fl.npkts == 0 {
             fl.sender_done = true;
@@ -25,6 +26,7 @@ impl Engine<'_> {
         }
         fl.ready_at = now;
         let l = fl.src_port;
+        self.ff_on_release(f);
         self.ports[l as usize].qps.push(f);
         self.try_send(l);
     }
@@ -88,6 +90,7 @@ impl Engine<'_> {
             fl.high = seq + 1;
         }
         fl.snd_nxt += 1;
+        self.data_packets += 1;
         let frame = payload + cfg.header_bytes;
         let rate = if cfg.dcqcn { fl.rp.rate } else { fl.rp.line };
         let gap = ser(u64::from(frame) + u64::from(cfg.framing_bytes), rate);

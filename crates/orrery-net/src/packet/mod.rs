@@ -160,6 +160,26 @@
 //! timer is pushed back lazily, so idle mechanisms cost no events. A packet costs two
 //! events per hop (end of serialisation, arrival) plus its ACK's two per hop.
 //!
+//! ## Acceleration
+//!
+//! `accel.fast_forward` (off by default) turns on *steady-state fast-forwarding*: every
+//! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
+//! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
+//! samples since the last release or completion (delivered spread under `theta` = 5%,
+//! sending-rate spread and recovery gap under `rate_theta` = 1%) the whole network jumps
+//! to the next release or `tail_margin` (50 us) before the earliest projected completion,
+//! moving each flow's packets forward at its mean rate with every queue, pause and DCQCN
+//! state frozen. The jump is a time offset: local time and pending events stay put, the
+//! report shows global time. `PacketStats` counts the jumps, the jumped time and the
+//! skipped packets, bytes and (estimated) events; per-packet counters other than ACKs
+//! (ECN marks, CNPs, PFC frames) are not extrapolated over jumps, and a trace has a gap
+//! where the run jumped. With acceleration off the simulation is unchanged; with it on but
+//! no jump taken the report is identical too. Partitioning and memoization are not built
+//! yet (`accel.partitioning` is accepted and ignored): the whole network is one
+//! partition, so one unsteady flow anywhere blocks every jump. The design, its bounds and
+//! its defaults are in the `accel` module and [`AccelConfig`]; `tests/accel.rs` is the
+//! equivalence harness.
+//!
 //! ## What is not modelled
 //!
 //! - Cut-through switching (every hop is store-and-forward), switch processing latency
@@ -180,13 +200,14 @@
 //!   real fabrics break such ties by drift and jitter, so lossy incast results with many
 //!   synchronised senders are pessimistic.
 
+mod accel;
 mod config;
 pub mod dcqcn;
 mod engine;
 mod host;
 mod switch;
 
-pub use config::{ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
+pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
 
 use crate::flows::FlowSet;
 use crate::sim::{FlowSimulator, SimError, SimProgress, SimReport};
@@ -243,6 +264,18 @@ pub struct PacketStats {
     pub peak_switch_bytes: u64,
     /// Events scheduled in the past (a simulator bug if non-zero).
     pub clamped_schedules: u64,
+    /// Fast-forward jumps taken (zero unless `accel.fast_forward`).
+    pub fast_forwards: u64,
+    /// Simulated time covered by jumps instead of packet by packet.
+    pub jumped_time: Picos,
+    /// Data packets (and their payload bytes) moved by jumps instead of simulated. They
+    /// are in `bytes_sent`, `bytes_delivered`, `link_bytes` and `acks`; ECN marks, CNPs
+    /// and PFC frames that would have happened during a jump are not extrapolated.
+    pub skipped_packets: u64,
+    pub skipped_bytes: u64,
+    /// Estimate of the events jumps saved: skipped packets times the events per data
+    /// packet of the simulated part of the run. `events` counts processed events only.
+    pub skipped_events: u64,
 }
 
 /// Everything a run produces.
