@@ -35,6 +35,10 @@ pub struct NetsimArgs {
     /// Sampling period of the queue-depth trace, microseconds.
     #[arg(long, default_value_t = 1.0)]
     queue_trace_us: f64,
+    /// Packet model: fast-forward the whole network while every flow sends at
+    /// a steady rate (same as `[packet] accel.fast_forward = true`; off by default).
+    #[arg(long)]
+    fast_forward: bool,
 }
 
 /// A distribution summary.
@@ -104,6 +108,9 @@ pub struct NetsimSummary {
     pub events: u64,
     /// Wall-clock seconds the simulation took on this machine (not deterministic).
     pub wall_seconds: f64,
+    /// Packet model only: ECN marks, CNPs, retransmissions, fast-forward jumps and the
+    /// events they skipped.
+    pub packet_stats: Option<orrery_net::packet::PacketStats>,
 }
 
 fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
@@ -174,6 +181,7 @@ fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
         bytes_delivered: r.bytes_delivered,
         events: r.events,
         wall_seconds: wall,
+        packet_stats: None,
     }
 }
 
@@ -242,6 +250,20 @@ fn render(s: &NetsimSummary) -> String {
         "\nPFC pauses {}, drops {}, bytes sent {}, delivered {}",
         s.pfc_pauses, s.drops, s.bytes_sent, s.bytes_delivered
     );
+    if let Some(p) = &s.packet_stats {
+        let _ = writeln!(
+            out,
+            "ECN marks {}, CNPs {}, go-back-N rewinds {}, timeouts {}, peak switch buffer {} B",
+            p.ecn_marks, p.cnps, p.go_backs, p.timeouts, p.peak_switch_bytes
+        );
+        if p.fast_forwards > 0 {
+            let _ = writeln!(
+                out,
+                "fast-forward: {} jumps over {} of simulated time, ~{} events skipped",
+                p.fast_forwards, p.jumped_time, p.skipped_events
+            );
+        }
+    }
     out
 }
 
@@ -333,6 +355,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     };
     let start = std::time::Instant::now();
     let mut samples = Vec::new();
+    let mut stats = None;
     let report = match model {
         SimModel::Flow => FlowLevelSimulator::default().simulate_with_progress(
             &scenario.graph,
@@ -358,6 +381,9 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 )));
             }
             config.seed = scenario.seed;
+            if args.fast_forward {
+                config.accel.fast_forward = true;
+            }
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),
@@ -378,9 +404,10 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 };
             }
             PacketSimulator::new(config)
-                .run(&scenario.graph, &scenario.flows, &trace)
+                .run_with_progress(&scenario.graph, &scenario.flows, &trace, &mut progress)
                 .map(|run| {
                     samples = run.samples;
+                    stats = Some(run.stats);
                     run.report
                 })
         }
@@ -388,7 +415,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;
     let wall = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let summary = summarize(&scenario, &report, wall);
+    let mut summary = summarize(&scenario, &report, wall);
+    summary.packet_stats = stats;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);
     } else {

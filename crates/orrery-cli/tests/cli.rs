@@ -348,6 +348,34 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
 }
 
 #[test]
+fn netsim_fast_forward_skips_events_without_changing_the_answer() {
+    let dir = temp_dir("fastforward");
+    let scenario = dir.join("long.toml");
+    std::fs::write(
+        &scenario,
+        "[topology]\nkind = \"single_switch\"\nendpoints = 4\nlink_gbps = 100\n[packet]\ndcqcn = false\n\
+         [[flows]]\nsrc = 0\ndst = 1\nbytes = 16777216\n[[flows]]\nsrc = 2\ndst = 3\nbytes = 16777216\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["netsim", scenario.to_str().unwrap(), "--json"];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let full = run(&[]);
+    let fast = run(&["--fast-forward"]);
+    let (e_full, e_fast) = (full["end"].as_f64().unwrap(), fast["end"].as_f64().unwrap());
+    assert!(
+        (e_fast - e_full).abs() / e_full < 0.01,
+        "{e_fast} vs {e_full}"
+    );
+    assert!(fast["events"].as_u64().unwrap() < full["events"].as_u64().unwrap() / 2);
+    assert!(fast["packet_stats"]["fast_forwards"].as_u64().unwrap() > 0);
+}
+
+#[test]
 fn predict_runs_on_the_flow_level_network() {
     let dir = temp_dir("network");
     let job = dir.join("job.toml");
