@@ -1,4 +1,5 @@
-//! Steady-state fast-forwarding (issue 4, mechanism 2; the whole network is one partition).
+//! Steady-state fast-forwarding (issue 4, mechanisms 1 and 2: whole-network jumps, or
+//! per-partition jumps with `accel.partitioning`).
 //!
 //! Every `accel.sample_interval` of simulated time the engine records, for each active flow
 //! (released, not finished), the payload bytes it delivered in order since the previous
@@ -34,11 +35,50 @@
 //! Releases are the only events that come from outside the network, and all of them are
 //! known when the jump is planned (a release is scheduled when its last dependency
 //! finishes, and no flow finishes inside a jump), so with one partition no unannounced
-//! event can reach it during a jump and no rollback is needed. Per-partition jumps
-//! (partitioning) would need one: a flow released into a partition that has jumped past the
-//! release time must roll the partition back to a snapshot taken at the jump.
+//! event can reach it during a jump and no rollback is needed.
+//!
+//! ## Partitioning (`accel.partitioning`)
+//!
+//! A *partition* is a connected component of the bipartite graph of member flows and the
+//! directed links they use (data path and ACK/CNP reverse path). Members are the active
+//! flows and the *draining* ones (finished, packets still in flight), so every packet on a
+//! partition's links belongs to one of its flows. Partitions share nothing but the switch
+//! buffer pools (which a jump leaves as they are) and the ECN random stream, so each decides
+//! steadiness and jumps on its own.
+//!
+//! - **Recomputed at each sample**, not maintained incrementally: a union-find over the
+//!   links of the members, flows grouped by root link. Cost per sample: O(members times
+//!   path length, plus the pending-release slots (one per flow, as the whole-network jump
+//!   already scans), plus members log members). A release or completion stamps its flow's links with the
+//!   sample count; a partition holding a freshly stamped link has changed, and its flows'
+//!   fresh-sample counts restart (a split leaves every piece holding a link of the flow
+//!   that left, so pieces restart too).
+//! - **Steadiness** is the whole-network test applied to the partition's flows, on
+//!   per-flow sample counts (a frozen flow records none), and a partition with a draining
+//!   member is not steady.
+//! - **The jump** of partition `P` by `J` (the whole-network limit restricted to `P`'s
+//!   flows and to the pending releases whose links touch `P`, rounded down to whole sample
+//!   intervals so `P` thaws on a sample) moves bytes and sequence numbers exactly as the
+//!   whole-network jump does, then *postpones* `P` by `J` instead of moving a global
+//!   offset: every pending event of `P` (packet arrivals of its flows, port events of its
+//!   links, its flows' timers) is rescheduled `J` later and every time `P`'s flows and ports
+//!   keep (pacing, RTO progress, CNP spacing, DCQCN clocks, port wake-ups) moves `J` later,
+//!   so `P` is frozen, queues and all, until `now + J` and then resumes as if no time had
+//!   passed. No other partition's ports or events change. Global time stays the engine's
+//!   time (`offset` stays zero), so flow starts and finishes need no translation.
+//! - **Finding `P`'s events**: with partitioning the engine records every flow or link
+//!   event it schedules in a ledger (key, time, event), compacted to the pending ones at
+//!   each sample. A jump costs O(pending events + live packets) and one heap push per moved
+//!   event, not O(1) as the issue's per-partition queues would; the ledger costs one push
+//!   per scheduled event and its compaction O(pending events) per sample interval.
+//! - **Releases**: a partition never jumps past a pending release whose flow's links touch
+//!   it (a new flow's route is known, and every release is scheduled before the jump is
+//!   planned, since no flow of a partition finishes while it is frozen). A release that
+//!   merges partitions therefore finds all of them at the release time: no rollback is
+//!   ever needed. A partition frozen past a release touching no link of it is fine: the new
+//!   flow cannot reach it.
 
-use super::engine::{Engine, Ev, Kind};
+use super::engine::{Engine, Ev, FlowState, Kind};
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -67,11 +107,48 @@ pub(crate) struct FastForward {
     since_change: u64,
     /// A sample event is pending.
     pending: bool,
+    /// Per-partition state (`accel.partitioning` only).
+    parts: Option<Parts>,
+}
+
+/// Bookkeeping of per-partition fast-forwarding (see the module essay).
+#[derive(Debug)]
+struct Parts {
+    /// Samples recorded per flow (a frozen flow records none), indexing its ring.
+    nsamp: Vec<u64>,
+    /// Samples recorded since the last change of the flow's partition.
+    fresh: Vec<u64>,
+    /// The flow's partition is frozen by a jump until this time.
+    frozen_until: Vec<Picos>,
+    /// The global sample count when a flow using the link last started or finished.
+    link_stamp: Vec<u64>,
+    /// Union-find parent of each link (reset after each use).
+    uf: Vec<u32>,
+    /// Links touched by the current union-find.
+    touched: Vec<u32>,
+    /// The earliest pending release touching each partition, by root link.
+    rel_limit: Vec<u64>,
+    /// The flow is in the partition being jumped.
+    in_group: Vec<bool>,
+    /// Finished flows that still have packets in flight: partition members, never steady.
+    draining: Vec<u32>,
 }
 
 impl FastForward {
-    pub fn new(flows: usize, window: usize) -> FastForward {
+    pub fn new(flows: usize, window: usize, links: usize, partitioning: bool) -> FastForward {
+        let parts = partitioning.then(|| Parts {
+            nsamp: vec![0; flows],
+            fresh: vec![0; flows],
+            frozen_until: vec![Picos::ZERO; flows],
+            link_stamp: vec![u64::MAX; links],
+            uf: (0..links as u32).collect(),
+            touched: Vec::new(),
+            rel_limit: vec![u64::MAX; links],
+            in_group: vec![false; flows],
+            draining: Vec::new(),
+        });
         FastForward {
+            parts,
             window,
             ring: vec![0; flows * window],
             rate_ring: vec![0.0; flows * window],
@@ -111,8 +188,14 @@ impl Engine<'_> {
         }
         ff.last_delivered[i] = delivered;
         ff.last_dec[i] = decreases;
-        ff.last_dec_sample[i] = ff.samples;
+        ff.last_dec_sample[i] = match &ff.parts {
+            Some(p) => p.nsamp[i],
+            None => ff.samples,
+        };
         ff.since_change = 0;
+        if let Some(p) = ff.parts.as_mut() {
+            stamp(p, &self.paths, &self.flows[i], ff.samples);
+        }
         if !ff.pending {
             ff.pending = true;
             self.q
@@ -126,6 +209,10 @@ impl Engine<'_> {
             return;
         };
         ff.since_change = 0;
+        if let Some(p) = ff.parts.as_mut() {
+            stamp(p, &self.paths, &self.flows[f as usize], ff.samples);
+            p.draining.push(f);
+        }
         let pos = ff.active_pos[f as usize];
         if pos == NONE {
             return;
@@ -144,6 +231,11 @@ impl Engine<'_> {
             return;
         };
         ff.pending = false;
+        if ff.parts.is_some() {
+            self.ff_sample_parts(&mut ff);
+            self.ff = Some(ff);
+            return;
+        }
         if !ff.active.is_empty() {
             let w = ff.window;
             let slot = (ff.samples % w as u64) as usize;
@@ -297,5 +389,330 @@ impl Engine<'_> {
             let per_packet = self.events as f64 / self.data_packets as f64;
             st.skipped_events += (moved as f64 * per_packet).round() as u64;
         }
+    }
+}
+
+/// Marks the links of flow `fl` (both directions) as changed at sample count `at`.
+fn stamp(p: &mut Parts, paths: &[u32], fl: &FlowState, at: u64) {
+    for (start, len) in [fl.fwd, fl.rev] {
+        for h in start..start + len {
+            p.link_stamp[paths[h as usize] as usize] = at;
+        }
+    }
+}
+
+fn find(uf: &mut [u32], mut x: u32) -> u32 {
+    while uf[x as usize] != x {
+        let up = uf[uf[x as usize] as usize];
+        uf[x as usize] = up;
+        x = up;
+    }
+    x
+}
+
+/// One partition at a sample: its root link and its member flows.
+struct Group {
+    root: u32,
+    flows: Vec<u32>,
+}
+
+impl Engine<'_> {
+    /// The links of flow `f`, data path then reverse path.
+    fn flow_links(&self, f: u32) -> impl Iterator<Item = u32> + '_ {
+        let fl = &self.flows[f as usize];
+        let (a, b) = (fl.fwd, fl.rev);
+        (a.0..a.0 + a.1)
+            .chain(b.0..b.0 + b.1)
+            .map(move |h| self.paths[h as usize])
+    }
+
+    /// The partitioned fast-forward sample: recompute the partitions, record the delivered
+    /// bytes of every flow not frozen by a jump, and jump each partition that is steady.
+    fn ff_sample_parts(&mut self, ff: &mut FastForward) {
+        let Some(mut p) = ff.parts.take() else {
+            return;
+        };
+        let live = &self.live;
+        p.draining.retain(|&f| live[f as usize] > 0);
+        if !ff.active.is_empty() || !p.draining.is_empty() {
+            if let Some(ledger) = self.ledger.as_mut() {
+                let q = &self.q;
+                ledger.retain(|e| q.contains(e.0));
+            }
+            let groups = self.partitions(ff, &mut p);
+            let w = ff.window;
+            for g in &groups {
+                if g.flows
+                    .iter()
+                    .any(|&f| p.link_stamp_hit(self, f, ff.samples))
+                {
+                    for &f in &g.flows {
+                        p.fresh[f as usize] = 0;
+                    }
+                }
+                if g.flows
+                    .iter()
+                    .any(|&f| p.frozen_until[f as usize] >= self.now)
+                {
+                    continue;
+                }
+                let mut ready = true;
+                for &f in &g.flows {
+                    let i = f as usize;
+                    if ff.active_pos[i] == NONE {
+                        ready = false; // draining
+                        continue;
+                    }
+                    let fl = &self.flows[i];
+                    let slot = (p.nsamp[i] % w as u64) as usize;
+                    ff.ring[i * w + slot] = fl.delivered - ff.last_delivered[i];
+                    ff.rate_ring[i * w + slot] = fl.rp.rate;
+                    ff.last_delivered[i] = fl.delivered;
+                    if fl.rp.decreases != ff.last_dec[i] {
+                        ff.last_dec[i] = fl.rp.decreases;
+                        ff.last_dec_sample[i] = p.nsamp[i];
+                    }
+                    p.nsamp[i] += 1;
+                    p.fresh[i] += 1;
+                    ready &= p.fresh[i] > w as u64;
+                }
+                if ready {
+                    self.try_jump_group(ff, &mut p, g);
+                }
+            }
+            ff.samples += 1;
+            if self.unfinished > 0 && self.q.len() > self.trace_pending() {
+                ff.pending = true;
+                let at = Picos(self.now.0.saturating_add(self.cfg.accel.sample_interval.0));
+                self.q.schedule(at, Ev::FfSample);
+            }
+        }
+        ff.parts = Some(p);
+    }
+
+    /// Connected components of the active and draining flows and the links they use (a
+    /// union-find over links), and the earliest pending release touching each. Leaves
+    /// `p.uf` holding the components (roots) and `p.rel_limit` the release limits, both
+    /// reset at the next call.
+    fn partitions(&self, ff: &FastForward, p: &mut Parts) -> Vec<Group> {
+        for &l in &p.touched {
+            p.uf[l as usize] = l;
+            p.rel_limit[l as usize] = u64::MAX;
+        }
+        p.touched.clear();
+        let mut members: Vec<u32> = ff.active.iter().chain(&p.draining).copied().collect();
+        members.sort_unstable();
+        for &f in &members {
+            let mut first = None;
+            for l in self.flow_links(f) {
+                p.touched.push(l);
+                let r = find(&mut p.uf, l);
+                match first {
+                    None => first = Some(r),
+                    Some(a) => {
+                        let a = find(&mut p.uf, a);
+                        if a != r {
+                            // Deterministic: the smaller link is the root.
+                            let (lo, hi) = if a < r { (a, r) } else { (r, a) };
+                            p.uf[hi as usize] = lo;
+                        }
+                    }
+                }
+            }
+        }
+        let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(members.len());
+        for &f in &members {
+            let root = match self.flow_links(f).next() {
+                Some(l) => find(&mut p.uf, l),
+                None => continue, // no links: touches nothing, never jumps
+            };
+            keyed.push((root, f));
+        }
+        keyed.sort_unstable();
+        let mut groups: Vec<Group> = Vec::new();
+        for (root, f) in keyed {
+            match groups.last_mut() {
+                Some(g) if g.root == root => g.flows.push(f),
+                _ => groups.push(Group {
+                    root,
+                    flows: vec![f],
+                }),
+            }
+        }
+        // Pending releases: the partitions their links would join.
+        let now = self.now.0;
+        for (g, slot) in self.pending_rel.iter().enumerate() {
+            let Some((t, _)) = *slot else { continue };
+            let dt = t.0.saturating_sub(now);
+            for l in self.flow_links(g as u32) {
+                let r = find(&mut p.uf, l);
+                // A link outside every partition is its own root and limits nothing
+                // (its rel_limit slot is only read for roots of groups).
+                p.touched.push(r);
+                let x = &mut p.rel_limit[r as usize];
+                *x = (*x).min(dt);
+            }
+        }
+        groups
+    }
+
+    /// Jumps partition `g` if every flow of it is steady: like [`Engine::try_jump`] for
+    /// its flows only, stopping at the next release touching it, and postponing all its
+    /// pending events and kept times by the jump so it stays frozen meanwhile.
+    fn try_jump_group(&mut self, ff: &mut FastForward, p: &mut Parts, g: &Group) {
+        let cfg = self.cfg;
+        let a = &cfg.accel;
+        let now = self.now;
+        let w = ff.window;
+        let mtu = u64::from(cfg.mtu_payload);
+        let interval = a.sample_interval.as_secs_f64();
+        let mut limit = p.rel_limit[g.root as usize];
+        let mut rates = Vec::with_capacity(g.flows.len());
+        for &f in &g.flows {
+            let i = f as usize;
+            let fl = &self.flows[i];
+            if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
+                return;
+            }
+            let s = &ff.ring[i * w..(i + 1) * w];
+            let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
+            for &x in s {
+                lo = lo.min(x);
+                hi = hi.max(x);
+                sum += x;
+            }
+            let mean = sum as f64 / w as f64;
+            if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
+                return;
+            }
+            if cfg.dcqcn {
+                let r = &ff.rate_ring[i * w..(i + 1) * w];
+                let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = r.iter().copied().fold(0.0, f64::max);
+                if hi - lo > a.rate_theta * hi {
+                    return;
+                }
+                if p.nsamp[i] - ff.last_dec_sample[i] > w as u64
+                    && fl.rp.next_increase().is_some()
+                    && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
+                {
+                    return;
+                }
+            }
+            let rate = mean / interval;
+            let left = (fl.npkts - 1 - fl.snd_nxt) * mtu;
+            let t_left = Picos::from_secs_f64(left as f64 / rate);
+            limit = limit.min(t_left.0.saturating_sub(a.tail_margin.0));
+            rates.push(rate);
+        }
+        if limit == u64::MAX {
+            return;
+        }
+        // Whole sample intervals, so the partition thaws on a sample and its next sample
+        // covers a full interval.
+        let iv = a.sample_interval.0.max(1);
+        let limit = limit / iv * iv;
+        if limit < a.min_jump.0 || limit == 0 {
+            return;
+        }
+        let jump = Picos(limit);
+        let secs = jump.as_secs_f64();
+        let ack_every = u64::from(cfg.ack_every);
+        let mut moved = 0u64;
+        for (&f, &rate) in g.flows.iter().zip(&rates) {
+            let i = f as usize;
+            p.in_group[i] = true;
+            p.frozen_until[i] = Picos(now.0 + jump.0);
+            let x = rate * secs / mtu as f64 + ff.frac[i];
+            let whole = x.floor();
+            ff.frac[i] = x - whole;
+            let fl = &mut self.flows[i];
+            // Every time the flow keeps moves with its events.
+            fl.ready_at = Picos(fl.ready_at.0 + jump.0);
+            fl.last_progress = Picos(fl.last_progress.0 + jump.0);
+            fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
+            fl.rp.shift(jump);
+            let k = (whole as u64).min(fl.npkts - 1 - fl.snd_nxt);
+            if k == 0 {
+                continue;
+            }
+            ff.shift[i] = k;
+            moved += k;
+            let bytes = k * mtu;
+            let acks = (fl.rcv_nxt + k) / ack_every - fl.rcv_nxt / ack_every;
+            fl.snd_nxt += k;
+            fl.snd_una += k;
+            fl.high += k;
+            fl.rcv_nxt += k;
+            if fl.nack_trigger != u64::MAX {
+                fl.nack_trigger += k;
+            }
+            fl.delivered += bytes;
+            ff.last_delivered[i] += bytes;
+            self.bytes_sent += bytes;
+            self.bytes_delivered += bytes;
+            self.stats.acks += acks;
+            let (start, len) = fl.fwd;
+            for h in start..start + len {
+                self.link_bytes[self.paths[h as usize] as usize] += bytes;
+            }
+        }
+        if moved > 0 {
+            let mut free = vec![false; self.pkts.len()];
+            for &q in self.free_slots() {
+                free[q as usize] = true;
+            }
+            for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
+                let k = ff.shift[pk.flow as usize];
+                if k > 0 && pk.kind != Kind::Cnp {
+                    pk.seq += k;
+                }
+            }
+        }
+        // Postpone the partition's pending events (found in the ledger) by the jump, in
+        // their scheduling order so ties keep their order.
+        let mut ledger = self.ledger.take().unwrap_or_default();
+        for e in ledger.iter_mut() {
+            let mine = match e.2 {
+                Ev::Arrive(q) => p.in_group[self.pkts[q as usize].flow as usize],
+                Ev::PortFree(l) | Ev::PortWake(l) | Ev::Pause(l) | Ev::Resume(l) => {
+                    find(&mut p.uf, l) == g.root
+                }
+                Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => p.in_group[f as usize],
+                Ev::Release(_) | Ev::Sample | Ev::FfSample => false,
+            };
+            if !mine {
+                continue;
+            }
+            let at = Picos(e.1 .0 + jump.0);
+            if let Some(key) = self.q.reschedule(e.0, at) {
+                *e = (key, at, e.2);
+                if let Ev::PortWake(l) = e.2 {
+                    self.ports[l as usize].wake = Some((at, key));
+                }
+            }
+        }
+        self.ledger = Some(ledger);
+        for &f in &g.flows {
+            ff.shift[f as usize] = 0;
+            p.in_group[f as usize] = false;
+        }
+        let st = &mut self.stats;
+        st.fast_forwards += 1;
+        st.jumped_time = Picos(st.jumped_time.0 + jump.0);
+        st.skipped_packets += moved;
+        st.skipped_bytes += moved * mtu;
+        if self.data_packets > 0 {
+            let per_packet = self.events as f64 / self.data_packets as f64;
+            st.skipped_events += (moved as f64 * per_packet).round() as u64;
+        }
+    }
+}
+
+impl Parts {
+    /// Whether a link of flow `f` changed since the last sample (count `samples`).
+    fn link_stamp_hit(&self, e: &Engine<'_>, f: u32, samples: u64) -> bool {
+        e.flow_links(f)
+            .any(|l| self.link_stamp[l as usize] == samples)
     }
 }

@@ -202,9 +202,11 @@ pub struct AccelConfig {
     /// (`tests/accel.rs`) holds the error bounds on its scenarios, but the
     /// mechanism is new and not yet checked on full training workloads.
     pub fast_forward: bool,
-    /// Partitioning into independent groups of flows and ports. Not implemented yet: the
-    /// whole network is one partition whatever this says (accepted so configurations that
-    /// set it keep parsing). Default false.
+    /// Partitioning into independent groups of flows and links (with `fast_forward`): each
+    /// connected component of the active flows and the links they use decides steadiness
+    /// and jumps on its own, so an unsteady or short flow in one part of the network no
+    /// longer blocks jumps elsewhere. Without `fast_forward` it does nothing. Default false
+    /// (the whole network is one partition). See the `accel` module for the design.
     pub partitioning: bool,
     /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
     /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow

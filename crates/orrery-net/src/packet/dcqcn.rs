@@ -80,6 +80,14 @@ impl ReactionPoint {
         self.increase_pending.then_some(self.increase_deadline)
     }
 
+    /// Moves every time this state keeps `d` later (a partition's fast-forward jump
+    /// postpones all its pending events by `d`).
+    pub fn shift(&mut self, d: Picos) {
+        self.alpha_tick = Picos(self.alpha_tick.0 + d.0);
+        self.decrease_anchor = Picos(self.decrease_anchor.0 + d.0);
+        self.increase_deadline = Picos(self.increase_deadline.0.saturating_add(d.0));
+    }
+
     /// Applies the alpha ticks up to and including `now`.
     fn catch_up_alpha(&mut self, now: Picos, p: &DcqcnParams) {
         if !self.cnp_seen || now <= self.alpha_tick {

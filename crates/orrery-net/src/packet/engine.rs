@@ -171,7 +171,8 @@ pub(super) struct Engine<'a> {
     /// Simulated time skipped by fast-forwarding: global time = `now + offset`. Every
     /// pending event and every time kept in the state is local (`now`'s clock); only what
     /// the report shows (flow start and finish, sample and progress times) is global.
-    /// Zero without fast-forwarding.
+    /// Zero without fast-forwarding, and with partitioning (a partition's jump postpones
+    /// its events instead).
     pub offset: Picos,
     /// Each flow's pending release event (local time, key), so a jump can keep releases
     /// at their global times.
@@ -180,6 +181,11 @@ pub(super) struct Engine<'a> {
     pub data_packets: u64,
     /// Fast-forwarding state (`accel.fast_forward` only).
     pub ff: Option<FastForward>,
+    /// Live packets (in flight or queued) of each flow.
+    pub live: Vec<u32>,
+    /// With partitioning: every event a jump may have to move (all but releases and
+    /// samples), as scheduled; compacted to the pending ones at each fast-forward sample.
+    pub ledger: Option<Vec<(EventKey, Picos, Ev)>>,
     // Report counters.
     pub link_bytes: Vec<u64>,
     pub pfc_pauses: Vec<u64>,
@@ -346,10 +352,15 @@ impl<'a> Engine<'a> {
         if trace_pending {
             q.schedule(Picos::ZERO, Ev::Sample);
         }
-        let ff = cfg
-            .accel
-            .fast_forward
-            .then(|| FastForward::new(states.len(), cfg.accel.window));
+        let ff = cfg.accel.fast_forward.then(|| {
+            FastForward::new(
+                states.len(),
+                cfg.accel.window,
+                n_links,
+                cfg.accel.partitioning,
+            )
+        });
+        let ledger = (cfg.accel.fast_forward && cfg.accel.partitioning).then(Vec::new);
         Ok(Engine {
             cfg,
             q,
@@ -371,6 +382,8 @@ impl<'a> Engine<'a> {
             pending_rel,
             data_packets: 0,
             ff,
+            live: vec![0; flows.flows.len()],
+            ledger,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -499,8 +512,19 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// Schedules an event that belongs to a flow or a link (everything but releases and
+    /// samples), recording it in the ledger with partitioning so a jump can move it.
+    pub fn sched(&mut self, at: Picos, ev: Ev) -> EventKey {
+        let key = self.q.schedule(at, ev);
+        if let Some(l) = self.ledger.as_mut() {
+            l.push((key, at, ev));
+        }
+        key
+    }
+
     /// Stores a packet in the arena.
     pub fn alloc(&mut self, p: Packet) -> u32 {
+        self.live[p.flow as usize] += 1;
         if let Some(i) = self.free.pop() {
             self.pkts[i as usize] = p;
             i
@@ -516,6 +540,8 @@ impl<'a> Engine<'a> {
     }
 
     pub fn release_packet(&mut self, p: u32) {
+        let f = self.pkts[p as usize].flow as usize;
+        self.live[f] -= 1;
         self.free.push(p);
     }
 
@@ -544,8 +570,8 @@ impl<'a> Engine<'a> {
         if is_data {
             self.link_bytes[l as usize] += u64::from(payload);
         }
-        self.q.schedule(done, Ev::PortFree(l));
-        self.q.schedule(arrive, Ev::Arrive(p));
+        self.sched(done, Ev::PortFree(l));
+        self.sched(arrive, Ev::Arrive(p));
     }
 
     /// Sends the next frame on link `l` if its port is idle: control first, then data

@@ -63,7 +63,7 @@ impl Engine<'_> {
                     if let Some((_, key)) = old {
                         self.q.cancel(key);
                     }
-                    let key = self.q.schedule(t, Ev::PortWake(l));
+                    let key = self.sched(t, Ev::PortWake(l));
                     self.ports[l as usize].wake = Some((t, key));
                 }
             }
@@ -100,7 +100,7 @@ impl Engine<'_> {
         self.bytes_sent += u64::from(payload);
         if arm_rto {
             let at = Picos(now.0.saturating_add(cfg.rto.0));
-            self.q.schedule(at, Ev::Rto(f));
+            self.sched(at, Ev::Rto(f));
         }
         let p = self.alloc(Packet {
             seq,
@@ -256,7 +256,7 @@ impl Engine<'_> {
             return;
         }
         if let Some(t) = fl.rp.on_cnp(now, &cfg.dcqcn_params) {
-            self.q.schedule(t, Ev::RpDecrease(f));
+            self.sched(t, Ev::RpDecrease(f));
         }
     }
 
@@ -268,7 +268,7 @@ impl Engine<'_> {
             return;
         }
         if let Some(t) = fl.rp.on_decrease_tick(now, &cfg.dcqcn_params) {
-            self.q.schedule(t, Ev::RpIncrease(f));
+            self.sched(t, Ev::RpIncrease(f));
         }
     }
 
@@ -280,7 +280,7 @@ impl Engine<'_> {
             return;
         }
         if let Some(t) = fl.rp.on_increase_timer(now, &cfg.dcqcn_params) {
-            self.q.schedule(t, Ev::RpIncrease(f));
+            self.sched(t, Ev::RpIncrease(f));
         }
     }
 
@@ -297,7 +297,7 @@ impl Engine<'_> {
         let deadline = Picos(fl.last_progress.0.saturating_add(cfg.rto.0));
         if now < deadline {
             fl.rto_pending = true;
-            self.q.schedule(deadline, Ev::Rto(f));
+            self.sched(deadline, Ev::Rto(f));
             return;
         }
         self.stats.timeouts += 1;

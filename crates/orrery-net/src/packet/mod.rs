@@ -174,9 +174,11 @@
 //! skipped packets, bytes and (estimated) events; per-packet counters other than ACKs
 //! (ECN marks, CNPs, PFC frames) are not extrapolated over jumps, and a trace has a gap
 //! where the run jumped. With acceleration off the simulation is unchanged; with it on but
-//! no jump taken the report is identical too. Partitioning and memoization are not built
-//! yet (`accel.partitioning` is accepted and ignored): the whole network is one
-//! partition, so one unsteady flow anywhere blocks every jump. The design, its bounds and
+//! no jump taken the report is identical too. Without `accel.partitioning` the whole
+//! network is one partition, so one unsteady flow anywhere blocks every jump; with it each
+//! connected component of active flows and their links jumps on its own (its pending
+//! events postponed, its queues frozen), stopping at any release that touches it.
+//! Memoization is not built yet. The design, its bounds and
 //! its defaults are in the `accel` module and [`AccelConfig`]; `tests/accel.rs` is the
 //! equivalence harness.
 //!
@@ -266,7 +268,8 @@ pub struct PacketStats {
     pub clamped_schedules: u64,
     /// Fast-forward jumps taken (zero unless `accel.fast_forward`).
     pub fast_forwards: u64,
-    /// Simulated time covered by jumps instead of packet by packet.
+    /// Simulated time covered by jumps instead of packet by packet (with partitioning,
+    /// summed over partitions, so it can exceed the run's length).
     pub jumped_time: Picos,
     /// Data packets (and their payload bytes) moved by jumps instead of simulated. They
     /// are in `bytes_sent`, `bytes_delivered`, `link_bytes` and `acks`; ECN marks, CNPs

@@ -3,7 +3,6 @@
 //! egress port, RED/ECN marking as a packet leaves its egress queue.
 
 use super::engine::{ser, Engine, Ev, Kind};
-use orrery_des::EventQueue;
 use orrery_units::Picos;
 
 impl Engine<'_> {
@@ -146,7 +145,7 @@ impl Engine<'_> {
             self.ports[l as usize].pause_sent = true;
             self.pfc_pauses[l as usize] += 1;
             let at = self.pfc_arrival(l);
-            self.q.schedule(at, Ev::Pause(l));
+            self.sched(at, Ev::Pause(l));
         }
     }
 
@@ -161,7 +160,7 @@ impl Engine<'_> {
         if shared == 0 || shared + self.cfg.pfc_resume_offset <= self.threshold(sw) {
             self.ports[l as usize].pause_sent = false;
             let at = self.pfc_arrival(l);
-            self.q.schedule(at, Ev::Resume(l));
+            self.sched(at, Ev::Resume(l));
         }
     }
 }
