@@ -39,6 +39,10 @@ pub struct NetsimArgs {
     /// a steady rate (same as `[packet] accel.fast_forward = true`; off by default).
     #[arg(long)]
     fast_forward: bool,
+    /// With --fast-forward: let each partition (flows joined by shared links) jump on its
+    /// own (`[packet] accel.partitioning = true`).
+    #[arg(long, requires = "fast_forward")]
+    partitioning: bool,
 }
 
 /// A distribution summary.
@@ -383,6 +387,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             config.seed = scenario.seed;
             if args.fast_forward {
                 config.accel.fast_forward = true;
+                config.accel.partitioning |= args.partitioning;
             }
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
