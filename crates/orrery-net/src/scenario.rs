@@ -240,7 +240,18 @@ pub fn parse_scenario(text: &str) -> Result<ScenarioSpec, ScenarioError> {
             message: m,
         }])
     };
-    let spec: ScenarioSpec = toml::from_str(text).map_err(|e| single(e.to_string()))?;
+    let tree: toml::Table = toml::from_str(text).map_err(|e| single(e.to_string()))?;
+    let spec: ScenarioSpec = match toml::Value::Table(tree.clone()).try_into() {
+        Ok(spec) => spec,
+        Err(first) => {
+            let problems = field_problems(&tree);
+            return Err(if problems.is_empty() {
+                single(first.to_string())
+            } else {
+                ScenarioError(problems)
+            });
+        }
+    };
     if spec.job.is_some() {
         let mut p = Problems(Vec::new());
         if spec.topology != TopologySpec::default() {
@@ -260,6 +271,70 @@ pub fn parse_scenario(text: &str) -> Result<ScenarioSpec, ScenarioError> {
         }
     }
     Ok(spec)
+}
+
+/// Every field that does not deserialize, found one at a time: every field of every table is
+/// optional, so a table holding only that field deserializes exactly when its name is known
+/// and its value has the right type. Array entries are checked entry by entry.
+fn field_problems(tree: &toml::Table) -> Vec<ScenarioProblem> {
+    fn check<T: serde::de::DeserializeOwned>(
+        key: &str,
+        value: &toml::Value,
+        path: &str,
+        out: &mut Vec<ScenarioProblem>,
+    ) {
+        let mut single = toml::Table::new();
+        single.insert(key.to_string(), value.clone());
+        if let Err(e) = toml::Value::Table(single).try_into::<T>() {
+            let message = e
+                .to_string()
+                .lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .unwrap_or("")
+                .to_string();
+            out.push(ScenarioProblem {
+                path: path.to_string(),
+                message,
+            });
+        }
+    }
+    fn table<T: serde::de::DeserializeOwned>(
+        t: &toml::Table,
+        prefix: &str,
+        out: &mut Vec<ScenarioProblem>,
+    ) {
+        for (k, v) in t {
+            check::<T>(k, v, &format!("{prefix}.{k}"), out);
+        }
+    }
+    let mut out = Vec::new();
+    for (key, value) in tree {
+        match (key.as_str(), value) {
+            ("topology", toml::Value::Table(t)) => table::<TopologySpec>(t, "topology", &mut out),
+            ("simulator", toml::Value::Table(t)) => {
+                table::<SimulatorSpec>(t, "simulator", &mut out)
+            }
+            ("flows", toml::Value::Array(entries))
+            | ("collectives", toml::Value::Array(entries)) => {
+                for (i, entry) in entries.iter().enumerate() {
+                    let prefix = format!("{key}[{i}]");
+                    match entry {
+                        toml::Value::Table(t) if key == "flows" => {
+                            table::<FlowEntry>(t, &prefix, &mut out)
+                        }
+                        toml::Value::Table(t) => table::<CollectiveEntry>(t, &prefix, &mut out),
+                        _ => out.push(ScenarioProblem {
+                            path: prefix,
+                            message: "must be a table".into(),
+                        }),
+                    }
+                }
+            }
+            _ => check::<ScenarioSpec>(key, value, key, &mut out),
+        }
+    }
+    out
 }
 
 /// Parses and validates a scenario whose traffic is flows and collectives (not a `[job]`).

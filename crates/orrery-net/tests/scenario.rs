@@ -76,3 +76,39 @@ fn syntax_errors_and_unknown_fields_are_errors() {
     let e = load_scenario("[topology]\nkind = \"single_switch\"\nendpoints = 2\n").unwrap_err();
     assert!(e.to_string().contains("no traffic"), "{e}");
 }
+
+#[test]
+fn every_mistyped_or_unknown_field_is_reported_at_once() {
+    let err = load_scenario(
+        r#"
+        colour = "blue"
+        [topology]
+        kind = "ring_of_fire"
+        endpoints = "four"
+        [[flows]]
+        src = 0
+        dst = "one"
+        bytes = 10
+        [[flows]]
+        src = 1
+        destination = 0
+        [[collectives]]
+        kind = "all_reduce"
+        channels = -1
+        "#,
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "collectives[0].channels",
+            "colour",
+            "flows[0].dst",
+            "flows[1].destination",
+            "topology.endpoints",
+            "topology.kind",
+        ],
+        "{err}"
+    );
+}
