@@ -266,6 +266,58 @@ impl Engine<'_> {
     }
 
     /// Jumps ahead if every active flow is steady (see the module essay).
+    /// Moves flow `i` forward by the whole packets `bytes_due` (its rate times the jump) is
+    /// worth, carrying the fraction to the next jump: sequence numbers at both ends, the
+    /// byte counters of the flow, the run and every link of its path, and its ACK count.
+    /// Records the shift for [`Engine::renumber_packets`] and returns the packets moved.
+    fn advance_flow(&mut self, ff: &mut FastForward, i: usize, bytes_due: f64) -> u64 {
+        let mtu = u64::from(self.cfg.mtu_payload);
+        let ack_every = u64::from(self.cfg.ack_every);
+        let x = bytes_due / mtu as f64 + ff.frac[i];
+        let whole = x.floor();
+        ff.frac[i] = x - whole;
+        let fl = &mut self.flows[i];
+        let k = (whole as u64).min(fl.npkts - 1 - fl.snd_nxt);
+        if k == 0 {
+            return 0;
+        }
+        ff.shift[i] = k;
+        let bytes = k * mtu;
+        let acks = (fl.rcv_nxt + k) / ack_every - fl.rcv_nxt / ack_every;
+        fl.snd_nxt += k;
+        fl.snd_una += k;
+        fl.high += k;
+        fl.rcv_nxt += k;
+        if fl.nack_trigger != u64::MAX {
+            fl.nack_trigger += k;
+        }
+        fl.delivered += bytes;
+        ff.last_delivered[i] += bytes;
+        self.bytes_sent += bytes;
+        self.bytes_delivered += bytes;
+        self.stats.acks += acks;
+        let (start, len) = fl.fwd;
+        for h in start..start + len {
+            self.link_bytes[self.paths[h as usize] as usize] += bytes;
+        }
+        k
+    }
+
+    /// Every live packet of a moved flow, wherever it is, takes the moved numbering (CNPs
+    /// carry no sequence number).
+    fn renumber_packets(&mut self, ff: &FastForward) {
+        let mut free = vec![false; self.pkts.len()];
+        for &q in self.free_slots() {
+            free[q as usize] = true;
+        }
+        for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
+            let k = ff.shift[pk.flow as usize];
+            if k > 0 && pk.kind != Kind::Cnp {
+                pk.seq += k;
+            }
+        }
+    }
+
     fn try_jump(&mut self, ff: &mut FastForward) {
         let cfg = self.cfg;
         let a = &cfg.accel;
@@ -322,51 +374,13 @@ impl Engine<'_> {
         }
         let jump = Picos(limit);
         let secs = jump.as_secs_f64();
-        let ack_every = u64::from(cfg.ack_every);
         let mut moved = 0u64;
-        for (&f, &rate) in ff.active.iter().zip(&rates) {
-            let i = f as usize;
-            let x = rate * secs / mtu as f64 + ff.frac[i];
-            let whole = x.floor();
-            ff.frac[i] = x - whole;
-            let fl = &mut self.flows[i];
-            let k = (whole as u64).min(fl.npkts - 1 - fl.snd_nxt);
-            if k == 0 {
-                continue;
-            }
-            ff.shift[i] = k;
-            moved += k;
-            let bytes = k * mtu;
-            let acks = (fl.rcv_nxt + k) / ack_every - fl.rcv_nxt / ack_every;
-            fl.snd_nxt += k;
-            fl.snd_una += k;
-            fl.high += k;
-            fl.rcv_nxt += k;
-            if fl.nack_trigger != u64::MAX {
-                fl.nack_trigger += k;
-            }
-            fl.delivered += bytes;
-            ff.last_delivered[i] += bytes;
-            self.bytes_sent += bytes;
-            self.bytes_delivered += bytes;
-            self.stats.acks += acks;
-            let (start, len) = fl.fwd;
-            for h in start..start + len {
-                self.link_bytes[self.paths[h as usize] as usize] += bytes;
-            }
+        for (j, &rate) in rates.iter().enumerate() {
+            let f = ff.active[j] as usize;
+            moved += self.advance_flow(ff, f, rate * secs);
         }
         if moved > 0 {
-            // Every packet of a moved flow, wherever it is, carries the moved numbering.
-            let mut free = vec![false; self.pkts.len()];
-            for &p in self.free_slots() {
-                free[p as usize] = true;
-            }
-            for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
-                let k = ff.shift[pk.flow as usize];
-                if k > 0 && pk.kind != Kind::Cnp {
-                    pk.seq += k;
-                }
-            }
+            self.renumber_packets(ff);
             for &f in &ff.active {
                 ff.shift[f as usize] = 0;
             }
@@ -617,57 +631,21 @@ impl Engine<'_> {
         }
         let jump = Picos(limit);
         let secs = jump.as_secs_f64();
-        let ack_every = u64::from(cfg.ack_every);
         let mut moved = 0u64;
         for (&f, &rate) in g.flows.iter().zip(&rates) {
             let i = f as usize;
             p.in_group[i] = true;
             p.frozen_until[i] = Picos(now.0 + jump.0);
-            let x = rate * secs / mtu as f64 + ff.frac[i];
-            let whole = x.floor();
-            ff.frac[i] = x - whole;
             let fl = &mut self.flows[i];
             // Every time the flow keeps moves with its events.
             fl.ready_at = Picos(fl.ready_at.0 + jump.0);
             fl.last_progress = Picos(fl.last_progress.0 + jump.0);
             fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
             fl.rp.shift(jump);
-            let k = (whole as u64).min(fl.npkts - 1 - fl.snd_nxt);
-            if k == 0 {
-                continue;
-            }
-            ff.shift[i] = k;
-            moved += k;
-            let bytes = k * mtu;
-            let acks = (fl.rcv_nxt + k) / ack_every - fl.rcv_nxt / ack_every;
-            fl.snd_nxt += k;
-            fl.snd_una += k;
-            fl.high += k;
-            fl.rcv_nxt += k;
-            if fl.nack_trigger != u64::MAX {
-                fl.nack_trigger += k;
-            }
-            fl.delivered += bytes;
-            ff.last_delivered[i] += bytes;
-            self.bytes_sent += bytes;
-            self.bytes_delivered += bytes;
-            self.stats.acks += acks;
-            let (start, len) = fl.fwd;
-            for h in start..start + len {
-                self.link_bytes[self.paths[h as usize] as usize] += bytes;
-            }
+            moved += self.advance_flow(ff, i, rate * secs);
         }
         if moved > 0 {
-            let mut free = vec![false; self.pkts.len()];
-            for &q in self.free_slots() {
-                free[q as usize] = true;
-            }
-            for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
-                let k = ff.shift[pk.flow as usize];
-                if k > 0 && pk.kind != Kind::Cnp {
-                    pk.seq += k;
-                }
-            }
+            self.renumber_packets(ff);
         }
         // Postpone the partition's pending events (found in the ledger) by the jump, in
         // their scheduling order so ties keep their order.
