@@ -432,6 +432,7 @@ impl<'a> StageBuilder<'a> {
             GroupRole::DpCp => self.s.dp * self.s.cp,
             GroupRole::Ep => self.s.ep,
             GroupRole::ExpertDp => self.s.dp * self.s.cp / self.s.ep,
+            GroupRole::Embedding => self.s.pp.min(2),
         };
         if size <= 1 || bytes == 0 {
             return None;
@@ -1413,6 +1414,22 @@ impl<'a> StageBuilder<'a> {
         };
         let mut deps = self.grad_reductions.clone();
         deps.extend(self.g.len().checked_sub(1).map(OpId::from_index));
+        // Tied word embeddings live on the first stage (input) and the last (output layer)
+        // when the pipeline has more than one stage; Megatron all-reduces their gradients
+        // between the two after the pipeline flush, before the optimizer.
+        let holds_embedding = self.stage == 0 || self.stage + 1 == s.pp;
+        if self.job.model().tied_embeddings && s.pp > 1 && holds_embedding {
+            let bytes = s.grad_bytes * s.vocab * s.h / s.tp;
+            let embedding = self.coll(
+                "embedding-grad-allreduce",
+                ph,
+                CollectiveOp::AllReduce,
+                GroupRole::Embedding,
+                bytes,
+                &deps,
+            );
+            deps.extend(embedding);
+        }
         // Gradient-norm all-reduce for clipping: one fp32 scalar over the data-parallel group.
         let norm = self.coll(
             "grad-norm",

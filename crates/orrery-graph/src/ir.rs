@@ -54,16 +54,20 @@ pub enum GroupRole {
     Ep,
     /// Replicas of the same experts (expert gradient reduction).
     ExpertDp,
+    /// The first and the last pipeline stage of one model replica, which both hold the tied
+    /// word embeddings and all-reduce their gradients (a group of one on other stages).
+    Embedding,
 }
 
 impl GroupRole {
-    pub const ALL: [GroupRole; 6] = [
+    pub const ALL: [GroupRole; 7] = [
         GroupRole::Tp,
         GroupRole::Cp,
         GroupRole::Dp,
         GroupRole::DpCp,
         GroupRole::Ep,
         GroupRole::ExpertDp,
+        GroupRole::Embedding,
     ];
 
     pub fn index(self) -> usize {
@@ -76,7 +80,9 @@ impl GroupRole {
             GroupRole::Tp => Stream::TpComm,
             GroupRole::Cp => Stream::CpComm,
             GroupRole::Ep => Stream::EpComm,
-            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp => Stream::DpComm,
+            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp | GroupRole::Embedding => {
+                Stream::DpComm
+            }
         }
     }
 
@@ -88,6 +94,7 @@ impl GroupRole {
             GroupRole::DpCp => "dp-cp",
             GroupRole::Ep => "ep",
             GroupRole::ExpertDp => "expert-dp",
+            GroupRole::Embedding => "embedding",
         }
     }
 }

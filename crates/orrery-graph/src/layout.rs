@@ -99,6 +99,11 @@ impl Layout {
             GroupRole::DpCp => (c.tp, u32::MAX, u32::MAX, c.pp),
             GroupRole::Ep => (c.tp, x / self.ep, u32::MAX, c.pp),
             GroupRole::ExpertDp => (c.tp, x % self.ep, u32::MAX, c.pp),
+            // The first and last stage pair up; a middle stage is a group of its own.
+            GroupRole::Embedding if c.pp == 0 || c.pp + 1 == self.pp => {
+                (c.tp, c.cp, c.dp, u32::MAX)
+            }
+            GroupRole::Embedding => (c.tp, c.cp, c.dp, c.pp),
         }
     }
 
@@ -145,7 +150,9 @@ impl Layout {
         })
     }
 
-    /// Size of every group of `role` (all groups of a role have the same size).
+    /// Size of the groups of `role` (all groups of a role have the same size, except that
+    /// embedding groups pair the first and last stage and are groups of one elsewhere: this
+    /// returns the pair's size, the one that issues collectives).
     pub fn group_size(&self, role: GroupRole) -> u32 {
         match role {
             GroupRole::Tp => self.tp,
@@ -154,6 +161,7 @@ impl Layout {
             GroupRole::DpCp => self.dp * self.cp,
             GroupRole::Ep => self.ep,
             GroupRole::ExpertDp => self.dp * self.cp / self.ep,
+            GroupRole::Embedding => self.pp.min(2),
         }
     }
 
@@ -217,8 +225,10 @@ impl Layout {
     pub fn is_regular(&self) -> bool {
         GroupRole::ALL.iter().all(|&role| {
             let first = self.placement(RankId(0), role);
+            // Embedding groups of one (middle stages) issue nothing and do not count.
             self.groups[role.index()]
                 .iter()
+                .filter(|m| m.len() as u32 == first.size)
                 .all(|m| self.placement_of(m) == first)
         })
     }

@@ -45,7 +45,7 @@ nodes = 2
 "#;
 
 /// Every kind of op: MoE with expert parallelism, context parallelism, interleaved 1F1B,
-/// the distributed optimizer.
+/// the distributed optimizer, tied embeddings across the pipeline.
 const RICH: &str = r#"
 [model]
 layers = 4
@@ -54,6 +54,7 @@ heads = 4
 ffn = 1024
 vocab = 1024
 seq_len = 256
+tied_embeddings = true
 
 [model.moe]
 experts = 4
@@ -199,6 +200,7 @@ fn every_kind_of_op_round_trips_exactly() {
                     GroupRole::DpCp => "dp-cp",
                     GroupRole::Ep => "ep",
                     GroupRole::ExpertDp => "expert-dp",
+                    GroupRole::Embedding => "embedding",
                 },
                 OpKind::Send { .. } => "send",
                 OpKind::Recv { .. } => "recv",
@@ -216,6 +218,7 @@ fn every_kind_of_op_round_trips_exactly() {
         "cp",
         "dp-cp",
         "ep",
+        "embedding",
         "send",
         "recv",
         "alloc",

@@ -247,12 +247,37 @@ pub fn job_participants(graphs: &JobGraphs, mode: ReplayMode) -> Vec<Participant
                             nodes: pl.nodes,
                             max_per_node: pl.max_per_node,
                         };
+                        // In class mode a collective waits for every class among its
+                        // members (a class stands for all of its ranks): usually only its
+                        // own, so it starts at once; the embedding group joins the first
+                        // and the last stage.
+                        let classes = {
+                            let mut c: Vec<ClassId> = layout
+                                .group_members(rank, group)
+                                .iter()
+                                .map(|&m| layout.class_of(m))
+                                .collect();
+                            c.sort_unstable();
+                            c.dedup();
+                            c.len() as u32
+                        };
                         match mode {
-                            ReplayMode::Classes => Link::Collective {
+                            ReplayMode::Classes if classes <= 1 => Link::Collective {
                                 rendezvous: None,
                                 members: 1,
                                 placement,
                             },
+                            ReplayMode::Classes => {
+                                let gid = layout.group_id(rank, group);
+                                let seq = seq_on_group.entry(gid).or_insert(0);
+                                let key = (gid.0, *seq);
+                                *seq += 1;
+                                Link::Collective {
+                                    rendezvous: Some(key),
+                                    members: classes,
+                                    placement,
+                                }
+                            }
                             ReplayMode::AllRanks => {
                                 let gid = layout.group_id(rank, group);
                                 let seq = seq_on_group.entry(gid).or_insert(0);

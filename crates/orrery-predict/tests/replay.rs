@@ -28,9 +28,10 @@ fn layouts() -> impl Strategy<Value = Vec<String>> {
         any::<bool>(),
         prop_oneof![Just("flash"), Just("unfused")],
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
-            |(tp, pp, dp, cp, interleave, recompute, zero, overlap, sp, attention, moe)| {
+            |(tp, pp, dp, cp, interleave, recompute, zero, overlap, sp, attention, moe, tied)| {
                 let cp = if attention == "unfused" { 1 } else { cp };
                 let vpp = if interleave && pp > 1 { 2 } else { 1 };
                 let world = tp * pp * dp * cp;
@@ -52,6 +53,7 @@ fn layouts() -> impl Strategy<Value = Vec<String>> {
                     format!("cluster.gpus_per_node={}", world.min(4)),
                     format!("cluster.nodes={}", world.div_ceil(4)),
                     "model.layers=8".to_string(),
+                    format!("model.tied_embeddings={tied}"),
                 ];
                 if moe && dp * cp >= 2 {
                     o.push("model.moe.experts=4".into());
@@ -165,4 +167,46 @@ fn mfu_arithmetic() {
     assert!(
         (p.tokens_per_second - p.tokens_per_step as f64 / p.step_time.as_secs_f64()).abs() < 1e-6
     );
+}
+
+/// Tied embeddings with a pipeline: the first and last stage all-reduce the embedding
+/// gradients between them (and only they), and the class replay waits for both.
+#[test]
+fn tied_embeddings_all_reduce_between_first_and_last_stage() {
+    let job = small_job(&[
+        "model.tied_embeddings=true",
+        "parallel.pp=4",
+        "parallel.tp=1",
+        "parallel.dp=2",
+    ]);
+    let graphs = build(&job);
+    let count = |stage: usize| {
+        graphs.classes[stage]
+            .ops()
+            .iter()
+            .filter(|o| graphs.classes[stage].name_of(o) == "embedding-grad-allreduce")
+            .map(|o| match o.kind {
+                OpKind::Collective { bytes, .. } => bytes.0,
+                _ => 0,
+            })
+            .collect::<Vec<u64>>()
+    };
+    // fp32 gradients of the vocab x hidden table (1000 x 256), unsharded with tp = 1.
+    assert_eq!(count(0), vec![4 * 1000 * 256]);
+    assert_eq!(count(3), vec![4 * 1000 * 256]);
+    assert!(count(1).is_empty() && count(2).is_empty());
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    let classes = predict_with(&job, &net, ReplayMode::Classes).unwrap();
+    let all = predict_with(&job, &net, ReplayMode::AllRanks).unwrap();
+    assert_eq!(classes.prediction.step_time, all.prediction.step_time);
+    // Untied, or without a pipeline, there is nothing to synchronise.
+    let untied = build(&small_job(&[
+        "parallel.pp=4",
+        "parallel.tp=1",
+        "parallel.dp=2",
+    ]));
+    assert!(untied.classes.iter().all(|g| g
+        .ops()
+        .iter()
+        .all(|o| g.name_of(o) != "embedding-grad-allreduce")));
 }
