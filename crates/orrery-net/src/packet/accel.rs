@@ -318,13 +318,54 @@ impl Engine<'_> {
         }
     }
 
+    /// The steadiness test of one active flow (see the module docs): its delivered rate in
+    /// bytes per second and the time its sender needs at that rate to reach its last packet,
+    /// or `None` when it is not steady. `samples` is the flow's sample count (the network's,
+    /// or its partition's), against which its last rate decrease is dated.
+    fn steady_rate(&self, ff: &FastForward, i: usize, samples: u64) -> Option<(f64, Picos)> {
+        let cfg = self.cfg;
+        let a = &cfg.accel;
+        let w = ff.window;
+        let fl = &self.flows[i];
+        if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
+            return None;
+        }
+        let s = &ff.ring[i * w..(i + 1) * w];
+        let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
+        for &x in s {
+            lo = lo.min(x);
+            hi = hi.max(x);
+            sum += x;
+        }
+        let mean = sum as f64 / w as f64;
+        if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
+            return None;
+        }
+        if cfg.dcqcn {
+            let r = &ff.rate_ring[i * w..(i + 1) * w];
+            let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = r.iter().copied().fold(0.0, f64::max);
+            if hi - lo > a.rate_theta * hi {
+                return None;
+            }
+            if samples - ff.last_dec_sample[i] > w as u64
+                && fl.rp.next_increase().is_some()
+                && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
+            {
+                return None;
+            }
+        }
+        let rate = mean / a.sample_interval.as_secs_f64(); // bytes per second
+                                                           // Full packets the sender has left before its last one.
+        let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
+        Some((rate, Picos::from_secs_f64(left as f64 / rate)))
+    }
+
     fn try_jump(&mut self, ff: &mut FastForward) {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let now = self.now;
-        let w = ff.window;
         let mtu = u64::from(cfg.mtu_payload);
-        let interval = a.sample_interval.as_secs_f64();
         let mut limit = u64::MAX;
         for &(t, _) in self.pending_rel.iter().flatten() {
             limit = limit.min(t.0.saturating_sub(now.0));
@@ -332,40 +373,9 @@ impl Engine<'_> {
         let mut rates = Vec::with_capacity(ff.active.len());
         for &f in &ff.active {
             let i = f as usize;
-            let fl = &self.flows[i];
-            if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
+            let Some((rate, t_left)) = self.steady_rate(ff, i, ff.samples) else {
                 return;
-            }
-            let s = &ff.ring[i * w..(i + 1) * w];
-            let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
-            for &x in s {
-                lo = lo.min(x);
-                hi = hi.max(x);
-                sum += x;
-            }
-            let mean = sum as f64 / w as f64;
-            if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
-                return;
-            }
-            if cfg.dcqcn {
-                let r = &ff.rate_ring[i * w..(i + 1) * w];
-                let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = r.iter().copied().fold(0.0, f64::max);
-                if hi - lo > a.rate_theta * hi {
-                    return;
-                }
-            }
-            if cfg.dcqcn
-                && ff.samples - ff.last_dec_sample[i] > w as u64
-                && fl.rp.next_increase().is_some()
-                && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
-            {
-                return;
-            }
-            let rate = mean / interval; // bytes per second
-                                        // Full packets the sender has left before its last one.
-            let left = (fl.npkts - 1 - fl.snd_nxt) * mtu;
-            let t_left = Picos::from_secs_f64(left as f64 / rate);
+            };
             limit = limit.min(t_left.0.saturating_sub(a.tail_margin.0));
             rates.push(rate);
         }
@@ -577,45 +587,14 @@ impl Engine<'_> {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let now = self.now;
-        let w = ff.window;
         let mtu = u64::from(cfg.mtu_payload);
-        let interval = a.sample_interval.as_secs_f64();
         let mut limit = p.rel_limit[g.root as usize];
         let mut rates = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
-            let fl = &self.flows[i];
-            if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
+            let Some((rate, t_left)) = self.steady_rate(ff, i, p.nsamp[i]) else {
                 return;
-            }
-            let s = &ff.ring[i * w..(i + 1) * w];
-            let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
-            for &x in s {
-                lo = lo.min(x);
-                hi = hi.max(x);
-                sum += x;
-            }
-            let mean = sum as f64 / w as f64;
-            if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
-                return;
-            }
-            if cfg.dcqcn {
-                let r = &ff.rate_ring[i * w..(i + 1) * w];
-                let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = r.iter().copied().fold(0.0, f64::max);
-                if hi - lo > a.rate_theta * hi {
-                    return;
-                }
-                if p.nsamp[i] - ff.last_dec_sample[i] > w as u64
-                    && fl.rp.next_increase().is_some()
-                    && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
-                {
-                    return;
-                }
-            }
-            let rate = mean / interval;
-            let left = (fl.npkts - 1 - fl.snd_nxt) * mtu;
-            let t_left = Picos::from_secs_f64(left as f64 / rate);
+            };
             limit = limit.min(t_left.0.saturating_sub(a.tail_margin.0));
             rates.push(rate);
         }
