@@ -290,10 +290,9 @@ fn simulated<S: orrery_net::sim::FlowSimulator>(
 
 fn export_chakra(graphs: &orrery_graph::JobGraphs, prefix: &Path) -> Result<()> {
     let world = graphs.layout.world_size();
-    let bar = indicatif::ProgressBar::new(u64::from(world));
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("exporting Chakra ET {bar:40} {pos}/{len} ranks")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    let bar = progress_bar(
+        u64::from(world),
+        "exporting Chakra ET {bar:40} {pos}/{len} ranks",
     );
     for r in 0..world {
         let mut buf = Vec::new();
@@ -377,11 +376,7 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
 }
 
 fn run_validate(json: bool) -> Result<()> {
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("predicting published runs {bar:40} {pos}/{len}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(0, "predicting published runs {bar:40} {pos}/{len}");
     let report = orrery_predict::validation::validate(|i, n| {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
@@ -571,6 +566,16 @@ fn print_presets() {
             g.name, g.bf16_tflops, g.hbm_gib, g.hbm_gbps, g.nvlink_gbps
         );
     }
+}
+
+/// A progress bar of `len` steps drawn with `template` (indicatif's syntax).
+fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
 }
 
 fn progress_spinner(msg: &'static str) -> indicatif::ProgressBar {

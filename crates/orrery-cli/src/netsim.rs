@@ -346,13 +346,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         None => scenario.model,
     };
     let total = scenario.flows.flows.len() as u64;
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "simulating {bar:40} {pos}/{len} flows done, {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = crate::progress_bar(total, "simulating {bar:40} {pos}/{len} flows done, {msg}");
     let mut progress = |p: SimProgress| {
         bar.set_position(p.flows_done as u64);
         bar.set_message(format!("simulated {} , {} events", p.now, p.events));

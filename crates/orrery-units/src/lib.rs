@@ -73,10 +73,6 @@ impl Picos {
     pub fn saturating_sub(self, other: Picos) -> Picos {
         Picos(self.0.saturating_sub(other.0))
     }
-
-    pub fn max(self, other: Picos) -> Picos {
-        Picos(self.0.max(other.0))
-    }
 }
 
 impl Add for Picos {
