@@ -345,6 +345,10 @@ pub enum ChakraError {
     TimesMismatch { given: usize, ops: usize },
     #[error("the trace is empty: it has no global metadata message")]
     Empty,
+    #[error(
+        "the trace is corrupt: it says orrery wrote it but its length and checksum are missing"
+    )]
+    Unsealed,
     #[error("the trace is corrupt: its metadata announces {expected_len} bytes with CRC-32 {expected_crc:08x} after it, but {found_len} bytes with CRC-32 {found_crc:08x} follow")]
     Corrupt {
         expected_len: u64,
@@ -510,7 +514,7 @@ fn write_rank(
     let meta = GlobalMetadata {
         version: SCHEMA_VERSION.to_string(),
         attr: vec![
-            AttributeProto::string("orrery.producer", "orrery-graph"),
+            AttributeProto::string(PRODUCER, "orrery-graph"),
             AttributeProto::uint64("orrery.rank", u64::from(rank.0)),
             AttributeProto::uint64("orrery.world_size", u64::from(world)),
             AttributeProto::uint64("orrery.class", u64::from(class.0)),
@@ -637,7 +641,7 @@ fn write_rank(
         node.encode_length_delimited(&mut body)
             .map_err(|e| ChakraError::Io(std::io::Error::other(e)))?;
     }
-    let crc = trace_crc(&meta, &body);
+    let crc = raw_crc(&meta.encode_to_vec(), &body);
     meta.attr
         .push(AttributeProto::uint64(BODY_BYTES, body.len() as u64));
     meta.attr.push(AttributeProto::uint64(BODY_CRC32, crc));
@@ -651,19 +655,22 @@ fn write_rank(
 /// body, so a truncated or corrupted file is detected on import. Traces from other tools lack
 /// them and are read unchecked.
 const BODY_BYTES: &str = "orrery.body_bytes";
+/// The metadata attribute naming the writer; orrery's traces must be sealed.
+const PRODUCER: &str = "orrery.producer";
 const BODY_CRC32: &str = "orrery.body_crc32";
 
-/// CRC-32 of the metadata message (as encoded) followed by the body. prost encodes fields in
-/// a fixed order, so re-encoding the decoded metadata gives the bytes that were hashed.
-fn trace_crc(meta: &GlobalMetadata, body: &[u8]) -> u64 {
+/// CRC-32 of the unsealed metadata message's bytes followed by the body. Export hashes the
+/// metadata's encoding before appending the seal attributes; since the seal is encoded last,
+/// those bytes are exactly the written message minus its end, which import hashes.
+fn raw_crc(meta_bytes: &[u8], body: &[u8]) -> u64 {
     let mut h = crc32fast::Hasher::new();
-    h.update(&meta.encode_to_vec());
+    h.update(meta_bytes);
     h.update(body);
     u64::from(h.finalize())
 }
 
 /// Checks the body length and checksum an orrery trace's metadata announces.
-fn verify_body(meta: &GlobalMetadata, meta_len: usize, bytes: &[u8]) -> Result<(), ChakraError> {
+fn verify_body(meta: &GlobalMetadata, meta_bytes: &[u8], bytes: &[u8]) -> Result<(), ChakraError> {
     let find = |name: &str| {
         meta.attr
             .iter()
@@ -671,16 +678,37 @@ fn verify_body(meta: &GlobalMetadata, meta_len: usize, bytes: &[u8]) -> Result<(
             .and_then(|a| a.value.as_ref())
             .and_then(as_u64)
     };
-    let (Some(expected_len), Some(expected_crc)) = (find(BODY_BYTES), find(BODY_CRC32)) else {
-        return Ok(());
-    };
-    let start = prost::encoding::encoded_len_varint(meta_len as u64) + meta_len;
-    let body = bytes.get(start..).unwrap_or_default();
-    let mut unsealed = meta.clone();
-    unsealed
+    // A trace that says orrery wrote it must carry the seal; otherwise a flipped bit in a
+    // seal attribute's name would make it pass for an unsealed foreign trace.
+    let claims_orrery = meta
         .attr
-        .retain(|a| a.name != BODY_BYTES && a.name != BODY_CRC32);
-    let crc = trace_crc(&unsealed, body);
+        .iter()
+        .any(|a| a.name == PRODUCER || a.name == BODY_BYTES || a.name == BODY_CRC32);
+    let (Some(expected_len), Some(expected_crc)) = (find(BODY_BYTES), find(BODY_CRC32)) else {
+        return if claims_orrery {
+            Err(ChakraError::Unsealed)
+        } else {
+            Ok(())
+        };
+    };
+    let start = prost::encoding::encoded_len_varint(meta_bytes.len() as u64) + meta_bytes.len();
+    let body = bytes.get(start..).unwrap_or_default();
+    // The seal attributes are written last, so the metadata as it was hashed is the raw
+    // message without their encoding at its end. Hashing the raw bytes (not a re-encoding
+    // of what was decoded) also catches flips in bytes a decoder would skip.
+    let seal: Vec<AttributeProto> = meta
+        .attr
+        .iter()
+        .filter(|a| a.name == BODY_BYTES || a.name == BODY_CRC32)
+        .cloned()
+        .collect();
+    let seal_bytes = GlobalMetadata {
+        version: String::new(),
+        attr: seal,
+    }
+    .encode_to_vec();
+    let unsealed = meta_bytes.strip_suffix(seal_bytes.as_slice());
+    let crc = unsealed.map_or(u64::MAX, |m| raw_crc(m, body));
     if body.len() as u64 != expected_len || crc != expected_crc {
         return Err(ChakraError::Corrupt {
             expected_len,
@@ -733,7 +761,7 @@ pub fn import_rank(bytes: &[u8]) -> Result<ImportedRank, ChakraError> {
     let messages = split_messages(bytes)?;
     let (meta_bytes, node_bytes) = messages.split_first().ok_or(ChakraError::Empty)?;
     let meta = GlobalMetadata::decode(*meta_bytes).map_err(ChakraError::Metadata)?;
-    verify_body(&meta, meta_bytes.len(), bytes)?;
+    verify_body(&meta, meta_bytes, bytes)?;
     let nodes = node_bytes
         .iter()
         .enumerate()

@@ -815,8 +815,34 @@ fn a_flipped_value_inside_a_valid_message_is_caught_by_the_checksum() {
         import_rank(&encode(&meta2, &nodes2)),
         Err(ChakraError::Corrupt { .. })
     ));
-    // Without orrery's checksum attributes (a foreign trace) the same bytes import.
+    // A trace that claims orrery as its producer but lost its seal is corrupt.
+    let mut stripped = meta.clone();
+    stripped.attr.retain(|a| !a.name.starts_with("orrery.body"));
+    assert!(matches!(
+        import_rank(&encode(&stripped, &nodes)),
+        Err(ChakraError::Unsealed)
+    ));
+    // Without orrery's producer and checksum attributes (a foreign trace) the same bytes
+    // import unchecked.
     let mut foreign = meta.clone();
-    foreign.attr.retain(|a| !a.name.starts_with("orrery.body"));
+    foreign
+        .attr
+        .retain(|a| !a.name.starts_with("orrery.body") && a.name != "orrery.producer");
     assert!(import_rank(&encode(&foreign, &nodes)).is_ok());
+}
+
+/// Every single-bit flip of an orrery trace is reported, wherever it lands (a deterministic
+/// sweep over every byte, one bit each, cycling through the bit positions).
+#[test]
+fn every_single_bit_flip_is_caught() {
+    let t = valid_trace();
+    for i in 0..t.len() {
+        let mut c = t.to_vec();
+        c[i] ^= 1 << (i % 8);
+        assert!(
+            import_rank(&c).is_err(),
+            "flip of bit {} at byte {i} went unnoticed",
+            i % 8
+        );
+    }
 }
