@@ -280,6 +280,7 @@ fn simulated<S: orrery_net::sim::FlowSimulator>(
     mode: ReplayMode,
 ) -> Result<orrery_predict::PredictOutput> {
     let mut out = predict_with(job, &net, mode).context("prediction failed")?;
+    out.prediction.network_simulation = Some(net.totals());
     for f in net.failures() {
         out.prediction.warnings.push(format!(
             "network simulation failed, counted as zero time: {f}"

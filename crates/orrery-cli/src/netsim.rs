@@ -4,7 +4,7 @@
 use crate::{atomic_write, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
-use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
+use orrery_net::packet::{MemoCache, PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
 use orrery_net::sim::{FlowSimulator, SimProgress, SimReport};
 use orrery_units::Picos;
@@ -35,14 +35,25 @@ pub struct NetsimArgs {
     /// Sampling period of the queue-depth trace, microseconds.
     #[arg(long, default_value_t = 1.0)]
     queue_trace_us: f64,
-    /// Packet model: fast-forward the whole network while every flow sends at
-    /// a steady rate (same as `[packet] accel.fast_forward = true`; off by default).
+    /// Packet model: turn off steady-state fast-forwarding (on by default; same as
+    /// `[packet] accel.fast_forward = false`).
     #[arg(long)]
-    fast_forward: bool,
-    /// With --fast-forward: let each partition (flows joined by shared links) jump on its
-    /// own (`[packet] accel.partitioning = true`).
-    #[arg(long, requires = "fast_forward")]
-    partitioning: bool,
+    no_fast_forward: bool,
+    /// Packet model: fast-forward the whole network as one partition instead of each
+    /// group of flows joined by shared links on its own (`accel.partitioning = false`).
+    #[arg(long)]
+    no_partitioning: bool,
+    /// Packet model: turn off memoization of repeated isolated episodes
+    /// (`accel.memoize = false`).
+    #[arg(long)]
+    no_memo: bool,
+    /// Packet model: the packet-by-packet reference, every acceleration off.
+    #[arg(long)]
+    reference: bool,
+    /// Packet model: load memoized episodes from this file if it exists (a corrupt or
+    /// foreign file is reported and ignored) and save the cache back to it afterwards.
+    #[arg(long, value_name = "FILE")]
+    memo_cache: Option<PathBuf>,
 }
 
 /// A distribution summary.
@@ -260,13 +271,27 @@ fn render(s: &NetsimSummary) -> String {
             "ECN marks {}, CNPs {}, go-back-N rewinds {}, timeouts {}, peak switch buffer {} B",
             p.ecn_marks, p.cnps, p.go_backs, p.timeouts, p.peak_switch_bytes
         );
-        if p.fast_forwards > 0 {
-            let _ = writeln!(
-                out,
-                "fast-forward: {} jumps over {} of simulated time, ~{} events skipped",
-                p.fast_forwards, p.jumped_time, p.skipped_events
-            );
-        }
+        let _ = writeln!(
+            out,
+            "fast-forward: {} jumps over {} of simulated time, ~{} events skipped",
+            p.fast_forwards, p.jumped_time, p.skipped_events
+        );
+        let _ = writeln!(
+            out,
+            "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted, ~{} events skipped",
+            p.memo_lookups,
+            p.memo_hits,
+            100.0 * p.memo_hit_rate(),
+            p.memo_recorded,
+            p.memo_aborts,
+            p.memo_skipped_events
+        );
+        let _ = writeln!(
+            out,
+            "events processed {}, ~{} skipped in all",
+            s.events,
+            p.total_skipped_events()
+        );
     }
     out
 }
@@ -379,10 +404,10 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 )));
             }
             config.seed = scenario.seed;
-            if args.fast_forward {
-                config.accel.fast_forward = true;
-                config.accel.partitioning |= args.partitioning;
-            }
+            let a = &mut config.accel;
+            a.fast_forward &= !(args.no_fast_forward || args.reference);
+            a.partitioning &= !(args.no_partitioning || args.reference);
+            a.memoize &= !(args.no_memo || args.reference);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),
@@ -402,13 +427,30 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                     ports: vec![orrery_units::LinkId(link)],
                 };
             }
-            PacketSimulator::new(config)
+            let cache = match &args.memo_cache {
+                Some(path) if path.exists() => match MemoCache::load(path) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("warning: ignoring memo cache {}: {e}", path.display());
+                        MemoCache::new()
+                    }
+                },
+                _ => MemoCache::new(),
+            };
+            let sim = PacketSimulator::with_cache(config, cache);
+            let result = sim
                 .run_with_progress(&scenario.graph, &scenario.flows, &trace, &mut progress)
                 .map(|run| {
                     samples = run.samples;
                     stats = Some(run.stats);
                     run.report
-                })
+                });
+            if let (Some(path), true) = (&args.memo_cache, result.is_ok()) {
+                sim.cache()
+                    .save(path)
+                    .map_err(|e| anyhow::anyhow!("saving the memo cache: {e}"))?;
+            }
+            result
         }
     }
     .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;

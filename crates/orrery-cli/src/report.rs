@@ -95,6 +95,18 @@ pub fn prediction(p: &Prediction) -> String {
         "{} x {}, network model: {}\n",
         p.world_size, p.gpu, p.network_model
     );
+    if let Some(t) = &p.network_simulation {
+        let _ = writeln!(
+            out,
+            "network simulation: {} runs, {} events processed, ~{} skipped; memo {}/{} hits ({:.1}%)\n",
+            t.simulations,
+            t.events,
+            t.accel.skipped_events,
+            t.accel.memo_hits,
+            t.accel.memo_lookups,
+            100.0 * t.accel.memo_hit_rate()
+        );
+    }
     let row = |a: &str, b: String| (a.to_string(), b, String::new());
     table(
         &mut out,

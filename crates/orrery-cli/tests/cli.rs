@@ -348,13 +348,17 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
 }
 
 #[test]
-fn netsim_fast_forward_skips_events_without_changing_the_answer() {
+fn netsim_acceleration_skips_events_without_changing_the_answer() {
     let dir = temp_dir("fastforward");
     let scenario = dir.join("long.toml");
+    // Two long flows on disjoint paths, then the same pair again after both finished: the
+    // first round fast-forwards, the second is found in the memo cache.
     std::fs::write(
         &scenario,
         "[topology]\nkind = \"single_switch\"\nendpoints = 4\nlink_gbps = 100\n[packet]\ndcqcn = false\n\
-         [[flows]]\nsrc = 0\ndst = 1\nbytes = 16777216\n[[flows]]\nsrc = 2\ndst = 3\nbytes = 16777216\n",
+         [[flows]]\nsrc = 0\ndst = 1\nbytes = 16777216\n[[flows]]\nsrc = 2\ndst = 3\nbytes = 16777216\n\
+         [[flows]]\nsrc = 0\ndst = 1\nbytes = 16777216\nstart_us = 2000\n\
+         [[flows]]\nsrc = 2\ndst = 3\nbytes = 16777216\nstart_us = 2000\n",
     )
     .unwrap();
     let run = |extra: &[&str]| {
@@ -362,17 +366,40 @@ fn netsim_fast_forward_skips_events_without_changing_the_answer() {
         args.extend_from_slice(extra);
         let (code, stdout, stderr) = orrery(&args);
         assert_eq!(code, 0, "{stderr}");
-        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+        (
+            serde_json::from_str::<serde_json::Value>(&stdout).unwrap(),
+            stderr,
+        )
     };
-    let full = run(&[]);
-    let fast = run(&["--fast-forward"]);
+    let (full, _) = run(&["--reference"]);
+    let (fast, _) = run(&[]);
     let (e_full, e_fast) = (full["end"].as_f64().unwrap(), fast["end"].as_f64().unwrap());
     assert!(
         (e_fast - e_full).abs() / e_full < 0.01,
         "{e_fast} vs {e_full}"
     );
     assert!(fast["events"].as_u64().unwrap() < full["events"].as_u64().unwrap() / 2);
-    assert!(fast["packet_stats"]["fast_forwards"].as_u64().unwrap() > 0);
+    let stats = &fast["packet_stats"];
+    assert!(stats["fast_forwards"].as_u64().unwrap() > 0);
+    assert_eq!(stats["memo_hits"].as_u64().unwrap(), 2, "{stats}");
+    assert_eq!(full["packet_stats"]["memo_lookups"].as_u64().unwrap(), 0);
+    let (no_memo, _) = run(&["--no-memo"]);
+    assert_eq!(no_memo["packet_stats"]["memo_lookups"].as_u64().unwrap(), 0);
+    // A cache file carries the episodes to the next run, which then finds all of them.
+    let cache = dir.join("memo.bin");
+    let (first, _) = run(&["--memo-cache", cache.to_str().unwrap()]);
+    assert_eq!(first["packet_stats"]["memo_hits"].as_u64().unwrap(), 2);
+    let (second, _) = run(&["--memo-cache", cache.to_str().unwrap()]);
+    assert_eq!(second["packet_stats"]["memo_hits"].as_u64().unwrap(), 4);
+    // A corrupt cache is reported and ignored, never trusted.
+    let mut bytes = std::fs::read(&cache).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&cache, &bytes).unwrap();
+    let (third, stderr) = run(&["--memo-cache", cache.to_str().unwrap()]);
+    assert!(stderr.contains("ignoring memo cache"), "{stderr}");
+    assert!(stderr.contains("checksum"), "{stderr}");
+    assert_eq!(third["packet_stats"]["memo_hits"].as_u64().unwrap(), 2);
 }
 
 #[test]

@@ -143,9 +143,30 @@ impl FlowSimulator for FlowLevelSimulator {
     }
 }
 
-/// The ECMP hash of flow `index` from endpoint `src` to endpoint `dst`.
+/// The ECMP hash of connection `index` from endpoint `src` to endpoint `dst`.
 pub fn flow_hash(src: u32, dst: u32, index: usize) -> u64 {
     mix(mix((u64::from(src) << 32) | u64::from(dst)) ^ index as u64)
+}
+
+/// Each flow's connection number: how many earlier flows of the same collective go from
+/// the same source to the same destination. Flows of one collective between one pair of
+/// endpoints are distinct connections (as NCCL's channels are distinct queue pairs), and
+/// the k-th connection between a pair is the same in every collective (as a communicator
+/// reuses its queue pairs), so the ECMP hash of `(src, dst, connection)` puts a repeated
+/// collective on the same paths every time: its contention is the same, as on a real
+/// fabric, and the packet model's memoization can recognise it.
+pub fn connection_numbers(flows: &FlowSet) -> Vec<usize> {
+    let mut seen: std::collections::HashMap<(u32, u32, u32), usize> =
+        std::collections::HashMap::new();
+    flows
+        .flows
+        .iter()
+        .map(|f| {
+            let k = seen.entry((f.collective, f.src, f.dst)).or_insert(0);
+            *k += 1;
+            *k - 1
+        })
+        .collect()
 }
 
 /// Max-min fair rates by progressive filling.
@@ -311,6 +332,7 @@ impl Routes {
         let mut per_flow: Vec<Vec<u32>> = vec![Vec::new(); n];
         let mut delay = vec![Picos::ZERO; n];
         let mut cached: Option<(NodeId, Vec<u32>)> = None;
+        let connection = connection_numbers(flows);
         for i in order {
             let f = &flows.flows[i];
             let src = graph.endpoint(f.src as usize)?;
@@ -319,7 +341,7 @@ impl Routes {
                 Some((d, dist)) if *d == dst => dist,
                 _ => &cached.insert((dst, graph.distances_to(dst))).1,
             };
-            let path = graph.route_with(src, dst, flow_hash(f.src, f.dst, i), dist)?;
+            let path = graph.route_with(src, dst, flow_hash(f.src, f.dst, connection[i]), dist)?;
             delay[i] = path.iter().map(|&l| graph.link(l).delay).sum();
             per_flow[i] = path.iter().map(|l| l.0).collect();
         }
@@ -648,6 +670,7 @@ fn run(
         bytes_sent: total,
         bytes_delivered: total,
         events,
+        accel: Default::default(),
     })
 }
 

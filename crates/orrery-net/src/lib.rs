@@ -49,7 +49,7 @@ pub mod sim_network;
 pub mod topology;
 
 pub use analytical::AnalyticalNetwork;
-pub use sim_network::SimNetwork;
+pub use sim_network::{SimNetwork, SimTotals};
 pub use topology::{FatTreeSpec, Link, NetGraph, NodeKind, RailOptimizedSpec, TopologyError};
 
 /// The collective operations the predictor issues.

@@ -42,6 +42,37 @@ pub struct SimReport {
     pub bytes_delivered: u64,
     /// Events the simulation processed.
     pub events: u64,
+    /// What acceleration saved (packet model; zeros elsewhere).
+    pub accel: AccelCounts,
+}
+
+/// What an accelerated simulation skipped, in numbers a report can show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct AccelCounts {
+    /// Events not processed thanks to fast-forwarding and memoization (estimated: skipped
+    /// packets times the events per packet of the simulated part).
+    pub skipped_events: u64,
+    /// Isolated episodes looked up in the memo cache, and found there.
+    pub memo_lookups: u64,
+    pub memo_hits: u64,
+}
+
+impl AccelCounts {
+    /// Adds another run's counts.
+    pub fn add(&mut self, other: &AccelCounts) {
+        self.skipped_events += other.skipped_events;
+        self.memo_lookups += other.memo_lookups;
+        self.memo_hits += other.memo_hits;
+    }
+
+    /// Memo hits per lookup (zero without lookups).
+    pub fn memo_hit_rate(&self) -> f64 {
+        if self.memo_lookups == 0 {
+            0.0
+        } else {
+            self.memo_hits as f64 / self.memo_lookups as f64
+        }
+    }
 }
 
 /// Why a simulation failed.

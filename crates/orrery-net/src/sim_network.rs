@@ -16,7 +16,7 @@
 //! from local GPU 0 up".
 
 use crate::flows::{collective_flows, FlowAlgorithm, FlowSet};
-use crate::sim::FlowSimulator;
+use crate::sim::{AccelCounts, FlowSimulator};
 use crate::topology::{NetGraph, RailOptimizedSpec};
 use crate::{
     Algorithm, CollectiveCost, CollectiveKind, CollectiveRequest, Fabric, GroupPlacement,
@@ -35,6 +35,16 @@ pub struct SimNetwork<S: FlowSimulator> {
     cache: RefCell<HashMap<(CollectiveKind, Bytes, GroupPlacement), Picos>>,
     p2p_cache: RefCell<HashMap<(Bytes, bool), Picos>>,
     failures: RefCell<Vec<String>>,
+    totals: RefCell<SimTotals>,
+}
+
+/// What a [`SimNetwork`] simulated over its life: one simulation per distinct collective
+/// or transfer shape, their processed events and what acceleration skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct SimTotals {
+    pub simulations: u64,
+    pub events: u64,
+    pub accel: AccelCounts,
 }
 
 impl<S: FlowSimulator> SimNetwork<S> {
@@ -45,6 +55,7 @@ impl<S: FlowSimulator> SimNetwork<S> {
             cache: RefCell::new(HashMap::new()),
             p2p_cache: RefCell::new(HashMap::new()),
             failures: RefCell::new(Vec::new()),
+            totals: RefCell::new(SimTotals::default()),
         }
     }
 
@@ -54,6 +65,11 @@ impl<S: FlowSimulator> SimNetwork<S> {
     }
 
     /// Simulations that failed (their answer fell back to zero time); empty when all ran.
+    /// Simulations run so far, their events and what acceleration skipped.
+    pub fn totals(&self) -> SimTotals {
+        *self.totals.borrow()
+    }
+
     pub fn failures(&self) -> Vec<String> {
         self.failures.borrow().clone()
     }
@@ -86,6 +102,10 @@ impl<S: FlowSimulator> SimNetwork<S> {
             .simulator
             .simulate(&graph, &set)
             .map_err(|e| e.to_string())?;
+        let mut t = self.totals.borrow_mut();
+        t.simulations += 1;
+        t.events += report.events;
+        t.accel.add(&report.accel);
         Ok(report.end)
     }
 

@@ -11,7 +11,7 @@ use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
-use orrery_units::{Bandwidth, Bytes, Picos};
+use orrery_units::{Bandwidth, Bytes, FlowId, Picos};
 
 fn gbps(x: f64) -> Bandwidth {
     Bandwidth::from_gbits_per_sec(x)
@@ -40,7 +40,7 @@ fn flow_set(flows: Vec<FlowSpec>) -> FlowSet {
 }
 
 fn accel_on() -> PacketConfig {
-    with_ff(PacketConfig::default())
+    with_ff(PacketConfig::reference())
 }
 
 fn with_ff(mut c: PacketConfig) -> PacketConfig {
@@ -52,7 +52,7 @@ fn with_ff(mut c: PacketConfig) -> PacketConfig {
 fn pfc_only() -> PacketConfig {
     PacketConfig {
         dcqcn: false,
-        ..PacketConfig::default()
+        ..PacketConfig::reference()
     }
 }
 
@@ -114,7 +114,7 @@ fn errors(off: &PacketRun, on: &PacketRun, fs: &FlowSet) -> Errors {
 /// Runs `fs` with fast-forwarding off and on, checks the bounds and the invariants every
 /// accelerated run keeps, and returns both runs.
 fn equivalent(g: &NetGraph, fs: &FlowSet, name: &str) -> (PacketRun, PacketRun, Errors) {
-    equivalent_with(PacketConfig::default(), g, fs, name)
+    equivalent_with(PacketConfig::reference(), g, fs, name)
 }
 
 fn equivalent_with(
@@ -125,12 +125,24 @@ fn equivalent_with(
 ) -> (PacketRun, PacketRun, Errors) {
     let off = run(base.clone(), g, fs);
     let on = run(with_ff(base.clone()), g, fs);
-    let e = errors(&off, &on, fs);
+    let e = check_bounds(&base, &off, &on, fs, name);
+    (off, on, e)
+}
+
+/// Checks an accelerated run `on` against the reference `off`: the error bounds and
+/// the invariants every accelerated run keeps (every byte accounted for, nothing lost).
+fn check_bounds(
+    base: &PacketConfig,
+    off: &PacketRun,
+    on: &PacketRun,
+    fs: &FlowSet,
+    name: &str,
+) -> Errors {
+    let e = errors(off, on, fs);
     assert!(e.mean_fct < 0.01, "{name}: {e:?}");
     assert!(e.p99_fct < 0.05, "{name}: {e:?}");
     assert!(e.end < 0.01, "{name}: {e:?}");
     assert!(e.collective < 0.01, "{name}: {e:?}");
-    // The report is complete: every byte is accounted for, nothing is lost.
     let total: u64 = fs.flows.iter().map(|f| f.bytes.0).sum();
     assert_eq!(on.report.bytes_delivered, total, "{name}");
     assert_eq!(on.report.bytes_sent, off.report.bytes_sent, "{name}");
@@ -138,7 +150,7 @@ fn equivalent_with(
     assert_eq!(on.stats.clamped_schedules, 0, "{name}");
     assert_eq!(on.stats.retransmitted_bytes, 0, "{name}");
     let link_total = |r: &PacketRun| r.report.link_bytes.iter().sum::<u64>();
-    assert_eq!(link_total(&on), link_total(&off), "{name}");
+    assert_eq!(link_total(on), link_total(off), "{name}");
     for (o, f) in on.report.flows.iter().zip(&fs.flows) {
         assert!(o.finish >= o.start, "{name}");
         assert!(f.bytes.0 == 0 || o.finish > o.start, "{name}");
@@ -147,7 +159,7 @@ fn equivalent_with(
         on.stats.skipped_bytes,
         on.stats.skipped_packets * u64::from(base.mtu_payload)
     );
-    (off, on, e)
+    e
 }
 
 /// Long flows on disjoint paths of one switch.
@@ -338,7 +350,7 @@ fn report_events_with_and_without_fast_forwarding() {
         let base = if name.contains("PFC only") {
             pfc_only()
         } else {
-            PacketConfig::default()
+            PacketConfig::reference()
         };
         let t0 = std::time::Instant::now();
         let off = run(base.clone(), &g, &fs);
@@ -387,27 +399,7 @@ fn three_ways(
     let off = run(base.clone(), g, fs);
     let whole = run(with_ff(base.clone()), g, fs);
     let parts = run(with_parts(base.clone()), g, fs);
-    let e = errors(&off, &parts, fs);
-    assert!(e.mean_fct < 0.01, "{name} (partitioned): {e:?}");
-    assert!(e.p99_fct < 0.05, "{name} (partitioned): {e:?}");
-    assert!(e.end < 0.01, "{name} (partitioned): {e:?}");
-    assert!(e.collective < 0.01, "{name} (partitioned): {e:?}");
-    let total: u64 = fs.flows.iter().map(|f| f.bytes.0).sum();
-    assert_eq!(parts.report.bytes_delivered, total, "{name}");
-    assert_eq!(parts.report.bytes_sent, off.report.bytes_sent, "{name}");
-    assert_eq!(parts.report.drops, 0, "{name}");
-    assert_eq!(parts.stats.clamped_schedules, 0, "{name}");
-    assert_eq!(parts.stats.retransmitted_bytes, 0, "{name}");
-    let link_total = |r: &PacketRun| r.report.link_bytes.iter().sum::<u64>();
-    assert_eq!(link_total(&parts), link_total(&off), "{name}");
-    for (o, f) in parts.report.flows.iter().zip(&fs.flows) {
-        assert!(o.finish >= o.start, "{name}");
-        assert!(f.bytes.0 == 0 || o.finish > o.start, "{name}");
-    }
-    assert_eq!(
-        parts.stats.skipped_bytes,
-        parts.stats.skipped_packets * u64::from(base.mtu_payload)
-    );
+    let e = check_bounds(&base, &off, &parts, fs, &format!("{name} (partitioned)"));
     (off, whole, parts, e)
 }
 
@@ -500,7 +492,7 @@ fn partitioned_jumps_stop_at_releases_that_join_or_merge_their_partitions() {
 #[test]
 fn partitioning_jumps_long_flows_past_a_stream_of_short_ones() {
     let (g, fs) = long_and_short();
-    let (off, whole, parts, _) = three_ways(PacketConfig::default(), &g, &fs, "long+short");
+    let (off, whole, parts, _) = three_ways(PacketConfig::reference(), &g, &fs, "long+short");
     assert!(parts.stats.fast_forwards > 0);
     assert!(parts.report.events < whole.report.events, "{parts:?}");
     assert!(parts.report.events < off.report.events);
@@ -513,7 +505,7 @@ fn partitioning_jumps_long_flows_past_a_stream_of_short_ones() {
 #[test]
 fn partitioning_jumps_a_steady_pair_beside_an_unsettled_dcqcn_incast() {
     let (g, fs) = long_and_dcqcn_incast();
-    let (off, whole, parts, _) = three_ways(PacketConfig::default(), &g, &fs, "pair+incast");
+    let (off, whole, parts, _) = three_ways(PacketConfig::reference(), &g, &fs, "pair+incast");
     assert!(parts.stats.fast_forwards > 0);
     assert!(parts.report.events < whole.report.events, "{parts:?}");
     assert!(parts.report.events < off.report.events);
@@ -522,15 +514,15 @@ fn partitioning_jumps_a_steady_pair_beside_an_unsettled_dcqcn_incast() {
 #[test]
 fn partitioning_keeps_the_single_partition_scenarios_within_bounds() {
     let scenarios: Vec<(&str, PacketConfig, (NetGraph, FlowSet))> = vec![
-        ("disjoint", PacketConfig::default(), disjoint()),
+        ("disjoint", PacketConfig::reference(), disjoint()),
         ("long incast PFC", pfc_only(), long_incast(8_000_000)),
         (
             "long incast DCQCN",
-            PacketConfig::default(),
+            PacketConfig::reference(),
             long_incast(8_000_000),
         ),
-        ("ring", PacketConfig::default(), ring_all_reduce(16 << 20)),
-        ("mid arrival", PacketConfig::default(), mid_arrival()),
+        ("ring", PacketConfig::reference(), ring_all_reduce(16 << 20)),
+        ("mid arrival", PacketConfig::reference(), mid_arrival()),
     ];
     for (name, base, (g, fs)) in scenarios {
         let (_, _, parts, _) = three_ways(base, &g, &fs, name);
@@ -547,8 +539,8 @@ fn partitioning_keeps_the_single_partition_scenarios_within_bounds() {
 #[test]
 fn partitioning_never_skips_short_flows_or_bursts() {
     for (g, fs) in [short_flows(), incast_burst()] {
-        let off = run(PacketConfig::default(), &g, &fs);
-        let parts = run(with_parts(PacketConfig::default()), &g, &fs);
+        let off = run(PacketConfig::reference(), &g, &fs);
+        let parts = run(with_parts(PacketConfig::reference()), &g, &fs);
         assert_eq!(parts.stats.fast_forwards, 0);
         assert_eq!(parts.report, off.report);
     }
@@ -557,8 +549,8 @@ fn partitioning_never_skips_short_flows_or_bursts() {
 #[test]
 fn partitioned_fast_forwarding_is_deterministic() {
     for (g, fs) in [long_and_short(), long_and_dcqcn_incast()] {
-        let a = run(with_parts(PacketConfig::default()), &g, &fs);
-        let b = run(with_parts(PacketConfig::default()), &g, &fs);
+        let a = run(with_parts(PacketConfig::reference()), &g, &fs);
+        let b = run(with_parts(PacketConfig::reference()), &g, &fs);
         assert_eq!(a, b);
         assert!(a.stats.fast_forwards > 0);
     }
@@ -581,7 +573,7 @@ fn report_events_with_partitioning() {
         let base = if name.contains("PFC only") {
             pfc_only()
         } else {
-            PacketConfig::default()
+            PacketConfig::reference()
         };
         let (off, whole, parts, e) = three_ways(base, &g, &fs, name);
         let ew = errors(&off, &whole, &fs);
@@ -603,4 +595,146 @@ fn report_events_with_partitioning() {
             100.0 * ew.end,
         );
     }
+}
+
+// ---- Memoization -----------------------------------------------------------------------
+
+fn with_memo(mut c: PacketConfig) -> PacketConfig {
+    c.accel.memoize = true;
+    c
+}
+
+/// `reps` rounds of an all-to-all (`bytes` per rank) among 8 GPUs on two rail-optimised
+/// hosts, each round released `gap` after every flow of the previous one finished: the
+/// dispatch of one MoE layer after another, with compute in between.
+fn repeated_all_to_all(reps: usize, bytes: u64, gap: Picos) -> (NetGraph, FlowSet) {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 4,
+        ..RailOptimizedSpec::dgx_h100(2)
+    };
+    let g = NetGraph::rail_optimized(&spec).unwrap();
+    let mut fs = FlowSet::default();
+    let ranks: Vec<u32> = (0..8).collect();
+    let mut prev: Option<std::ops::Range<usize>> = None;
+    for r in 0..reps {
+        let range = collective_flows(
+            &mut fs,
+            &format!("a2a{r}"),
+            CollectiveKind::AllToAll,
+            FlowAlgorithm::Direct,
+            &ranks,
+            Bytes(bytes),
+            4,
+            Picos::from_nanos(2000),
+        )
+        .unwrap();
+        if let Some(p) = &prev {
+            for i in range.clone() {
+                fs.flows[i].deps = p.clone().map(|d| FlowId(d as u32)).collect();
+                fs.flows[i].delay = Picos(fs.flows[i].delay.0 + gap.0);
+            }
+        }
+        prev = Some(range);
+    }
+    (g, fs)
+}
+
+#[test]
+fn memoized_all_to_all_rounds_stay_within_bounds_and_skip_the_repeats() {
+    let (g, fs) = repeated_all_to_all(8, 4_000_000, us(30));
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_memo(base.clone()), &g, &fs);
+    let e = check_bounds(&base, &off, &on, &fs, "all-to-all rounds");
+    // Each round is three isolated groups: the NVLink traffic inside each host and the
+    // traffic between the hosts (over the NICs). The first round records all three (the
+    // two hosts' groups are isomorphic, so one entry serves both); every later one hits.
+    assert_eq!(
+        (e.mean_fct, e.end),
+        (0.0, 0.0),
+        "deterministic episodes repeat exactly"
+    );
+    assert_eq!(on.stats.memo_lookups, 24);
+    assert_eq!(on.stats.memo_recorded, 3);
+    assert_eq!(on.stats.memo_hits, 21);
+    assert_eq!(on.stats.memo_aborts, 0);
+    assert!(on.report.events * 7 < off.report.events);
+    assert!(on.stats.memo_skipped_events > 0);
+}
+
+#[test]
+fn memoized_ring_steps_stay_within_bounds() {
+    // Every step of a ring starts after the previous step's flow into its sender finished,
+    // so each flow starts on links that are idle by then: an isolated one-flow episode,
+    // the same at every step but those whose route differs.
+    let (g, fs) = ring_all_reduce(8_000_000);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_memo(base.clone()), &g, &fs);
+    let e = check_bounds(&base, &off, &on, &fs, "ring with memo");
+    assert_eq!(
+        (e.mean_fct, e.end),
+        (0.0, 0.0),
+        "deterministic episodes repeat exactly"
+    );
+    assert!(on.stats.memo_hits > 0);
+    assert!(on.report.events * 2 < off.report.events);
+    assert_eq!(on.stats.memo_aborts, 0);
+}
+
+#[test]
+fn a_cache_carries_across_runs_and_through_its_file() {
+    let (g, fs) = repeated_all_to_all(3, 2_000_000, us(30));
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let sim = PacketSimulator::new(with_memo(base.clone()));
+    let first = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
+    assert_eq!(first.stats.memo_recorded, 3);
+    // The second run finds every round in the cache: not one packet is simulated, the
+    // only events are the flows' releases.
+    let second = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
+    assert_eq!(second.stats.memo_hits, 9);
+    assert_eq!(second.report.events, fs.flows.len() as u64);
+    check_bounds(&base, &off, &second, &fs, "second run");
+    // Through a file, into a fresh simulator.
+    let path = std::env::temp_dir().join(format!("orrery-accel-memo-{}.bin", std::process::id()));
+    sim.cache().save(&path).unwrap();
+    let loaded = orrery_net::packet::MemoCache::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let third = PacketSimulator::with_cache(with_memo(base.clone()), loaded)
+        .run(&g, &fs, &TraceRequest::default())
+        .unwrap();
+    assert_eq!(third.report, second.report);
+    // A different configuration never uses those entries.
+    let mut other = with_memo(base.clone());
+    other.ecn[0].kmin = 200_000;
+    let fourth = PacketSimulator::with_cache(other, sim.cache())
+        .run(&g, &fs, &TraceRequest::default())
+        .unwrap();
+    assert_eq!(fourth.stats.memo_recorded, 3);
+    assert_eq!(fourth.stats.memo_hits, 6);
+}
+
+#[test]
+fn a_flow_intruding_on_a_memoized_episode_aborts_it_and_stays_within_bounds() {
+    // Round 6 of 8 is a hit; 20 us after its first (NVLink) flow finishes, while the
+    // round's inter-host group is still running, an unrelated flow starts on GPU 0's NIC,
+    // which that group uses. The hit must be abandoned and its flows simulated from their
+    // (interpolated) progress on.
+    let (g, mut fs) = repeated_all_to_all(8, 4_000_000, us(30));
+    let round = 56; // flows per round
+    let mut intruder = flow(0, 7, 1_000_000);
+    intruder.deps = vec![FlowId((5 * round) as u32)];
+    intruder.delay = us(20);
+    fs.flows.push(intruder);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_memo(base.clone()), &g, &fs);
+    let e = check_bounds(&base, &off, &on, &fs, "intruded all-to-all");
+    assert!(on.stats.memo_aborts >= 1, "{:?}", on.stats);
+    assert!(
+        e.mean_fct > 0.0,
+        "the abort is an approximation, not a replay"
+    );
+    // Without the intruder no round aborts (the harness above).
 }

@@ -127,6 +127,11 @@ pub struct Prediction {
     pub classes: Vec<ClassInfo>,
     pub graph_ops: usize,
     pub replay_events: u64,
+    /// With a simulated network: how many simulations it ran, their events, and what
+    /// acceleration (fast-forwarding, memoization) skipped. Set by the caller that owns
+    /// the simulator.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_simulation: Option<orrery_net::SimTotals>,
     pub warnings: Vec<String>,
 }
 
@@ -253,6 +258,7 @@ fn summarize(
         classes: class_summary(&graphs.layout),
         graph_ops: graphs.total_ops(),
         replay_events: timeline.events,
+        network_simulation: None,
         warnings,
     })
 }

@@ -370,6 +370,9 @@ impl Engine<'_> {
         for &(t, _) in self.pending_rel.iter().flatten() {
             limit = limit.min(t.0.saturating_sub(now.0));
         }
+        // Memoized flows finish at fixed global times and release their dependents then,
+        // like pending releases.
+        limit = limit.min(self.memo_horizon());
         let mut rates = Vec::with_capacity(ff.active.len());
         for &f in &ff.active {
             let i = f as usize;
@@ -402,6 +405,16 @@ impl Engine<'_> {
             if let Some((t, key)) = *slot {
                 let at = Picos(t.0 - jump.0);
                 *slot = self.q.reschedule(key, at).map(|k| (at, k));
+            }
+        }
+        if let Some(m) = self.memo.as_mut() {
+            if m.owned > 0 {
+                for slot in m.finish_at.iter_mut() {
+                    if let Some((t, key)) = *slot {
+                        let at = Picos(t.0 - jump.0);
+                        *slot = self.q.reschedule(key, at).map(|k| (at, k));
+                    }
+                }
             }
         }
         let st = &mut self.stats;
@@ -588,7 +601,9 @@ impl Engine<'_> {
         let a = &cfg.accel;
         let now = self.now;
         let mtu = u64::from(cfg.mtu_payload);
-        let mut limit = p.rel_limit[g.root as usize];
+        // A memoized flow finishing releases flows nobody announced yet, which could reach
+        // this partition while it is frozen: never jump past one.
+        let mut limit = p.rel_limit[g.root as usize].min(self.memo_horizon());
         let mut rates = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
@@ -636,7 +651,9 @@ impl Engine<'_> {
                     find(&mut p.uf, l) == g.root
                 }
                 Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => p.in_group[f as usize],
-                Ev::Release(_) | Ev::Sample | Ev::FfSample => false,
+                Ev::Release(_) | Ev::Sample | Ev::FfSample | Ev::MemoDecide | Ev::MemoFinish(_) => {
+                    false
+                }
             };
             if !mine {
                 continue;
@@ -662,6 +679,24 @@ impl Engine<'_> {
         if self.data_packets > 0 {
             let per_packet = self.events as f64 / self.data_packets as f64;
             st.skipped_events += (moved as f64 * per_packet).round() as u64;
+        }
+    }
+}
+
+impl Engine<'_> {
+    /// Time from now to the earliest pending completion of a memoized flow (`u64::MAX`
+    /// if none).
+    fn memo_horizon(&self) -> u64 {
+        let now = self.now.0;
+        match self.memo.as_ref() {
+            Some(m) if m.owned > 0 => m
+                .finish_at
+                .iter()
+                .flatten()
+                .map(|&(t, _)| t.0.saturating_sub(now))
+                .min()
+                .unwrap_or(u64::MAX),
+            _ => u64::MAX,
         }
     }
 }

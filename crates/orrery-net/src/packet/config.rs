@@ -183,8 +183,9 @@ pub struct PacketConfig {
     pub dcqcn_params: DcqcnParams,
     /// Seed of the random numbers (ECN marking decisions). Default 0.
     pub seed: u64,
-    /// Acceleration (steady-state fast-forwarding). Off by default: the simulation is then
-    /// exactly the packet-by-packet reference. See [`AccelConfig`].
+    /// Acceleration (partitioning, steady-state fast-forwarding, memoization). On by
+    /// default; [`PacketConfig::reference`] is the packet-by-packet reference with all of
+    /// it off. See [`AccelConfig`].
     pub accel: AccelConfig,
 }
 
@@ -198,16 +199,20 @@ pub struct PacketConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AccelConfig {
-    /// Steady-state fast-forwarding. Default false: the equivalence harness
-    /// (`tests/accel.rs`) holds the error bounds on its scenarios, but the
-    /// mechanism is new and not yet checked on full training workloads.
+    /// Steady-state fast-forwarding. Default true: the equivalence harness
+    /// (`tests/accel.rs`) holds the error bounds on its scenarios with each
+    /// mechanism on and off. [`PacketConfig::reference`] turns all of them off.
     pub fast_forward: bool,
     /// Partitioning into independent groups of flows and links (with `fast_forward`): each
     /// connected component of the active flows and the links they use decides steadiness
     /// and jumps on its own, so an unsteady or short flow in one part of the network no
-    /// longer blocks jumps elsewhere. Without `fast_forward` it does nothing. Default false
-    /// (the whole network is one partition). See the `accel` module for the design.
+    /// longer blocks jumps elsewhere. Without `fast_forward` it does nothing. Default true
+    /// (false: the whole network is one partition). See the `accel` module for the design.
     pub partitioning: bool,
+    /// Memoization of isolated episodes: a group of flows released together onto idle
+    /// links whose simulation is already in the cache is looked up instead of simulated
+    /// (see the `memo` module). Default true.
+    pub memoize: bool,
     /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
     /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow
     /// delivers ~115 packets per sample, so packet quantisation moves a sample by under 1%
@@ -239,17 +244,41 @@ pub struct AccelConfig {
     pub min_jump: Picos,
 }
 
-impl Default for AccelConfig {
-    fn default() -> Self {
+impl AccelConfig {
+    /// Every mechanism off: the packet-by-packet reference.
+    pub fn off() -> AccelConfig {
         AccelConfig {
             fast_forward: false,
             partitioning: false,
+            memoize: false,
+            ..AccelConfig::default()
+        }
+    }
+}
+
+impl Default for AccelConfig {
+    fn default() -> Self {
+        AccelConfig {
+            fast_forward: true,
+            partitioning: true,
+            memoize: true,
             sample_interval: Picos::from_micros(10),
             window: 20,
             theta: 0.05,
             rate_theta: 0.01,
             tail_margin: Picos::from_micros(50),
             min_jump: Picos::from_micros(20),
+        }
+    }
+}
+
+impl PacketConfig {
+    /// The defaults with every acceleration off: the packet-by-packet reference that the
+    /// accelerated default is checked against.
+    pub fn reference() -> PacketConfig {
+        PacketConfig {
+            accel: AccelConfig::off(),
+            ..PacketConfig::default()
         }
     }
 }

@@ -4,8 +4,9 @@
 use super::accel::FastForward;
 use super::config::{EcnThresholds, PacketConfig};
 use super::dcqcn::ReactionPoint;
+use super::memo::{Memo, MemoCache};
 use super::{PacketRun, PacketStats, Sample, TraceRequest};
-use crate::flow_model::flow_hash;
+use crate::flow_model::{connection_numbers, flow_hash};
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
@@ -43,6 +44,11 @@ pub(super) enum Ev {
     /// Take a fast-forward rate sample, maybe jump (not counted as a simulation event;
     /// scheduled only with `accel.fast_forward`).
     FfSample,
+    /// Decide what to do with the flows released onto idle links at this instant
+    /// (`accel.memoize` only; not counted).
+    MemoDecide,
+    /// A memoized flow reaches its stored completion (not counted).
+    MemoFinish(u32),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,8 +163,8 @@ pub(super) struct Engine<'a> {
     pub ports: Vec<Port>,
     pub bufs: Vec<SwitchBuf>,
     pub flows: Vec<FlowState>,
-    dependents_at: Vec<u32>,
-    dependents: Vec<u32>,
+    pub dependents_at: Vec<u32>,
+    pub dependents: Vec<u32>,
     pub paths: Vec<u32>,
     pub pkts: Vec<Packet>,
     free: Vec<u32>,
@@ -186,6 +192,8 @@ pub(super) struct Engine<'a> {
     /// With partitioning: every event a jump may have to move (all but releases and
     /// samples), as scheduled; compacted to the pending ones at each fast-forward sample.
     pub ledger: Option<Vec<(EventKey, Picos, Ev)>>,
+    /// Memoization state (`accel.memoize` only).
+    pub memo: Option<Memo<'a>>,
     // Report counters.
     pub link_bytes: Vec<u64>,
     pub pfc_pauses: Vec<u64>,
@@ -208,6 +216,7 @@ impl<'a> Engine<'a> {
         graph: &NetGraph,
         flows: &FlowSet,
         trace: &'a TraceRequest,
+        cache: Option<&'a mut MemoCache>,
     ) -> Result<Engine<'a>, SimError> {
         flows.check()?;
         let n_nodes = graph.num_nodes();
@@ -273,6 +282,7 @@ impl<'a> Engine<'a> {
         let mtu = u64::from(cfg.mtu_payload);
         let mut states = Vec::with_capacity(flows.flows.len());
         let mut n_dependents = vec![0u32; flows.flows.len() + 1];
+        let connection = connection_numbers(flows);
         for (i, f) in flows.flows.iter().enumerate() {
             let s = graph.endpoint(f.src as usize)?;
             let d = graph.endpoint(f.dst as usize)?;
@@ -281,14 +291,14 @@ impl<'a> Engine<'a> {
                 &mut dist_cache,
                 s,
                 d,
-                flow_hash(f.src, f.dst, i),
+                flow_hash(f.src, f.dst, connection[i]),
             )?;
             let rev = push_path(
                 &mut paths,
                 &mut dist_cache,
                 d,
                 s,
-                flow_hash(f.dst, f.src, i),
+                flow_hash(f.dst, f.src, connection[i]),
             )?;
             let src_port = paths[fwd.0 as usize];
             let bytes = f.bytes.0;
@@ -361,6 +371,10 @@ impl<'a> Engine<'a> {
             )
         });
         let ledger = (cfg.accel.fast_forward && cfg.accel.partitioning).then(Vec::new);
+        let memo = cfg
+            .accel
+            .memoize
+            .then(|| Memo::new(cfg, states.len(), n_links, cache));
         Ok(Engine {
             cfg,
             q,
@@ -384,6 +398,7 @@ impl<'a> Engine<'a> {
             ff,
             live: vec![0; flows.flows.len()],
             ledger,
+            memo,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -435,6 +450,14 @@ impl<'a> Engine<'a> {
                     self.ff_sample();
                     continue;
                 }
+                Ev::MemoDecide => {
+                    self.memo_decide();
+                    continue;
+                }
+                Ev::MemoFinish(f) => {
+                    self.memo_finish(f);
+                    continue;
+                }
             }
             self.events += 1;
         }
@@ -467,6 +490,11 @@ impl<'a> Engine<'a> {
                 bytes_sent: self.bytes_sent,
                 bytes_delivered: self.bytes_delivered,
                 events: self.events,
+                accel: crate::sim::AccelCounts {
+                    skipped_events: self.stats.total_skipped_events(),
+                    memo_lookups: self.stats.memo_lookups,
+                    memo_hits: self.stats.memo_hits,
+                },
             },
             stats: self.stats,
             samples: self.samples,
@@ -543,6 +571,9 @@ impl<'a> Engine<'a> {
         let f = self.pkts[p as usize].flow as usize;
         self.live[f] -= 1;
         self.free.push(p);
+        if self.live[f] == 0 && self.memo.is_some() {
+            self.memo_maybe_idle(f as u32);
+        }
     }
 
     /// The link at `hop` of packet `p`'s path.
@@ -619,6 +650,10 @@ impl<'a> Engine<'a> {
         fl.finish = Some(Picos(self.now.0 + self.offset.0));
         self.unfinished -= 1;
         self.ff_on_finish(f);
+        if self.memo.is_some() {
+            self.memo_on_finish(f);
+            self.memo_maybe_idle(f);
+        }
         let (a, b) = (
             self.dependents_at[f as usize] as usize,
             self.dependents_at[f as usize + 1] as usize,

@@ -24,7 +24,16 @@ impl Engine<'_> {
             self.finish_flow(f);
             return;
         }
-        fl.ready_at = now;
+        if self.memo.is_some() && self.memo_on_release(f) {
+            return; // deferred to this instant's memoization decision
+        }
+        self.start_qp(f);
+    }
+
+    /// A released flow's queue pair joins its NIC port and may send now.
+    pub(super) fn start_qp(&mut self, f: u32) {
+        let fl = &mut self.flows[f as usize];
+        fl.ready_at = self.now;
         let l = fl.src_port;
         self.ff_on_release(f);
         self.ports[l as usize].qps.push(f);

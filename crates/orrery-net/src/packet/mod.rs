@@ -207,20 +207,35 @@ mod config;
 pub mod dcqcn;
 mod engine;
 mod host;
+mod memo;
 mod switch;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
+pub use memo::{MemoCache, MemoFileError};
 
 use crate::flows::FlowSet;
 use crate::sim::{FlowSimulator, SimError, SimProgress, SimReport};
 use crate::topology::NetGraph;
 use orrery_units::{LinkId, Picos};
 use serde::Serialize;
+use std::sync::{Arc, Mutex};
 
 /// The packet-level simulator.
-#[derive(Debug, Clone, PartialEq, Default)]
+///
+/// With `accel.memoize` it keeps one [`MemoCache`] for all its runs (clones share it), so a
+/// simulator reused for every collective of a prediction learns from each. Two simulators
+/// are equal when their configurations are: the cache changes how fast a run is, and the
+/// result only within the memo's tolerance.
+#[derive(Debug, Clone, Default)]
 pub struct PacketSimulator {
     pub config: PacketConfig,
+    memo: Arc<Mutex<MemoCache>>,
+}
+
+impl PartialEq for PacketSimulator {
+    fn eq(&self, other: &Self) -> bool {
+        self.config == other.config
+    }
 }
 
 /// What to record over time during a run (nothing by default).
@@ -279,6 +294,33 @@ pub struct PacketStats {
     /// Estimate of the events jumps saved: skipped packets times the events per data
     /// packet of the simulated part of the run. `events` counts processed events only.
     pub skipped_events: u64,
+    /// Isolated episodes looked up in the memo cache (zero unless `accel.memoize`), found
+    /// there, recorded into it, and hits aborted because another flow touched their links.
+    pub memo_lookups: u64,
+    pub memo_hits: u64,
+    pub memo_recorded: u64,
+    pub memo_aborts: u64,
+    /// Data packets memoized episodes did not simulate (their bytes are in the report), and
+    /// the events that saves (estimated as for fast-forwarding).
+    pub memo_skipped_packets: u64,
+    pub memo_skipped_events: u64,
+}
+
+impl PacketStats {
+    /// Memo hits per lookup (zero without lookups).
+    pub fn memo_hit_rate(&self) -> f64 {
+        crate::sim::AccelCounts {
+            skipped_events: 0,
+            memo_lookups: self.memo_lookups,
+            memo_hits: self.memo_hits,
+        }
+        .memo_hit_rate()
+    }
+
+    /// Events skipped by every mechanism (estimated).
+    pub fn total_skipped_events(&self) -> u64 {
+        self.skipped_events + self.memo_skipped_events
+    }
 }
 
 /// Everything a run produces.
@@ -291,7 +333,26 @@ pub struct PacketRun {
 
 impl PacketSimulator {
     pub fn new(config: PacketConfig) -> PacketSimulator {
-        PacketSimulator { config }
+        PacketSimulator {
+            config,
+            memo: Arc::default(),
+        }
+    }
+
+    /// A simulator whose memoization starts from `cache` (e.g. one loaded from a file).
+    pub fn with_cache(config: PacketConfig, cache: MemoCache) -> PacketSimulator {
+        PacketSimulator {
+            config,
+            memo: Arc::new(Mutex::new(cache)),
+        }
+    }
+
+    /// A copy of the memo cache as it is now (to save it).
+    pub fn cache(&self) -> MemoCache {
+        match self.memo.lock() {
+            Ok(c) => c.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
     }
 
     /// Simulates `flows` on `graph`, recording what `trace` asks for. Bad configuration
@@ -315,7 +376,13 @@ impl PacketSimulator {
         progress: &mut dyn FnMut(SimProgress),
     ) -> Result<PacketRun, SimError> {
         let cfg = self.config.sanitized();
-        engine::Engine::new(&cfg, graph, flows, trace)?.run(progress)
+        // A panic in another run cannot leave the cache half-written (entries are inserted
+        // whole), so a poisoned lock is still a consistent cache.
+        let mut cache = match self.memo.lock() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        engine::Engine::new(&cfg, graph, flows, trace, Some(&mut cache))?.run(progress)
     }
 }
 
