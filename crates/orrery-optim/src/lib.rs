@@ -1,0 +1,137 @@
+//! Optimizers for orrery's training program — AdamW, SOAP and Shampoo — and the runtime that
+//! makes the second-order ones affordable.
+//!
+//! # The boundary
+//!
+//! Parameters and gradients cross into this crate as plain `f32` buffers with a name and a
+//! row-major shape ([`Param`]), so the optimizer math never depends on a tensor backend: the
+//! trainer copies (or borrows) each tensor's data, calls [`Optimizer::step`] with this step's
+//! learning rate (the caller owns the schedule), and copies the values back. State is keyed by
+//! parameter name and created on a parameter's first step. [`Optimizer::save_state`] and
+//! [`Optimizer::load_state`] move the whole state as one versioned, checksummed byte blob; bad
+//! bytes are refused with [`OptimError::BadState`] and a message saying what was wrong.
+//!
+//! # The optimizers
+//!
+//! - [`AdamW`]: Adam with decoupled weight decay ([`AdamWConfig`]).
+//! - [`Soap`]: Adam run in the eigenbasis of Shampoo's Kronecker factors, as published by Vyas
+//!   et al. (2024), with periodic power-iteration + QR refreshes of the basis ([`SoapConfig`]).
+//! - [`Shampoo`]: blocked Shampoo with inverse fourth roots and Adam grafting
+//!   ([`ShampooConfig`]).
+//!
+//! Tensors with two or more dimensions are treated as matrices (first dimension × the rest);
+//! 1-D tensors get Adam inside SOAP and Shampoo. The dense linear algebra ([`linalg`]) is faer,
+//! single-threaded per matrix, with eigendecompositions and QR in `f64` and state in `f32`.
+//!
+//! # The runtime
+//!
+//! - *Asynchronous preconditioning* ([`RefreshMode::Async`]): SOAP's basis refreshes (and
+//!   Shampoo's inverse roots) run on a pool of CPU threads from a snapshot, and a step uses the
+//!   newest finished basis, waiting only when the basis in use would exceed the staleness bound
+//!   (in refresh periods; at most one refresh per parameter is in flight); staleness 0 is
+//!   bit-identical to the synchronous optimizer. [`StepReport::wait_seconds`] says how long a
+//!   step waited. Saved state includes refreshes in flight (as their inputs).
+//! - *Tiered state* ([`tiers`]): each of SOAP's state tensors is placed on the device, in host
+//!   memory or on disk by its access pattern under per-tier byte budgets; spilled tensors are
+//!   checksummed files written atomically, and a corrupt one is an error
+//!   ([`OptimError::Spill`]), never silently used. The next parameter's spilled state is
+//!   prefetched on an I/O thread while the current one is computed. Spilled and resident state
+//!   give bit-identical results. [`Optimizer::state_usage`] reports the bytes in each tier.
+//!
+//! # Guarantees
+//!
+//! Same inputs, same outputs, bit for bit: every reduction has a fixed order, decompositions run
+//! single-threaded (parallelism comes from working on different matrices at once), and the
+//! only timing-dependent behaviour — installing an asynchronous refresh as soon as it is ready —
+//! can be switched to installing it at its deadline (`apply_at_deadline`). The wall clock is
+//! read only to fill `wait_seconds`, never to decide anything.
+//!
+//! # What this crate does not do
+//!
+//! It does not compute gradients, clip them or schedule the learning rate (the trainer does);
+//! it does not talk to other ranks (refresh sharding across data-parallel ranks belongs to the
+//! trainer's communicator layer); it does not use a GPU — on the CPU the "device" tier is RAM
+//! accounted separately; it does not migrate tensors between tiers after placement; and only
+//! SOAP's state is tiered (Shampoo and AdamW keep theirs resident).
+
+use thiserror::Error;
+
+mod adamw;
+pub mod linalg;
+mod runtime;
+mod shampoo;
+mod soap;
+mod state;
+pub mod tiers;
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use shampoo::{block_ranges, Shampoo, ShampooConfig};
+pub use soap::{
+    refresh_basis, rotate, rotate_back, RefreshMode, Soap, SoapConfig, SOAP_DEFAULT_LR,
+};
+pub use tiers::{Tier, TierConfig, TierUsage};
+
+/// One parameter tensor handed to an optimizer step: its stable name (used to key state and
+/// checkpoints), its shape (row-major), its values (updated in place) and its gradient.
+#[derive(Debug)]
+pub struct Param<'a> {
+    pub name: &'a str,
+    pub shape: &'a [usize],
+    pub value: &'a mut [f32],
+    pub grad: &'a [f32],
+}
+
+/// What a step did, for progress bars and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepReport {
+    /// Wall time the step spent waiting for preconditioner work, in seconds.
+    pub wait_seconds: f64,
+}
+
+/// Errors of an optimizer step or of restoring optimizer state.
+#[derive(Debug, Error)]
+pub enum OptimError {
+    #[error("parameter `{name}`: {problem}")]
+    BadParam { name: String, problem: String },
+    #[error("optimizer state: {0}")]
+    BadState(String),
+    /// A preconditioner decomposition failed (non-finite statistics).
+    #[error(transparent)]
+    Linalg(#[from] linalg::LinalgError),
+    /// Spilled state could not be read or written, or was corrupt.
+    #[error(transparent)]
+    Spill(#[from] tiers::TierError),
+}
+
+/// An optimizer over named `f32` parameters. `lr` is this step's learning rate (the caller owns
+/// the schedule). State is saved and restored as opaque bytes; the caller writes them
+/// atomically and checksums them.
+pub trait Optimizer: Send {
+    fn step(&mut self, lr: f32, params: &mut [Param<'_>]) -> Result<StepReport, OptimError>;
+    fn save_state(&self) -> Vec<u8>;
+    fn load_state(&mut self, bytes: &[u8]) -> Result<(), OptimError>;
+
+    /// Bytes of optimizer state in each tier (device, host, disk). Every optimizer in this
+    /// crate overrides it; the default (all zero) exists only so that adding this method did
+    /// not break other implementations.
+    fn state_usage(&self) -> TierUsage {
+        TierUsage::default()
+    }
+}
+
+/// Checks that a parameter's buffers agree with its shape.
+pub(crate) fn check_param(p: &Param<'_>) -> Result<(), OptimError> {
+    let n: usize = p.shape.iter().product();
+    if p.value.len() != n || p.grad.len() != n {
+        return Err(OptimError::BadParam {
+            name: p.name.to_owned(),
+            problem: format!(
+                "shape {:?} has {n} elements but value has {} and grad {}",
+                p.shape,
+                p.value.len(),
+                p.grad.len()
+            ),
+        });
+    }
+    Ok(())
+}

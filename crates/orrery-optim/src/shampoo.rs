@@ -1,0 +1,542 @@
+//! Shampoo (Gupta et al. 2018) in the blocked, grafted form of Anil et al. 2020 and Meta's
+//! Distributed Shampoo (Shi et al. 2023).
+//!
+//! A parameter viewed as an m×n matrix (`[d0, d1, ...]` as `d0 × d1·d2·…`) is cut into blocks
+//! of at most `max_preconditioner_dim` rows and columns; every block `b` has its own statistics
+//! and inverse roots. At step `t = 1, 2, ...` with gradient `G`:
+//!
+//! ```text
+//! M = β1 M + (1-β1) G,  M̂ = M / (1-β1ᵗ)               filtered gradient (β1 = 0: M̂ = G)
+//! V = β2g V + (1-β2g) G², A = M̂ / (√(V/(1-β2gᵗ)) + εg)  Adam, the grafting direction
+//! per block b:
+//!   L_b = β L_b + (1-β) G_b G_bᵀ,  R_b = β R_b + (1-β) G_bᵀ G_b   (β = 1: running sums)
+//!   every `precondition_frequency` steps from `start_preconditioning_step` on:
+//!       PL_b = (L_b + ε I)^(-1/4),  PR_b = (R_b + ε I)^(-1/4)      by eigendecomposition
+//!   S_b = PL_b M̂_b PR_b;   D_b = S_b · ‖A_b‖_F / ‖S_b‖_F           Adam grafting per block
+//! before the first roots exist (t < start_preconditioning_step): D = A
+//! x ← x (1 - lr·wd) − lr·D                                           decoupled weight decay
+//! ```
+//!
+//! Choices: ε is **absolute** and added to the eigenvalues after clamping negative ones to zero
+//! (`(max(λ,0) + ε)^(-1/4)`), as in Meta's implementation (default 1e-12). Eigendecompositions
+//! run in `f64` (`linalg`); statistics and roots are stored in `f32`. 1-D tensors (and blocks of
+//! size zero) get the grafting direction, i.e. Adam. If a block's Shampoo direction is zero
+//! (a zero gradient), the Adam direction is used.
+//!
+//! Root computations can run on worker threads ([`RefreshMode::Async`]) under the same
+//! staleness rule as SOAP's basis refreshes: all blocks of a parameter are one job, snapshotted
+//! after the statistics update; synchronously the new roots are used in the step that computed
+//! them, so staleness 0 is bit-identical. Before a parameter's first roots are installed it gets
+//! the grafting direction. Shampoo's state stays resident (tiering is wired to SOAP only).
+
+use std::collections::BTreeMap;
+
+use crate::linalg::{self, LinalgError};
+use crate::runtime::{Inflight, WorkerPool};
+use crate::soap::RefreshMode;
+use crate::state::{Reader, Writer};
+use crate::{check_param, OptimError, Optimizer, Param, StepReport, TierUsage};
+
+/// Hyper-parameters of [`Shampoo`]; the learning rate is passed per step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShampooConfig {
+    /// EMA of the gradient that Shampoo preconditions (default 0.9; 0 disables it).
+    pub beta1: f32,
+    /// Decay of the statistics; 1.0 (default) accumulates plain sums as in the original paper.
+    pub shampoo_beta: f32,
+    /// Absolute epsilon added to the statistics' eigenvalues (default 1e-12).
+    pub epsilon: f64,
+    /// Decoupled weight decay (default 0.01).
+    pub weight_decay: f32,
+    /// Steps between inverse-root recomputations (default 10).
+    pub precondition_frequency: u64,
+    /// First step that uses Shampoo's direction (default 1); earlier steps use the grafting
+    /// direction alone.
+    pub start_preconditioning_step: u64,
+    /// Largest block side (default 1024).
+    pub max_preconditioner_dim: usize,
+    /// Second-moment decay of the Adam graft (default 0.999).
+    pub graft_beta2: f32,
+    /// Epsilon of the Adam graft (default 1e-8).
+    pub graft_eps: f32,
+    /// Synchronous (default) or asynchronous root computation, with the same staleness rule
+    /// as SOAP's basis refreshes (in units of `precondition_frequency`). With staleness 0 the
+    /// results are bit-identical to synchronous Shampoo.
+    pub refresh: RefreshMode,
+}
+
+impl Default for ShampooConfig {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            shampoo_beta: 1.0,
+            epsilon: 1e-12,
+            weight_decay: 0.01,
+            precondition_frequency: 10,
+            start_preconditioning_step: 1,
+            max_preconditioner_dim: 1024,
+            graft_beta2: 0.999,
+            graft_eps: 1e-8,
+            refresh: RefreshMode::Sync,
+        }
+    }
+}
+
+/// The statistics and roots of one block.
+#[derive(Debug, Clone, PartialEq)]
+struct Block {
+    r0: usize,
+    rn: usize,
+    c0: usize,
+    cn: usize,
+    l: Vec<f32>,
+    r: Vec<f32>,
+    /// Inverse fourth roots; empty until first computed.
+    pl: Vec<f32>,
+    pr: Vec<f32>,
+}
+
+/// Snapshot for an inverse-root computation: every block's (rows, cols, L, R) and ε.
+#[derive(Debug)]
+struct RootJob {
+    blocks: Vec<(usize, usize, Vec<f32>, Vec<f32>)>,
+    eps: f64,
+}
+
+type Roots = Vec<(Vec<f32>, Vec<f32>)>;
+type RootOutcome = Result<Roots, LinalgError>;
+
+fn compute_roots(job: &RootJob) -> RootOutcome {
+    job.blocks
+        .iter()
+        .map(|(rn, cn, l, r)| {
+            Ok((
+                linalg::inverse_root(l, *rn, 4.0, job.eps)?,
+                linalg::inverse_root(r, *cn, 4.0, job.eps)?,
+            ))
+        })
+        .collect()
+}
+
+#[derive(Debug)]
+struct ShampooParam {
+    shape: Vec<usize>,
+    cols: usize,
+    step: u64,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    blocks: Vec<Block>,
+    pending: Option<Inflight<RootJob, RootOutcome>>,
+}
+
+impl ShampooParam {
+    fn install(&mut self, roots: Roots) {
+        for (b, (pl, pr)) in self.blocks.iter_mut().zip(roots) {
+            b.pl = pl;
+            b.pr = pr;
+        }
+    }
+}
+
+/// Splits `0..n` into consecutive ranges of at most `max` (every range non-empty).
+pub fn block_ranges(n: usize, max: usize) -> Vec<(usize, usize)> {
+    let max = max.max(1);
+    (0..n.div_ceil(max))
+        .map(|i| (i * max, max.min(n - i * max)))
+        .collect()
+}
+
+/// Copies block (r0..r0+rn, c0..c0+cn) out of a rows×cols row-major matrix.
+fn gather(x: &[f32], cols: usize, b: &Block) -> Vec<f32> {
+    let mut o = Vec::with_capacity(b.rn * b.cn);
+    for i in b.r0..b.r0 + b.rn {
+        o.extend_from_slice(&x[i * cols + b.c0..i * cols + b.c0 + b.cn]);
+    }
+    o
+}
+
+fn scatter(x: &mut [f32], cols: usize, b: &Block, src: &[f32]) {
+    for (k, i) in (b.r0..b.r0 + b.rn).enumerate() {
+        x[i * cols + b.c0..i * cols + b.c0 + b.cn].copy_from_slice(&src[k * b.cn..(k + 1) * b.cn]);
+    }
+}
+
+fn norm(x: &[f32]) -> f64 {
+    x.iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Blocked Shampoo with Adam grafting over named parameters.
+#[derive(Debug)]
+pub struct Shampoo {
+    config: ShampooConfig,
+    params: BTreeMap<String, ShampooParam>,
+    pool: Option<WorkerPool>,
+}
+
+const SHAMPOO_TAG: &[u8; 8] = b"ORSHAMP1";
+
+impl Shampoo {
+    pub fn new(config: ShampooConfig) -> Self {
+        let pool = match config.refresh {
+            RefreshMode::Sync => None,
+            RefreshMode::Async { workers, .. } => Some(WorkerPool::new(workers)),
+        };
+        Self {
+            config,
+            params: BTreeMap::new(),
+            pool,
+        }
+    }
+
+    pub fn config(&self) -> &ShampooConfig {
+        &self.config
+    }
+
+    /// Bytes of optimizer state held.
+    pub fn state_bytes(&self) -> u64 {
+        self.params
+            .values()
+            .map(|p| {
+                let blocks: usize = p
+                    .blocks
+                    .iter()
+                    .map(|b| b.l.len() + b.r.len() + b.pl.len() + b.pr.len())
+                    .sum();
+                4 * (p.m.len() + p.v.len() + blocks) as u64
+            })
+            .sum()
+    }
+
+    fn new_param(&self, p: &Param<'_>) -> ShampooParam {
+        let n = p.value.len();
+        let matrix = p.shape.len() >= 2;
+        let (rows, cols) = if matrix {
+            (p.shape[0], p.shape[1..].iter().product())
+        } else {
+            (1, n)
+        };
+        let mut blocks = Vec::new();
+        if matrix {
+            let d = self.config.max_preconditioner_dim;
+            for &(r0, rn) in &block_ranges(rows, d) {
+                for &(c0, cn) in &block_ranges(cols, d) {
+                    blocks.push(Block {
+                        r0,
+                        rn,
+                        c0,
+                        cn,
+                        l: vec![0.0; rn * rn],
+                        r: vec![0.0; cn * cn],
+                        pl: Vec::new(),
+                        pr: Vec::new(),
+                    });
+                }
+            }
+        }
+        ShampooParam {
+            shape: p.shape.to_vec(),
+            cols,
+            step: 0,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            blocks,
+            pending: None,
+        }
+    }
+
+    fn step_param(
+        &self,
+        st: &mut ShampooParam,
+        lr: f32,
+        p: &mut Param<'_>,
+    ) -> Result<f64, OptimError> {
+        let c = &self.config;
+        st.step += 1;
+        let t = i32::try_from(st.step).unwrap_or(i32::MAX);
+        let bc1 = if c.beta1 > 0.0 {
+            (1.0 - f64::from(c.beta1).powi(t)) as f32
+        } else {
+            1.0
+        };
+        let bc2_sqrt = (1.0 - f64::from(c.graft_beta2).powi(t)).sqrt() as f32;
+        let n = p.grad.len();
+        let mut mhat = vec![0.0f32; n];
+        let mut dir = vec![0.0f32; n]; // starts as the Adam graft
+        for i in 0..n {
+            let g = p.grad[i];
+            st.m[i] = c.beta1 * st.m[i] + (1.0 - c.beta1) * g;
+            st.v[i] = c.graft_beta2 * st.v[i] + (1.0 - c.graft_beta2) * g * g;
+            mhat[i] = st.m[i] / bc1;
+            dir[i] = mhat[i] / (st.v[i].sqrt() / bc2_sqrt + c.graft_eps);
+        }
+        let start = c.start_preconditioning_step.max(1);
+        let freq = c.precondition_frequency.max(1);
+        let refresh = st.step >= start && (st.step - start) % freq == 0;
+        let cols = st.cols;
+        for b in &mut st.blocks {
+            let g = gather(p.grad, cols, b);
+            linalg::accumulate_left(&mut b.l, &g, b.rn, b.cn, c.shampoo_beta);
+            linalg::accumulate_right(&mut b.r, &g, b.rn, b.cn, c.shampoo_beta);
+        }
+        // Roots: computed from the statistics *including* this step's gradient and, when
+        // synchronous, used in this very step. Same staleness machinery as SOAP.
+        let mut wait = 0.0;
+        if refresh && !st.blocks.is_empty() {
+            if let Some(prev) = st.pending.take() {
+                let (res, w) = prev.wait();
+                wait += w;
+                st.install(res?);
+            }
+            let job = RootJob {
+                blocks: st
+                    .blocks
+                    .iter()
+                    .map(|b| (b.rn, b.cn, b.l.clone(), b.r.clone()))
+                    .collect(),
+                eps: c.epsilon,
+            };
+            match &self.pool {
+                None => st.install(compute_roots(&job)?),
+                Some(pool) => {
+                    st.pending = Some(Inflight::submit(pool, st.step, job, compute_roots));
+                }
+            }
+        }
+        if let RefreshMode::Async {
+            staleness,
+            apply_at_deadline,
+            ..
+        } = c.refresh
+        {
+            let ready = match &mut st.pending {
+                Some(pend)
+                    if st.step
+                        >= pend
+                            .requested_at
+                            .saturating_add(staleness.saturating_mul(freq)) =>
+                {
+                    st.pending.take().map(|p| {
+                        let (r, w) = p.wait();
+                        wait += w;
+                        r
+                    })
+                }
+                Some(pend) if !apply_at_deadline => {
+                    let r = pend.poll();
+                    if r.is_some() {
+                        st.pending = None;
+                    }
+                    r
+                }
+                _ => None,
+            };
+            if let Some(res) = ready {
+                st.install(res?);
+            }
+        }
+        for b in &mut st.blocks {
+            if st.step < start || b.pl.is_empty() {
+                continue;
+            }
+            let mb = gather(&mhat, cols, b);
+            let mut tmp = vec![0.0f32; b.rn * b.cn];
+            linalg::matmul(&b.pl, &mb, &mut tmp, b.rn, b.rn, b.cn);
+            let mut s = vec![0.0f32; b.rn * b.cn];
+            linalg::matmul(&tmp, &b.pr, &mut s, b.rn, b.cn, b.cn);
+            let graft = gather(&dir, cols, b);
+            let (ns, na) = (norm(&s), norm(&graft));
+            if ns > 0.0 && ns.is_finite() {
+                let scale = (na / ns) as f32;
+                s.iter_mut().for_each(|x| *x *= scale);
+                scatter(&mut dir, cols, b, &s);
+            }
+        }
+        let decay = 1.0 - lr * c.weight_decay;
+        for (x, d) in p.value.iter_mut().zip(&dir) {
+            *x = *x * decay - lr * d;
+        }
+        Ok(wait)
+    }
+}
+
+impl Default for Shampoo {
+    fn default() -> Self {
+        Self::new(ShampooConfig::default())
+    }
+}
+
+impl Optimizer for Shampoo {
+    fn step(&mut self, lr: f32, params: &mut [Param<'_>]) -> Result<StepReport, OptimError> {
+        for p in params.iter() {
+            check_param(p)?;
+        }
+        let mut report = StepReport::default();
+        for p in params.iter_mut() {
+            // An empty tensor has nothing to optimize (and would make 0×0 decompositions).
+            if p.value.is_empty() {
+                continue;
+            }
+            let mut st = match self.params.remove(p.name) {
+                Some(st) if st.shape != p.shape => {
+                    let problem = format!(
+                        "shape {:?} differs from the state's {:?}",
+                        p.shape, st.shape
+                    );
+                    self.params.insert(p.name.to_owned(), st);
+                    return Err(OptimError::BadParam {
+                        name: p.name.to_owned(),
+                        problem,
+                    });
+                }
+                Some(st) => st,
+                None => self.new_param(p),
+            };
+            let r = self.step_param(&mut st, lr, p);
+            self.params.insert(p.name.to_owned(), st);
+            report.wait_seconds += r?;
+        }
+        Ok(report)
+    }
+
+    /// Shampoo keeps everything resident on the device.
+    fn state_usage(&self) -> TierUsage {
+        TierUsage {
+            device_bytes: self.state_bytes(),
+            ..TierUsage::default()
+        }
+    }
+
+    fn save_state(&self) -> Vec<u8> {
+        let mut w = Writer::new(SHAMPOO_TAG);
+        w.u64(self.params.len() as u64);
+        for (name, st) in &self.params {
+            w.str(name);
+            w.usizes(&st.shape);
+            w.u64(st.step);
+            w.f32s(&st.m);
+            w.f32s(&st.v);
+            w.u64(st.blocks.len() as u64);
+            for b in &st.blocks {
+                w.usizes(&[b.r0, b.rn, b.c0, b.cn]);
+                w.f32s(&b.l);
+                w.f32s(&b.r);
+                w.f32s(&b.pl);
+                w.f32s(&b.pr);
+            }
+            // A root computation in flight is saved as its inputs and recomputed on load.
+            match &st.pending {
+                None => w.u8(0),
+                Some(p) => {
+                    w.u8(1);
+                    w.u64(p.requested_at);
+                    for (_, _, l, r) in &p.job.blocks {
+                        w.f32s(l);
+                        w.f32s(r);
+                    }
+                }
+            }
+        }
+        w.finish()
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        let mut r = Reader::new(bytes, SHAMPOO_TAG)?;
+        let n = r.len()?;
+        let mut params = BTreeMap::new();
+        for _ in 0..n {
+            let name = r.str()?;
+            let shape = r.usizes()?;
+            let step = r.u64()?;
+            let m = r.f32s()?;
+            let v = r.f32s()?;
+            let len: usize = shape.iter().product();
+            let bad = |what: String| OptimError::BadState(format!("parameter `{name}`: {what}"));
+            if m.len() != len || v.len() != len {
+                return Err(bad(format!("moments do not match shape {shape:?}")));
+            }
+            let (rows, cols) = if shape.len() >= 2 {
+                (shape[0], shape[1..].iter().product())
+            } else {
+                (1, len)
+            };
+            let nb = r.len()?;
+            let mut blocks = Vec::new();
+            for _ in 0..nb {
+                let dims = r.usizes()?;
+                let [r0, rn, c0, cn] = dims[..] else {
+                    return Err(bad("block header is not 4 numbers".into()));
+                };
+                let (l, rr, pl, pr) = (r.f32s()?, r.f32s()?, r.f32s()?, r.f32s()?);
+                let ok = r0 + rn <= rows
+                    && c0 + cn <= cols
+                    && l.len() == rn * rn
+                    && rr.len() == cn * cn
+                    && (pl.is_empty() || pl.len() == rn * rn)
+                    && (pr.is_empty() || pr.len() == cn * cn);
+                if !ok {
+                    return Err(bad(format!("block at ({r0}, {c0}) has inconsistent sizes")));
+                }
+                blocks.push(Block {
+                    r0,
+                    rn,
+                    c0,
+                    cn,
+                    l,
+                    r: rr,
+                    pl,
+                    pr,
+                });
+            }
+            let pending = match r.u8()? {
+                0 => None,
+                1 => {
+                    let requested_at = r.u64()?;
+                    let mut snap = Vec::with_capacity(blocks.len());
+                    for b in &blocks {
+                        let (l, rr) = (r.f32s()?, r.f32s()?);
+                        if l.len() != b.rn * b.rn || rr.len() != b.cn * b.cn {
+                            return Err(bad("pending root computation has wrong sizes".into()));
+                        }
+                        snap.push((b.rn, b.cn, l, rr));
+                    }
+                    let job = RootJob {
+                        blocks: snap,
+                        eps: self.config.epsilon,
+                    };
+                    Some(Inflight::computed(requested_at, job, compute_roots))
+                }
+                x => return Err(bad(format!("invalid pending marker {x}"))),
+            };
+            params.insert(
+                name,
+                ShampooParam {
+                    shape,
+                    cols,
+                    step,
+                    m,
+                    v,
+                    blocks,
+                    pending,
+                },
+            );
+        }
+        r.end()?;
+        self.params = params;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_the_dimension() {
+        assert_eq!(block_ranges(5, 2), vec![(0, 2), (2, 2), (4, 1)]);
+        assert_eq!(block_ranges(4, 4), vec![(0, 4)]);
+        assert!(block_ranges(0, 3).is_empty());
+    }
+}
