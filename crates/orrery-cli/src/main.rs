@@ -17,6 +17,7 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::emit(&format!("{}\n", format_args!($($arg)*))) };
 }
 
+mod bench_accel;
 mod netsim;
 mod report;
 
@@ -61,6 +62,20 @@ enum Command {
         /// Repetitions per scenario (the median is reported).
         #[arg(long, default_value_t = 5)]
         runs: u32,
+        /// Instead: the accelerated packet model against the packet-by-packet reference on
+        /// training traffic (ring all-reduce, GPT steps, an MoE step), one run each.
+        #[arg(long)]
+        accel: bool,
+        /// With --accel: MiB of the 128-GPU ring all-reduce.
+        #[arg(long, default_value_t = 64)]
+        ring_mib: u64,
+        /// With --accel: GPU counts of the GPT step scenarios.
+        #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
+        gpt_gpus: Vec<u32>,
+        /// With --accel: run the (slow) reference only for scenarios up to this many GPUs;
+        /// larger ones show the speedup estimated from events.
+        #[arg(long, default_value_t = 128)]
+        reference_max_gpus: u32,
     },
 }
 
@@ -182,7 +197,14 @@ fn run(cli: Cli) -> Result<()> {
             print_presets();
             Ok(())
         }
-        Command::Bench { runs } => run_bench(runs.max(1)),
+        Command::Bench {
+            accel: true,
+            ring_mib,
+            gpt_gpus,
+            reference_max_gpus,
+            ..
+        } => bench_accel::run_accel_bench(ring_mib, &gpt_gpus, reference_max_gpus),
+        Command::Bench { runs, .. } => run_bench(runs.max(1)),
     }
 }
 
@@ -481,7 +503,10 @@ fn network_bench(runs: u32) -> Result<()> {
     )?;
     let mut reports = (None, None);
     let packet = median_secs(runs, || {
-        reports.0 = Some(orrery_net::packet::PacketSimulator::default().simulate(&graph, &set)?);
+        reports.0 = Some(
+            orrery_net::packet::PacketSimulator::new(orrery_net::packet::PacketConfig::reference())
+                .simulate(&graph, &set)?,
+        );
         Ok(())
     })?;
     let flow = median_secs(runs, || {
@@ -507,10 +532,13 @@ fn network_bench(runs: u32) -> Result<()> {
     }
     let mut ff = (None, None);
     let plain = median_secs(runs, || {
-        ff.0 = Some(orrery_net::packet::PacketSimulator::default().simulate(&g, &long)?);
+        ff.0 = Some(
+            orrery_net::packet::PacketSimulator::new(orrery_net::packet::PacketConfig::reference())
+                .simulate(&g, &long)?,
+        );
         Ok(())
     })?;
-    let mut config = orrery_net::packet::PacketConfig::default();
+    let mut config = orrery_net::packet::PacketConfig::reference();
     config.accel.fast_forward = true;
     let fast = median_secs(runs, || {
         ff.1 = Some(orrery_net::packet::PacketSimulator::new(config.clone()).simulate(&g, &long)?);

@@ -738,3 +738,41 @@ fn a_flow_intruding_on_a_memoized_episode_aborts_it_and_stays_within_bounds() {
     );
     // Without the intruder no round aborts (the harness above).
 }
+
+/// `reps` ring all-reduces of `bytes` on the 8-GPU fabric of [`ring_all_reduce`], each
+/// released `gap` after the previous one finished (a bucket after bucket).
+fn repeated_rings(reps: usize, bytes: u64, gap: Picos) -> (NetGraph, FlowSet) {
+    let (g, first) = ring_all_reduce(bytes);
+    let mut fs = FlowSet::default();
+    let per = first.flows.len();
+    for r in 0..reps {
+        let base = fs.flows.len();
+        for f in &first.flows {
+            let mut f = f.clone();
+            f.deps = f.deps.iter().map(|d| FlowId(d.0 + base as u32)).collect();
+            if r > 0 && f.deps.is_empty() {
+                // The first step waits for every flow of the previous ring.
+                f.deps = (base - per..base).map(|d| FlowId(d as u32)).collect();
+                f.delay = Picos(f.delay.0 + gap.0);
+            }
+            fs.flows.push(f);
+        }
+    }
+    (g, fs)
+}
+
+#[test]
+fn a_whole_ring_is_one_episode_and_its_repeats_hit() {
+    // The ring's later steps are released by its own flows onto its own links: they join
+    // the episode that the first step started, so the whole collective is recorded once
+    // and every repeat is looked up as a whole.
+    let (g, fs) = repeated_rings(5, 8_000_000, us(20));
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_memo(base.clone()), &g, &fs);
+    let e = check_bounds(&base, &off, &on, &fs, "repeated rings");
+    assert_eq!(on.stats.memo_aborts, 0, "{:?}", on.stats);
+    assert!(on.stats.memo_hits >= 4, "{:?}", on.stats);
+    assert!(on.report.events * 4 < off.report.events, "{:?}", on.stats);
+    assert!(e.mean_fct < 1e-9, "{e:?}");
+}

@@ -371,10 +371,11 @@ impl<'a> Engine<'a> {
             )
         });
         let ledger = (cfg.accel.fast_forward && cfg.accel.partitioning).then(Vec::new);
-        let memo = cfg
-            .accel
-            .memoize
-            .then(|| Memo::new(cfg, states.len(), n_links, cache));
+        let memo = cfg.accel.memoize.then(|| {
+            let mut m = Memo::new(cfg, flows, n_links, cache);
+            m.index_links(&states, &paths);
+            m
+        });
         Ok(Engine {
             cfg,
             q,

@@ -16,6 +16,29 @@
 //! other release of that instant, which groups the deferred flows into connected groups and
 //! drops any group that a non-deferred flow touches.
 //!
+//! ## Joins
+//!
+//! An episode grows while it runs. A flow released onto links that are idle or the
+//! episode's own *joins* it instead of intruding when
+//! - every dependency is in the episode or finished before it started (a *dependent
+//!   join*: the next step of a ring, released by the episode's own completions), or
+//! - it has no dependency in the episode but its release was fixed before the episode
+//!   started and it lands on the episode's links (a *timed join*: traffic the predictor
+//!   released at a known time).
+//!
+//! A recorded episode stores its joins in order (kind, in-episode dependencies or release
+//! offset, size, path as link names continuing the certificate's naming, and the
+//! attributes of newly named links). A hit must map every stored join onto this run's
+//! flows before it is taken: a dependent join onto the unreleased dependent of the mapped
+//! flows with the same dependencies, delay, size and path; a timed join onto a flow whose
+//! release is pending at the same offset on the mapped links. Joins of a hit finish at
+//! their stored offsets when released. A hit is also declined when any other release
+//! already scheduled lands on the episode's links before its end.
+//!
+//! When the flows released at one instant are grouped, a release scheduled within
+//! `BRIDGE_HORIZON` (50 us) on their links connects the groups it touches, so groups that
+//! such a flow will bridge are decided as one episode instead of spoiling each other.
+//!
 //! ## The key: a certificate of the group
 //!
 //! The issue asks for the flow-conflict graph (flows as vertices, an edge for each pair
@@ -70,17 +93,25 @@
 
 use super::config::PacketConfig;
 use super::engine::{Engine, Ev};
+use crate::flows::FlowSet;
 use orrery_des::{EventKey, EventQueue};
 use orrery_units::Picos;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 const NONE: u32 = u32::MAX;
 /// Certificate format; bump when its layout or the meaning of a stored result changes.
-const CERT_VERSION: u64 = 1;
+const CERT_VERSION: u64 = 2;
 const FILE_MAGIC: &[u8; 8] = b"ORRYMEMO";
-const FILE_VERSION: u32 = 1;
+/// Kinds of join in an entry's shape.
+const JOIN_DEPENDENT: u64 = 0;
+const JOIN_TIMED: u64 = 1;
+/// How far ahead a scheduled release counts as bridging the groups released now (see
+/// [`Engine::memo_decide`]): a few RTTs plus a DCQCN reaction, short next to the flows
+/// worth memoizing.
+const BRIDGE_HORIZON: Picos = Picos(50_000_000);
+const FILE_VERSION: u32 = 2;
 
 /// One stored episode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,6 +121,11 @@ struct Entry {
     finish: Vec<u64>,
     /// Estimated events the episode took when simulated.
     events: u64,
+    /// The flows that joined after the start (see "Joins" in the module essay):
+    /// `[n, (n_deps, deps.., delay, packets, last payload, n_links, link names..)*, m,
+    /// (from node, to node, bandwidth bits, delay, from switch, to switch, headroom)*]`,
+    /// the second list describing the links first named by a join.
+    shape: Vec<u64>,
 }
 
 /// Stored episodes, keyed by a hash of their certificate (compared in full on lookup).
@@ -133,16 +169,22 @@ impl MemoCache {
         self.len == 0
     }
 
-    fn lookup(&self, cert: &[u64]) -> Option<&Entry> {
+    /// Stored episodes that started with the group `cert` describes (they may differ in
+    /// the flows that joined later).
+    fn lookup<'s>(&'s self, cert: &'s [u64]) -> impl Iterator<Item = &'s Entry> + 's {
         self.map
-            .get(&hash_words(cert))?
-            .iter()
-            .find(|e| e.cert == cert)
+            .get(&hash_words(cert))
+            .into_iter()
+            .flatten()
+            .filter(move |e| e.cert == cert)
     }
 
     fn insert(&mut self, e: Entry) {
         let bucket = self.map.entry(hash_words(&e.cert)).or_default();
-        if bucket.iter().all(|x| x.cert != e.cert) {
+        if bucket
+            .iter()
+            .all(|x| x.cert != e.cert || x.shape != e.shape)
+        {
             bucket.push(e);
             self.len += 1;
         }
@@ -159,6 +201,8 @@ impl MemoCache {
             put(&mut body, e.finish.len() as u64);
             e.finish.iter().for_each(|&w| put(&mut body, w));
             put(&mut body, e.events);
+            put(&mut body, e.shape.len() as u64);
+            e.shape.iter().for_each(|&w| put(&mut body, w));
         }
         let mut out = Vec::with_capacity(body.len() + 24);
         out.extend_from_slice(FILE_MAGIC);
@@ -204,10 +248,12 @@ impl MemoCache {
             let cert = r.words()?;
             let finish = r.words()?;
             let events = r.word()?;
+            let shape = r.words()?;
             cache.insert(Entry {
                 cert,
                 finish,
                 events,
+                shape,
             });
         }
         if r.at != body.len() {
@@ -343,6 +389,16 @@ struct Episode {
     intruded: bool,
     /// Estimated events per packet of a hit (to credit skipped events as flows finish).
     events_per_packet: f64,
+    /// Flows of the initial group (the rest of `flows` joined later).
+    initial: usize,
+    /// A hit: the stored completion offsets, by index in `flows`.
+    finish: Vec<u64>,
+    /// Recording: names of the links and nodes seen so far, the joins and the new links'
+    /// attributes, encoded as in [`Entry::shape`].
+    link_names: HashMap<u32, u64>,
+    node_names: HashMap<u32, u64>,
+    joins: Vec<u64>,
+    new_links: Vec<u64>,
 }
 
 /// Per-run memoization state (`accel.memoize` only).
@@ -369,16 +425,36 @@ pub(super) struct Memo<'a> {
     pub owned: usize,
     /// Scratch: per-link marks, reset after each use.
     link_mark: Vec<u32>,
+    /// Each flow's dependencies (CSR), and its index in its episode's flows.
+    deps_at: Vec<u32>,
+    deps: Vec<u32>,
+    index: Vec<u32>,
+    /// The flows using each link, either direction (CSR).
+    link_flows_at: Vec<u32>,
+    link_flows: Vec<u32>,
 }
 
 impl<'a> Memo<'a> {
     pub fn new(
         cfg: &PacketConfig,
-        flows: usize,
+        set: &FlowSet,
         links: usize,
         cache: Option<&'a mut MemoCache>,
     ) -> Memo<'a> {
+        let flows = set.flows.len();
+        let mut deps_at = Vec::with_capacity(flows + 1);
+        let mut deps = Vec::new();
+        deps_at.push(0);
+        for f in &set.flows {
+            deps.extend(f.deps.iter().map(|d| d.0));
+            deps_at.push(deps.len() as u32);
+        }
         Memo {
+            deps_at,
+            deps,
+            index: vec![NONE; flows],
+            link_flows_at: vec![0; links + 1],
+            link_flows: Vec::new(),
             cache: match cache {
                 Some(c) => CacheRef::Shared(c),
                 None => CacheRef::Own(MemoCache::new()),
@@ -399,6 +475,49 @@ impl<'a> Memo<'a> {
     }
 }
 
+impl Memo<'_> {
+    /// Builds the per-link flow lists from the flows' routes.
+    pub fn index_links(&mut self, flows: &[super::engine::FlowState], paths: &[u32]) {
+        let links_of = |fl: &super::engine::FlowState| {
+            let (a, b) = (fl.fwd, fl.rev);
+            (a.0..a.0 + a.1)
+                .chain(b.0..b.0 + b.1)
+                .map(|h| paths[h as usize] as usize)
+        };
+        let n = self.link_flows_at.len() - 1;
+        let mut count = vec![0u32; n + 1];
+        for fl in flows {
+            for l in links_of(fl) {
+                count[l + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            count[i + 1] += count[i];
+        }
+        let mut fill = count.clone();
+        self.link_flows = vec![0; count[n] as usize];
+        for (f, fl) in flows.iter().enumerate() {
+            for l in links_of(fl) {
+                self.link_flows[fill[l] as usize] = f as u32;
+                fill[l] += 1;
+            }
+        }
+        self.link_flows_at = count;
+    }
+
+    fn flows_on(&self, l: u32) -> &[u32] {
+        let (a, b) = (
+            self.link_flows_at[l as usize] as usize,
+            self.link_flows_at[l as usize + 1] as usize,
+        );
+        &self.link_flows[a..b]
+    }
+
+    fn deps_of(&self, f: u32) -> &[u32] {
+        &self.deps[self.deps_at[f as usize] as usize..self.deps_at[f as usize + 1] as usize]
+    }
+}
+
 impl Engine<'_> {
     /// The links of flow `f` (data path, then reverse path).
     fn links_of(&self, f: u32) -> Vec<u32> {
@@ -411,10 +530,25 @@ impl Engine<'_> {
     }
 
     /// A flow with packets is released. Returns true if it was deferred to the decision
-    /// event (its links are idle); otherwise the caller starts it now. Either way the
+    /// event (its links are idle) or is an expected join of a memoized episode; otherwise
+    /// the caller starts it now. A join of a recording episode is recorded; any other
     /// release is checked against live episodes on its links.
     pub(super) fn memo_on_release(&mut self, f: u32) -> bool {
         let links = self.links_of(f);
+        if let Some((id, memoized)) = self.memo_join_target(f, &links) {
+            if let Some(m) = self.memo.as_mut() {
+                for &l in &links {
+                    m.users[l as usize] += 1;
+                }
+                m.idle[f as usize] = false;
+            }
+            if memoized {
+                self.memo_own_join(id, f);
+                return true;
+            }
+            self.memo_record_join(id, f, &links);
+            return false;
+        }
         let Some(m) = self.memo.as_mut() else {
             return false;
         };
@@ -483,11 +617,31 @@ impl Engine<'_> {
         m.decide_pending = false;
         let deferred = std::mem::take(&mut m.deferred);
         // Group by shared links: each link remembers the first group that used it.
-        let mut group_of: Vec<usize> = (0..deferred.len()).collect();
         let mut link_lists = Vec::with_capacity(deferred.len());
         for &f in &deferred {
             link_lists.push(self.links_of(f));
         }
+        // Flows due soon on these links connect the groups they will bridge (one level),
+        // so groups that a soon-arriving flow joins are decided, recorded and looked up
+        // as one episode instead of spoiling each other.
+        let mut connectors: Vec<Vec<u32>> = Vec::new();
+        if let Some(m) = self.memo.as_ref() {
+            let until = self.now.0.saturating_add(BRIDGE_HORIZON.0);
+            let mut seen = HashSet::new();
+            for links in &link_lists {
+                for &l in links {
+                    for &c in m.flows_on(l) {
+                        let due = self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 <= until);
+                        if due && seen.insert(c) {
+                            connectors.push(self.links_of(c));
+                        }
+                    }
+                }
+            }
+        }
+        let real = link_lists.len();
+        link_lists.extend(connectors);
+        let mut group_of: Vec<usize> = (0..link_lists.len()).collect();
         let Some(m) = self.memo.as_mut() else {
             return;
         };
@@ -506,7 +660,7 @@ impl Engine<'_> {
             }
         }
         let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for i in 0..deferred.len() {
+        for i in 0..real {
             let r = root(&mut group_of, i);
             groups.entry(r).or_default().push(i);
         }
@@ -520,10 +674,12 @@ impl Engine<'_> {
             });
             clean.push(ok);
         }
-        for links in &link_lists {
+        for (i, links) in link_lists.iter().enumerate() {
             for &l in links {
                 m.link_mark[l as usize] = NONE;
-                m.deferred_users[l as usize] -= 1;
+                if i < real {
+                    m.deferred_users[l as usize] -= 1;
+                }
             }
         }
         for (members, ok) in groups.values().zip(clean) {
@@ -541,37 +697,55 @@ impl Engine<'_> {
     /// Starts an isolated group: from the cache if it is there and would not be intruded by
     /// its own dependents, else simulated and recorded.
     fn memo_start_group(&mut self, flows: &[u32]) {
-        let (order, cert) = self.certificate(flows);
+        let (order, cert, link_order, node_order) = self.certificate(flows);
         self.stats.memo_lookups += 1;
-        let hit = self.memo.as_ref().and_then(|m| {
-            m.cache
-                .get()
-                .lookup(&cert)
-                .filter(|e| e.finish.len() == order.len())
-                .cloned()
-        });
-        if let Some(entry) = hit {
-            if self.dependents_stay_clear(&order, &entry.finish) {
-                self.memo_apply(order, cert, &entry);
+        let entries: Vec<Entry> = self
+            .memo
+            .as_ref()
+            .map(|m| m.cache.get().lookup(&cert).cloned().collect())
+            .unwrap_or_default();
+        for entry in entries {
+            let Some(joins) = self.memo_verify(&order, &link_order, &node_order, &entry) else {
+                continue;
+            };
+            let mut all = order.clone();
+            all.extend(joins);
+            if all.len() != entry.finish.len() {
+                continue;
+            }
+            let end = entry.finish.iter().copied().max().unwrap_or(0);
+            if self.dependents_stay_clear(&all, &entry.finish) && self.pending_clear(&all, end) {
+                self.memo_apply(all, order.len(), cert, &entry);
                 return;
             }
+            self.stats.memo_declined += 1;
         }
-        self.memo_begin_episode(order, cert, false, 0.0);
+        let id = self.memo_begin_episode(order, cert, false, 0.0, 0);
+        if let Some(ep) = self
+            .memo
+            .as_mut()
+            .and_then(|m| m.episodes.get_mut(id as usize))
+        {
+            ep.link_names = (0u64..).zip(&link_order).map(|(k, &l)| (l, k)).collect();
+            ep.node_names = (0u64..).zip(&node_order).map(|(k, &n)| (n, k)).collect();
+        }
         for &f in flows {
             self.start_qp(f);
         }
     }
 
-    /// Registers an episode over `order`'s links and returns its id.
+    /// Registers an episode over `flows` (the first `initial` released now, the rest
+    /// expected to join; zero means all) and returns its id.
     fn memo_begin_episode(
         &mut self,
-        order: Vec<u32>,
+        flows: Vec<u32>,
         cert: Vec<u64>,
         hit: bool,
         events_per_packet: f64,
+        initial: usize,
     ) -> u32 {
         let mut links = Vec::new();
-        for &f in &order {
+        for &f in &flows {
             links.extend(self.links_of(f));
         }
         let start = Picos(self.now.0 + self.offset.0);
@@ -582,28 +756,237 @@ impl Engine<'_> {
         for &l in &links {
             m.link_episode[l as usize] = id;
         }
-        for &f in &order {
+        for (k, &f) in flows.iter().enumerate() {
             m.flow_episode[f as usize] = id;
+            m.index[f as usize] = k as u32;
         }
         m.episodes.push(Episode {
             hit,
             start,
-            left: order.len() as u32,
-            flows: order,
+            left: flows.len() as u32,
+            initial: if initial == 0 { flows.len() } else { initial },
+            flows,
             cert,
             intruded: false,
             events_per_packet,
+            finish: Vec::new(),
+            link_names: HashMap::new(),
+            node_names: HashMap::new(),
+            joins: Vec::new(),
+            new_links: Vec::new(),
         });
         id
     }
 
-    /// Whether every flow that waits only on the group and shares its links would be
-    /// released after the group's last completion (by the stored completion times).
-    fn dependents_stay_clear(&mut self, order: &[u32], finish: &[u64]) -> bool {
+    /// Maps a stored episode's joins onto this run's flows, in recorded order: a
+    /// dependent join to the not yet released dependent of the mapped flows with the same
+    /// in-episode dependencies (all others finished) and delay; a timed join to a flow on
+    /// an already named link whose release is pending at the same offset from now. Both
+    /// must match in size and path (named links the same links, new names new links with
+    /// the stored attributes). Returns the joining flows, or `None` if the entry does not
+    /// fit this run.
+    fn memo_verify(
+        &self,
+        order: &[u32],
+        link_order: &[u32],
+        node_order: &[u32],
+        entry: &Entry,
+    ) -> Option<Vec<u32>> {
+        let m = self.memo.as_ref()?;
+        let sh = &entry.shape;
+        let mut at = 0usize;
+        let mut next = || {
+            let w = sh.get(at).copied();
+            at += 1;
+            w
+        };
+        let n_joins = next()? as usize;
+        let mut joins = Vec::with_capacity(n_joins);
+        for _ in 0..n_joins {
+            let kind = next()?;
+            let (deps, when) = match kind {
+                JOIN_TIMED => (Vec::new(), next()?),
+                JOIN_DEPENDENT => {
+                    let nd = next()? as usize;
+                    let deps: Vec<u64> = (0..nd).map(|_| next()).collect::<Option<_>>()?;
+                    (deps, next()?)
+                }
+                _ => return None,
+            };
+            let (npkts, last) = (next()?, next()?);
+            let nl = next()? as usize;
+            let names: Vec<u64> = (0..nl).map(|_| next()).collect::<Option<_>>()?;
+            joins.push((kind, deps, when, npkts, last, names));
+        }
+        let n_new = next()? as usize;
+        let attrs: Vec<u64> = (0..7 * n_new).map(|_| next()).collect::<Option<_>>()?;
+        let mut map = Naming {
+            links: link_order.to_vec(),
+            link_set: link_order.iter().copied().collect(),
+            nodes: node_order.to_vec(),
+            node_set: node_order.iter().copied().collect(),
+            base: link_order.len(),
+        };
+        let mut all: Vec<u32> = order.to_vec();
+        let mut pos: HashMap<u32, u32> = (0u32..).zip(order).map(|(k, &f)| (f, k)).collect();
+        for (kind, deps, when, npkts, last, names) in &joins {
+            let fits_size = |c: u32| {
+                let fl = &self.flows[c as usize];
+                !pos.contains_key(&c)
+                    && !fl.released
+                    && fl.npkts == *npkts
+                    && u64::from(fl.last_payload) == *last
+            };
+            let mut chosen = None;
+            if *kind == JOIN_TIMED {
+                let first = names.iter().find(|&&n| (n as usize) < map.links.len())?;
+                let due = self.now.0.saturating_add(*when);
+                for &c in m.flows_on(map.links[*first as usize]) {
+                    let pending = self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 == due);
+                    if pending && fits_size(c) {
+                        if let Some(add) = self.map_path(c, names, &attrs, &map) {
+                            map.commit(add);
+                            chosen = Some(c);
+                            break;
+                        }
+                    }
+                }
+            } else {
+                let mut want: Vec<u32> = Vec::with_capacity(deps.len());
+                for &d in deps {
+                    want.push(*all.get(d as usize)?);
+                }
+                want.sort_unstable();
+                let first = *want.first()?;
+                let (a, b) = (
+                    self.dependents_at[first as usize] as usize,
+                    self.dependents_at[first as usize + 1] as usize,
+                );
+                for &c in &self.dependents[a..b] {
+                    if !fits_size(c) || self.flows[c as usize].delay.0 != *when {
+                        continue;
+                    }
+                    let cdeps = m.deps_of(c);
+                    let mut inside: Vec<u32> = cdeps
+                        .iter()
+                        .copied()
+                        .filter(|d| pos.contains_key(d))
+                        .collect();
+                    inside.sort_unstable();
+                    let others_done = cdeps
+                        .iter()
+                        .all(|d| pos.contains_key(d) || self.flows[*d as usize].finish.is_some());
+                    if inside != want || !others_done {
+                        continue;
+                    }
+                    if let Some(add) = self.map_path(c, names, &attrs, &map) {
+                        map.commit(add);
+                        chosen = Some(c);
+                        break;
+                    }
+                }
+            }
+            let c = chosen?;
+            pos.insert(c, all.len() as u32);
+            all.push(c);
+        }
+        Some(all.split_off(order.len()))
+    }
+
+    /// Checks flow `c`'s path against recorded link `names` under the naming so far;
+    /// returns the links and nodes it names for the first time.
+    fn map_path(
+        &self,
+        c: u32,
+        names: &[u64],
+        attrs: &[u64],
+        map: &Naming,
+    ) -> Option<(Vec<u32>, Vec<u32>)> {
+        let links = self.links_of(c);
+        if links.len() != names.len() {
+            return None;
+        }
+        let (mut add_l, mut add_n): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
+        for (&l, &name) in links.iter().zip(names) {
+            let name = name as usize;
+            let known = map.links.len() + add_l.len();
+            if name < known {
+                let mapped = match map.links.get(name) {
+                    Some(&x) => x,
+                    None => add_l[name - map.links.len()],
+                };
+                if mapped != l {
+                    return None;
+                }
+                continue;
+            }
+            if name != known || map.link_set.contains(&l) || add_l.contains(&l) {
+                return None;
+            }
+            let want = attrs.get(7 * (name - map.base)..7 * (name - map.base) + 7)?;
+            let p = &self.ports[l as usize];
+            if want[2..] != link_attrs(p) {
+                return None;
+            }
+            for (node, nname) in [(p.from, want[0]), (p.to, want[1])] {
+                let nname = nname as usize;
+                let known = map.nodes.len() + add_n.len();
+                if nname < known {
+                    let mapped = match map.nodes.get(nname) {
+                        Some(&x) => x,
+                        None => add_n[nname - map.nodes.len()],
+                    };
+                    if mapped != node {
+                        return None;
+                    }
+                } else if nname == known && !map.node_set.contains(&node) && !add_n.contains(&node)
+                {
+                    add_n.push(node);
+                } else {
+                    return None;
+                }
+            }
+            add_l.push(l);
+        }
+        Some((add_l, add_n))
+    }
+
+    /// Whether no release already scheduled, other than the episode's own, lands on the
+    /// episode's links before its end (`end` after now).
+    fn pending_clear(&self, all: &[u32], end: u64) -> bool {
+        let Some(m) = self.memo.as_ref() else {
+            return false;
+        };
+        let members: HashSet<u32> = all.iter().copied().collect();
+        let mut seen = HashSet::new();
+        let until = self.now.0.saturating_add(end);
+        for &f in all {
+            for l in self.links_of(f) {
+                if !seen.insert(l) {
+                    continue;
+                }
+                for &c in m.flows_on(l) {
+                    if members.contains(&c) {
+                        continue;
+                    }
+                    if self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 < until) {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Whether every flow outside the episode that waits only on its flows and shares its
+    /// links would be released after the episode's last completion (by the stored
+    /// completion times).
+    fn dependents_stay_clear(&mut self, all: &[u32], finish: &[u64]) -> bool {
         let mut links = Vec::new();
-        for &f in order {
+        for &f in all {
             links.extend(self.links_of(f));
         }
+        let members: HashSet<u32> = all.iter().copied().collect();
         let Some(m) = self.memo.as_mut() else {
             return false;
         };
@@ -611,14 +994,17 @@ impl Engine<'_> {
             m.link_mark[l as usize] = 0;
         }
         let end = finish.iter().copied().max().unwrap_or(0);
-        // Per dependent: in-group dependencies, and the latest of their completions.
+        // Per dependent: in-episode dependencies, and the latest of their completions.
         let mut touched: BTreeMap<u32, (u32, u64)> = BTreeMap::new();
-        for (k, &f) in order.iter().enumerate() {
+        for (k, &f) in all.iter().enumerate() {
             let (a, b) = (
                 self.dependents_at[f as usize] as usize,
                 self.dependents_at[f as usize + 1] as usize,
             );
             for &d in &self.dependents[a..b] {
+                if members.contains(&d) {
+                    continue;
+                }
                 let t = touched.entry(d).or_insert((0, 0));
                 t.0 += 1;
                 t.1 = t.1.max(finish[k]);
@@ -646,18 +1032,22 @@ impl Engine<'_> {
         clear
     }
 
-    /// Applies a stored episode: every flow of `order` finishes at its stored offset
-    /// without sending a packet.
-    fn memo_apply(&mut self, order: Vec<u32>, cert: Vec<u64>, entry: &Entry) {
-        let packets: u64 = order.iter().map(|&f| self.flows[f as usize].npkts).sum();
+    /// Applies a stored episode: the first `initial` flows of `all` (released now) finish
+    /// at their stored offsets without sending a packet; the rest finish at theirs once
+    /// released (see [`Engine::memo_on_release`]).
+    fn memo_apply(&mut self, all: Vec<u32>, initial: usize, cert: Vec<u64>, entry: &Entry) {
+        let packets: u64 = all.iter().map(|&f| self.flows[f as usize].npkts).sum();
         let per_packet = entry.events as f64 / packets.max(1) as f64;
         let now = self.now;
-        let id = self.memo_begin_episode(order.clone(), cert, true, per_packet);
-        if id == NONE {
+        let id = self.memo_begin_episode(all.clone(), cert, true, per_packet, initial);
+        let Some(m) = self.memo.as_mut() else {
             return;
+        };
+        if let Some(ep) = m.episodes.get_mut(id as usize) {
+            ep.finish = entry.finish.clone();
         }
         self.stats.memo_hits += 1;
-        for (k, &f) in order.iter().enumerate() {
+        for (k, &f) in all.iter().enumerate().take(initial) {
             let at = Picos(now.0.saturating_add(entry.finish[k]));
             let key = self.q.schedule(at, Ev::MemoFinish(f));
             if let Some(m) = self.memo.as_mut() {
@@ -665,6 +1055,135 @@ impl Engine<'_> {
                 m.owned += 1;
             }
         }
+    }
+
+    /// The live episode flow `f` joins, if any, and whether it is memoized: `f` is an
+    /// expected join of a memoized episode, or every dependency of `f` is in a recording
+    /// (unspoiled) episode or finished before it started and every link of `f` is idle or
+    /// the episode's.
+    fn memo_join_target(&self, f: u32, links: &[u32]) -> Option<(u32, bool)> {
+        let m = self.memo.as_ref()?;
+        // An expected join of a memoized episode was marked when the hit was verified.
+        let own = m.flow_episode[f as usize];
+        if let Some(ep) = m.episodes.get(own as usize) {
+            if ep.hit && ep.left > 0 {
+                return Some((own, true));
+            }
+        }
+        let deps = m.deps_of(f);
+        let live_recording = |e: u32| {
+            e != NONE
+                && m.episodes
+                    .get(e as usize)
+                    .is_some_and(|ep| ep.left > 0 && !ep.hit && !ep.intruded)
+        };
+        // The episode of a dependency (a dependent join), else of a link (a timed join:
+        // a release fixed before the episode started that lands on its links).
+        let id = deps
+            .iter()
+            .map(|&d| m.flow_episode[d as usize])
+            .find(|&e| live_recording(e))
+            .or_else(|| {
+                links
+                    .iter()
+                    .map(|&l| m.link_episode[l as usize])
+                    .find(|&e| live_recording(e))
+            })?;
+        let ep = &m.episodes[id as usize];
+        for &d in deps {
+            if m.flow_episode[d as usize] != id {
+                match self.flows[d as usize].finish {
+                    Some(t) if t <= ep.start => {}
+                    _ => return None,
+                }
+            }
+        }
+        links
+            .iter()
+            .all(|&l| m.users[l as usize] == 0 || m.link_episode[l as usize] == id)
+            .then_some((id, false))
+    }
+
+    /// Flow `f` joins recording episode `id`: it is simulated as usual, and the episode
+    /// records its in-episode dependencies, size, delay and path (naming new links).
+    fn memo_record_join(&mut self, id: u32, f: u32, links: &[u32]) {
+        let attrs: Vec<(u32, u32, [u64; 5])> = links
+            .iter()
+            .map(|&l| {
+                let p = &self.ports[l as usize];
+                (p.from, p.to, link_attrs(p))
+            })
+            .collect();
+        let (delay, npkts, last) = {
+            let fl = &self.flows[f as usize];
+            (fl.delay.0, fl.npkts, u64::from(fl.last_payload))
+        };
+        let now = Picos(self.now.0 + self.offset.0);
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
+        let deps = &m.deps[m.deps_at[f as usize] as usize..m.deps_at[f as usize + 1] as usize];
+        let mut inside: Vec<u64> = deps
+            .iter()
+            .filter(|&&d| m.flow_episode[d as usize] == id)
+            .map(|&d| u64::from(m.index[d as usize]))
+            .collect();
+        inside.sort_unstable();
+        let Some(ep) = m.episodes.get_mut(id as usize) else {
+            return;
+        };
+        m.index[f as usize] = ep.flows.len() as u32;
+        m.flow_episode[f as usize] = id;
+        ep.flows.push(f);
+        ep.left += 1;
+        if inside.is_empty() {
+            // Timed: released at a fixed offset from the episode's start.
+            ep.joins
+                .extend([JOIN_TIMED, now.0.saturating_sub(ep.start.0)]);
+        } else {
+            ep.joins.extend([JOIN_DEPENDENT, inside.len() as u64]);
+            ep.joins.extend(&inside);
+            ep.joins.push(delay);
+        }
+        ep.joins.extend([npkts, last, links.len() as u64]);
+        for (&l, (from, to, a)) in links.iter().zip(attrs) {
+            let next = ep.link_names.len() as u64;
+            let name = *ep.link_names.entry(l).or_insert(next);
+            if name == next {
+                let mut node = |n: u32| {
+                    let k = ep.node_names.len() as u64;
+                    *ep.node_names.entry(n).or_insert(k)
+                };
+                let (a0, a1) = (node(from), node(to));
+                ep.new_links.extend([a0, a1]);
+                ep.new_links.extend(a);
+            }
+            ep.joins.push(name);
+            m.link_episode[l as usize] = id;
+        }
+    }
+
+    /// Flow `f`, released now, is an expected join of memoized episode `id`: it finishes
+    /// at its stored offset from the episode's start without sending a packet.
+    fn memo_own_join(&mut self, id: u32, f: u32) {
+        let now = self.now;
+        let offset = self.offset;
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
+        let Some(ep) = m.episodes.get(id as usize) else {
+            return;
+        };
+        let k = m.index[f as usize] as usize;
+        let start_local = ep.start.0.saturating_sub(offset.0);
+        let at = Picos(
+            start_local
+                .saturating_add(ep.finish.get(k).copied().unwrap_or(0))
+                .max(now.0),
+        );
+        let key = self.q.schedule(at, Ev::MemoFinish(f));
+        m.finish_at[f as usize] = Some((at, key));
+        m.owned += 1;
     }
 
     /// A memoized flow reaches its stored completion: account its bytes and finish it.
@@ -735,6 +1254,7 @@ impl Engine<'_> {
             return;
         };
         ep.hit = false;
+        ep.cert = Vec::new();
         ep.intruded = true;
         let start_local = Picos(ep.start.0.saturating_sub(self.offset.0));
         let per_packet = ep.events_per_packet;
@@ -775,6 +1295,9 @@ impl Engine<'_> {
                     if !ep.hit && !ep.intruded {
                         store = Some(id);
                     } else {
+                        if !ep.hit && !ep.cert.is_empty() {
+                            self.stats.memo_spoiled += 1;
+                        }
                         ep.cert = Vec::new();
                     }
                 }
@@ -800,10 +1323,17 @@ impl Engine<'_> {
                 let start = ep.start.0;
                 let cert = std::mem::take(&mut ep.cert);
                 let finish = finish.iter().map(|t| t.saturating_sub(start)).collect();
+                let mut shape = vec![(ep.flows.len() - ep.initial) as u64];
+                shape.append(&mut ep.joins);
+                shape.push(ep.new_links.len() as u64 / 7);
+                shape.append(&mut ep.new_links);
+                ep.link_names = HashMap::new();
+                ep.node_names = HashMap::new();
                 m.cache.get_mut().insert(Entry {
                     cert,
                     finish,
                     events: (packets as f64 * per_packet).round() as u64,
+                    shape,
                 });
                 self.stats.memo_recorded += 1;
             }
@@ -831,7 +1361,9 @@ impl Engine<'_> {
 
     /// The certificate of a group of flows (see the module essay) and the flows in
     /// certificate order.
-    fn certificate(&self, flows: &[u32]) -> (Vec<u32>, Vec<u64>) {
+    /// Also returns the links and nodes in the order the certificate names them.
+    #[allow(clippy::type_complexity)]
+    fn certificate(&self, flows: &[u32]) -> (Vec<u32>, Vec<u64>, Vec<u32>, Vec<u32>) {
         let hop = |l: u32| {
             let p = &self.ports[l as usize];
             hash_words(&[
@@ -941,8 +1473,39 @@ impl Engine<'_> {
                 .unwrap_or(0);
             cert.push(bucket);
         }
-        (order, cert)
+        (order, cert, link_order, node_order)
     }
+}
+
+/// The links and nodes an episode has named so far while a stored entry is mapped onto
+/// this run (names are positions).
+struct Naming {
+    links: Vec<u32>,
+    link_set: HashSet<u32>,
+    nodes: Vec<u32>,
+    node_set: HashSet<u32>,
+    /// Names below this come from the initial group's certificate.
+    base: usize,
+}
+
+impl Naming {
+    fn commit(&mut self, (links, nodes): (Vec<u32>, Vec<u32>)) {
+        self.link_set.extend(&links);
+        self.links.extend(links);
+        self.node_set.extend(&nodes);
+        self.nodes.extend(nodes);
+    }
+}
+
+/// What the certificate records of a link besides its endpoints.
+fn link_attrs(p: &super::engine::Port) -> [u64; 5] {
+    [
+        p.bw.to_bits(),
+        p.delay.0,
+        u64::from(p.from_switch),
+        u64::from(p.to_switch),
+        p.headroom,
+    ]
 }
 
 fn root(parent: &mut [usize], mut x: usize) -> usize {
@@ -963,11 +1526,13 @@ mod tests {
             cert: vec![1, 2, 3],
             finish: vec![10, 20],
             events: 7,
+            shape: vec![0, 0],
         });
         c.insert(Entry {
             cert: vec![4, 5],
             finish: vec![30],
             events: 9,
+            shape: vec![1, 1, 0, 5, 3, 1000, 1, 4, 0],
         });
         c
     }
@@ -978,8 +1543,8 @@ mod tests {
         let back = MemoCache::from_bytes(&c.to_bytes()).unwrap();
         assert_eq!(back, c);
         assert_eq!(back.len(), 2);
-        assert!(back.lookup(&[1, 2, 3]).is_some());
-        assert!(back.lookup(&[1, 2]).is_none());
+        assert_eq!(back.lookup(&[1, 2, 3]).count(), 1);
+        assert_eq!(back.lookup(&[1, 2]).count(), 0);
     }
 
     #[test]

@@ -162,7 +162,9 @@
 //!
 //! ## Acceleration
 //!
-//! `accel.fast_forward` (off by default) turns on *steady-state fast-forwarding*: every
+//! All three mechanisms are on by default; [`PacketConfig::reference`] turns them off
+//! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
+//! `--no-memo` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
 //! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
 //! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
@@ -178,9 +180,10 @@
 //! network is one partition, so one unsteady flow anywhere blocks every jump; with it each
 //! connected component of active flows and their links jumps on its own (its pending
 //! events postponed, its queues frozen), stopping at any release that touches it.
-//! Memoization is not built yet. The design, its bounds and
-//! its defaults are in the `accel` module and [`AccelConfig`]; `tests/accel.rs` is the
-//! equivalence harness.
+//! `accel.memoize` looks up isolated episodes (a group of flows released together onto
+//! idle links, with the flows that join it) in a [`MemoCache`] instead of simulating them
+//! again; see the `memo` module. The designs, bounds and defaults are in the `accel` and
+//! `memo` modules and [`AccelConfig`]; `tests/accel.rs` is the equivalence harness.
 //!
 //! ## What is not modelled
 //!
@@ -300,6 +303,10 @@ pub struct PacketStats {
     pub memo_hits: u64,
     pub memo_recorded: u64,
     pub memo_aborts: u64,
+    /// Hits not taken because the group's own dependents would have intruded, and
+    /// simulated episodes not stored because another flow intruded.
+    pub memo_declined: u64,
+    pub memo_spoiled: u64,
     /// Data packets memoized episodes did not simulate (their bytes are in the report), and
     /// the events that saves (estimated as for fast-forwarding).
     pub memo_skipped_packets: u64,
