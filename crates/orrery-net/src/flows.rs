@@ -363,7 +363,13 @@ impl BinaryTree {
 /// total. `n = 0` gives two empty trees.
 pub fn double_binary_tree(n: usize) -> [BinaryTree; 2] {
     let first: Vec<Vec<usize>> = (0..n).map(|r| btree_children(n, r)).collect();
-    let map = |r: usize| if n % 2 == 0 { n - 1 - r } else { (r + 1) % n };
+    let map = |r: usize| {
+        if n.is_multiple_of(2) {
+            n - 1 - r
+        } else {
+            (r + 1) % n
+        }
+    };
     // Position `map(r)` in the second tree plays the role of `r` in the first.
     let mut second = vec![Vec::new(); n];
     for (r, kids) in first.iter().enumerate() {

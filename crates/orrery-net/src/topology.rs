@@ -653,7 +653,7 @@ impl FatTreeSpec {
         if self.tiers == 3 {
             p.at_least_one("leaves_per_pod", self.leaves_per_pod);
             p.ratio("core_oversubscription", self.core_oversubscription);
-            if self.cores == 0 || (self.spines > 0 && self.cores % self.spines != 0) {
+            if self.cores == 0 || (self.spines > 0 && !self.cores.is_multiple_of(self.spines)) {
                 p.push(
                     "cores",
                     format!(

@@ -486,7 +486,7 @@ fn small_buffers_use_fewer_channels() {
 /// Every supported (algorithm, kind) pair on `n` ranks with its theory.
 fn theory(kind: K, alg: A, n: u64, s: u64, ranks_sent: &[u64]) {
     let total: u64 = ranks_sent.iter().sum();
-    let divisible = |d: u64| s % d == 0;
+    let divisible = |d: u64| s.is_multiple_of(d);
     match (alg, kind) {
         (A::Ring { channels }, K::AllReduce) => {
             let c = u64::from(channels).min((s / n).max(1));

@@ -274,7 +274,7 @@ impl Shampoo {
         }
         let start = c.start_preconditioning_step.max(1);
         let freq = c.precondition_frequency.max(1);
-        let refresh = st.step >= start && (st.step - start) % freq == 0;
+        let refresh = st.step >= start && (st.step - start).is_multiple_of(freq);
         let cols = st.cols;
         for b in &mut st.blocks {
             let g = gather(p.grad, cols, b);

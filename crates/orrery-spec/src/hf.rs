@@ -385,7 +385,7 @@ fn qwen2_moe(r: &mut Reader<'_>) -> Result<MoeSpec, HfImportError> {
     }
     let shared_experts = match expert_ffn {
         _ if shared_ffn == 0 => Some(0),
-        Some(e) if e > 0 && shared_ffn % e == 0 => Some(shared_ffn / e),
+        Some(e) if e > 0 && shared_ffn.is_multiple_of(e) => Some(shared_ffn / e),
         Some(_) => {
             return Err(HfImportError::Unsupported {
                 key: "shared_expert_intermediate_size".to_string(),

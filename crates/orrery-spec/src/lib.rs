@@ -113,7 +113,9 @@ impl Model {
     /// Whether layer `layer` (0-based) has a mixture-of-experts MLP.
     pub fn is_moe_layer(&self, layer: u64) -> bool {
         match &self.moe {
-            Some(m) => layer >= m.first_dense && (layer - m.first_dense) % m.every.max(1) == 0,
+            Some(m) => {
+                layer >= m.first_dense && (layer - m.first_dense).is_multiple_of(m.every.max(1))
+            }
             None => false,
         }
     }

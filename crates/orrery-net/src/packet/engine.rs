@@ -374,6 +374,11 @@ impl<'a> Engine<'a> {
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);
             m.index_links(&states, &paths);
+            for (f, slot) in pending_rel.iter().enumerate() {
+                if slot.is_some() {
+                    m.note_pending(f as u32, true);
+                }
+            }
             m
         });
         Ok(Engine {
@@ -414,7 +419,7 @@ impl<'a> Engine<'a> {
     pub fn run(mut self, progress: &mut dyn FnMut(SimProgress)) -> Result<PacketRun, SimError> {
         let total = self.flows.len();
         while let Some((t, ev)) = self.q.pop() {
-            if self.events % PROGRESS_EVERY == 0 {
+            if self.events.is_multiple_of(PROGRESS_EVERY) {
                 progress(SimProgress {
                     now: Picos(t.0 + self.offset.0),
                     flows_done: total - self.unfinished,
@@ -667,6 +672,9 @@ impl<'a> Engine<'a> {
                 let at = Picos(self.now.0.saturating_add(dep.delay.0));
                 let key = self.q.schedule(at, Ev::Release(d as u32));
                 self.pending_rel[d] = Some((at, key));
+                if let Some(m) = self.memo.as_mut() {
+                    m.note_pending(d as u32, true);
+                }
             }
         }
     }

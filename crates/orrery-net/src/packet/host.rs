@@ -16,6 +16,9 @@ impl Engine<'_> {
     pub(super) fn release(&mut self, f: u32) {
         let now = self.now;
         self.pending_rel[f as usize] = None;
+        if let Some(m) = self.memo.as_mut() {
+            m.note_pending(f, false);
+        }
         let fl = &mut self.flows[f as usize];
         fl.start = Picos(now.0 + self.offset.0);
         fl.released = true;
@@ -196,7 +199,7 @@ impl Engine<'_> {
             if next == fl.npkts {
                 self.send_ctrl(f, Kind::Ack, next);
                 self.finish_flow(f);
-            } else if next % u64::from(cfg.ack_every) == 0 {
+            } else if next.is_multiple_of(u64::from(cfg.ack_every)) {
                 self.send_ctrl(f, Kind::Ack, next);
             }
         } else if pk.seq > fl.rcv_nxt {

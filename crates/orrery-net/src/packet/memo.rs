@@ -429,9 +429,12 @@ pub(super) struct Memo<'a> {
     deps_at: Vec<u32>,
     deps: Vec<u32>,
     index: Vec<u32>,
-    /// The flows using each link, either direction (CSR).
-    link_flows_at: Vec<u32>,
-    link_flows: Vec<u32>,
+    /// The flows whose release is scheduled, per link they will use (short lists: a flow
+    /// is in them from the scheduling of its release to the release).
+    pending_on: Vec<Vec<u32>>,
+    /// Each flow's links (CSR), as [`Engine::links_of`] lists them.
+    flow_links_at: Vec<u32>,
+    flow_links: Vec<u32>,
 }
 
 impl<'a> Memo<'a> {
@@ -453,8 +456,9 @@ impl<'a> Memo<'a> {
             deps_at,
             deps,
             index: vec![NONE; flows],
-            link_flows_at: vec![0; links + 1],
-            link_flows: Vec::new(),
+            pending_on: vec![Vec::new(); links],
+            flow_links_at: Vec::new(),
+            flow_links: Vec::new(),
             cache: match cache {
                 Some(c) => CacheRef::Shared(c),
                 None => CacheRef::Own(MemoCache::new()),
@@ -476,41 +480,36 @@ impl<'a> Memo<'a> {
 }
 
 impl Memo<'_> {
-    /// Builds the per-link flow lists from the flows' routes.
+    /// Records every flow's links from the routes.
     pub fn index_links(&mut self, flows: &[super::engine::FlowState], paths: &[u32]) {
-        let links_of = |fl: &super::engine::FlowState| {
-            let (a, b) = (fl.fwd, fl.rev);
-            (a.0..a.0 + a.1)
-                .chain(b.0..b.0 + b.1)
-                .map(|h| paths[h as usize] as usize)
-        };
-        let n = self.link_flows_at.len() - 1;
-        let mut count = vec![0u32; n + 1];
+        self.flow_links_at = Vec::with_capacity(flows.len() + 1);
+        self.flow_links_at.push(0);
+        self.flow_links.clear();
         for fl in flows {
-            for l in links_of(fl) {
-                count[l + 1] += 1;
-            }
+            let (a, b) = (fl.fwd, fl.rev);
+            self.flow_links.extend(
+                (a.0..a.0 + a.1)
+                    .chain(b.0..b.0 + b.1)
+                    .map(|h| paths[h as usize]),
+            );
+            self.flow_links_at.push(self.flow_links.len() as u32);
         }
-        for i in 0..n {
-            count[i + 1] += count[i];
-        }
-        let mut fill = count.clone();
-        self.link_flows = vec![0; count[n] as usize];
-        for (f, fl) in flows.iter().enumerate() {
-            for l in links_of(fl) {
-                self.link_flows[fill[l] as usize] = f as u32;
-                fill[l] += 1;
-            }
-        }
-        self.link_flows_at = count;
     }
 
-    fn flows_on(&self, l: u32) -> &[u32] {
+    /// Flow `f`'s release was scheduled (`on`) or has happened (`!on`).
+    pub fn note_pending(&mut self, f: u32, on: bool) {
         let (a, b) = (
-            self.link_flows_at[l as usize] as usize,
-            self.link_flows_at[l as usize + 1] as usize,
+            self.flow_links_at[f as usize] as usize,
+            self.flow_links_at[f as usize + 1] as usize,
         );
-        &self.link_flows[a..b]
+        for k in a..b {
+            let list = &mut self.pending_on[self.flow_links[k] as usize];
+            if on {
+                list.push(f);
+            } else if let Some(i) = list.iter().position(|&x| x == f) {
+                list.swap_remove(i);
+            }
+        }
     }
 
     fn deps_of(&self, f: u32) -> &[u32] {
@@ -630,7 +629,7 @@ impl Engine<'_> {
             let mut seen = HashSet::new();
             for links in &link_lists {
                 for &l in links {
-                    for &c in m.flows_on(l) {
+                    for &c in &m.pending_on[l as usize] {
                         let due = self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 <= until);
                         if due && seen.insert(c) {
                             connectors.push(self.links_of(c));
@@ -841,7 +840,7 @@ impl Engine<'_> {
             if *kind == JOIN_TIMED {
                 let first = names.iter().find(|&&n| (n as usize) < map.links.len())?;
                 let due = self.now.0.saturating_add(*when);
-                for &c in m.flows_on(map.links[*first as usize]) {
+                for &c in &m.pending_on[map.links[*first as usize] as usize] {
                     let pending = self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 == due);
                     if pending && fits_size(c) {
                         if let Some(add) = self.map_path(c, names, &attrs, &map) {
@@ -965,7 +964,7 @@ impl Engine<'_> {
                 if !seen.insert(l) {
                     continue;
                 }
-                for &c in m.flows_on(l) {
+                for &c in &m.pending_on[l as usize] {
                     if members.contains(&c) {
                         continue;
                     }
@@ -1227,7 +1226,7 @@ impl Engine<'_> {
         };
         // ACKs every `ack_every` packets and always for the last one.
         let acks = to / ack_every - fl.snd_nxt / ack_every
-            + u64::from(to == fl.npkts && to % ack_every != 0);
+            + u64::from(to == fl.npkts && !to.is_multiple_of(ack_every));
         fl.snd_nxt = to;
         fl.snd_una = to;
         fl.high = to;

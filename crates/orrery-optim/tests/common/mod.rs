@@ -252,7 +252,7 @@ impl RefSoap {
             self.ql = self.l.as_ref().map(|l| jacobi_eigh(l, m).1);
             self.qr = self.r.as_ref().map(|r| jacobi_eigh(r, n).1);
         }
-        if self.step > 0 && self.step % self.freq == 0 {
+        if self.step > 0 && self.step.is_multiple_of(self.freq) {
             if let (Some(l), Some(q)) = (&self.l, &self.ql) {
                 let (perm, newq) = power_qr(l, q, m);
                 let old = self.v.clone();
@@ -409,7 +409,7 @@ impl RefShampoo {
         }
         let mut d = a.clone();
         let cols = self.cols;
-        let refresh = (self.t - 1) % self.freq == 0;
+        let refresh = (self.t - 1).is_multiple_of(self.freq);
         for (r0, rn, c0, cn, l, r, pl, pr) in &mut self.blocks {
             let (r0, rn, c0, cn) = (*r0, *rn, *c0, *cn);
             let blk = |src: &[f64]| -> M {
