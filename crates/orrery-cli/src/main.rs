@@ -20,6 +20,7 @@ macro_rules! outln {
 mod bench_accel;
 mod netsim;
 mod report;
+mod train;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -52,6 +53,8 @@ enum Command {
     },
     /// Simulate a network scenario (topology + flows or collectives) at packet or flow level.
     Netsim(netsim::NetsimArgs),
+    /// Train a GPT with AdamW, SOAP or Shampoo (the real training program; CPU by default).
+    Train(train::TrainArgs),
     /// Replay Chakra execution traces (`PREFIX.<rank>.et` for every rank, plus a comm-group
     /// JSON) on orrery's cost and network models.
     Replay(ReplayArgs),
@@ -193,6 +196,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Validate { json } => run_validate(json),
         Command::Replay(args) => run_replay(&args),
         Command::Netsim(args) => netsim::run_netsim(&args),
+        Command::Train(args) => train::run_train(&args),
         Command::Presets => {
             print_presets();
             Ok(())

@@ -449,3 +449,69 @@ fn validate_prints_errors_and_mape() {
     assert!(stdout.contains("step-time MAPE"), "{stdout}");
     assert!(stdout.contains("model-state memory: max error"), "{stdout}");
 }
+
+const TINY_TRAIN: &str = r#"
+steps = 6
+batch_size = 4
+warmup_steps = 1
+eval_every = 3
+eval_batches = 1
+checkpoint_every = 3
+[model]
+context = 16
+d_model = 16
+n_layers = 1
+n_heads = 2
+n_kv_heads = 1
+d_ff = 32
+"#;
+
+#[test]
+fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
+    let dir = temp_dir("train");
+    let config = dir.join("tiny.toml");
+    std::fs::write(&config, TINY_TRAIN).unwrap();
+    let out = dir.join("run");
+    let (code, stdout, stderr) = orrery(&[
+        "train",
+        config.to_str().unwrap(),
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let steps: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.len(), 3);
+    assert!(steps[2]["val_loss"].as_f64().is_some(), "{stdout}");
+    for f in ["metrics.jsonl", "loss.svg", "checkpoint.ckpt"] {
+        assert!(out.join(f).exists(), "{f}");
+    }
+    // Resuming continues from step 4 to the configured 6.
+    let (code, stdout, stderr) = orrery(&[
+        "train",
+        config.to_str().unwrap(),
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+        "--resume",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let first: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert_eq!(first["step"].as_u64(), Some(4), "{stdout}");
+    // Bad input: exit status 2 naming the problem.
+    let (code, _, stderr) = orrery(&["train", config.to_str().unwrap(), "--async"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("soap and shampoo"), "{stderr}");
+    std::fs::write(&config, "[model]\nn_heads = 3\nd_model = 16\n").unwrap();
+    let (code, _, stderr) = orrery(&["train", config.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("model."), "{stderr}");
+    let (code, _, stderr) = orrery(&["train", "--device-budget", "lots"]);
+    assert_eq!(code, 2, "{stderr}");
+}

@@ -1,0 +1,479 @@
+//! Training configuration: the serde shape of `train.toml`, its defaults, and validation that
+//! reports every problem at once with the dotted path of the field it concerns.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Normalisation layer of every block (and the final one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormKind {
+    /// Mean and variance normalisation with a learned gain and bias.
+    LayerNorm,
+    /// Root-mean-square normalisation with a learned gain, no bias.
+    RmsNorm,
+}
+
+/// How token positions enter the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PositionKind {
+    /// Rotary embeddings applied to queries and keys (no parameters).
+    Rope,
+    /// A learned `[context, d_model]` table added to the token embeddings.
+    Learned,
+}
+
+/// The feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MlpKind {
+    /// `W_out · gelu(W_in · x)`.
+    Gelu,
+    /// `W_out · (silu(W_gate · x) ⊙ W_in · x)`.
+    SwiGlu,
+}
+
+/// Shape and variant of the decoder-only GPT.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Embedding rows; must cover the tokenizer's vocabulary.
+    pub vocab_size: usize,
+    /// Longest sequence the model sees (training windows are this long).
+    pub context: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    /// Key/value heads; fewer than `n_heads` is grouped-query attention.
+    pub n_kv_heads: usize,
+    /// Hidden width of the feed-forward block.
+    pub d_ff: usize,
+    pub norm: NormKind,
+    pub positions: PositionKind,
+    pub mlp: MlpKind,
+    /// Output head shares the token-embedding matrix.
+    pub tie_embeddings: bool,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    /// Standard deviation of the normal weight initialisation (residual output projections are
+    /// scaled down by `sqrt(2 * n_layers)`, as in GPT-2).
+    pub init_std: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 256,
+            context: 128,
+            d_model: 128,
+            n_layers: 4,
+            n_heads: 4,
+            n_kv_heads: 4,
+            d_ff: 512,
+            norm: NormKind::LayerNorm,
+            positions: PositionKind::Rope,
+            mlp: MlpKind::Gelu,
+            tie_embeddings: true,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            init_std: 0.02,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+}
+
+/// The tokenizer turning text into token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per UTF-8 byte (vocabulary 256).
+    Byte,
+    /// A tiktoken BPE vocabulary bundled with tiktoken-rs (`r50k_base`, `p50k_base`,
+    /// `cl100k_base`, `o200k_base`); needs the crate feature `bpe`.
+    Bpe(String),
+}
+
+/// Where the text comes from and how it is split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// A text file, or a folder whose `.txt` files (recursively, in sorted path order) are
+    /// concatenated. `None` uses the small corpus built into the crate.
+    pub path: Option<PathBuf>,
+    pub tokenizer: TokenizerKind,
+    /// The last `val_fraction` of the tokens is the validation split.
+    pub val_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            tokenizer: TokenizerKind::Byte,
+            val_fraction: 0.1,
+        }
+    }
+}
+
+/// Optimizer names [`crate::make_optimizer`] builds.
+pub const KNOWN_OPTIMIZERS: &[&str] = &["adamw", "soap", "shampoo", "sgd"];
+
+/// The optimizer built by [`crate::train`] (callers with their own optimizer use
+/// [`crate::Trainer::new`] directly).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// `adamw`, `soap` or `shampoo` (from `orrery-optim`), or `sgd` (plain gradient descent,
+    /// for debugging).
+    pub name: String,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            name: "adamw".to_owned(),
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// Compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// burn's ndarray backend on the CPU.
+    Cpu,
+    /// burn's CUDA backend; needs the crate feature `cuda`.
+    Cuda,
+}
+
+/// Everything a training run needs. `Default` is the small run `orrery train` does with no
+/// configuration: a ~0.8M-parameter byte-level GPT on the built-in corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub optimizer: OptimizerConfig,
+    pub device: DeviceKind,
+    /// Seeds weight initialisation, batch sampling and burn's backend RNG.
+    pub seed: u64,
+    /// Optimizer steps of the whole run (a resumed run continues up to this count).
+    pub steps: u64,
+    /// Sequences per step, summed over all data-parallel ranks.
+    pub batch_size: usize,
+    /// Peak learning rate, reached at the end of warm-up.
+    pub lr: f64,
+    pub warmup_steps: u64,
+    /// The cosine decays to `lr * min_lr_ratio` at the last step.
+    pub min_lr_ratio: f64,
+    /// Clip gradients to this global L2 norm; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Evaluate on the validation split every this many steps (and after the last); 0 never.
+    pub eval_every: u64,
+    /// Validation batches (of `batch_size` sequences) per evaluation.
+    pub eval_batches: usize,
+    /// Write a checkpoint every this many steps (and after the last); 0 only after the last.
+    /// Checkpoints are written only when `out_dir` is set.
+    pub checkpoint_every: u64,
+    /// Where metrics, the loss curve and checkpoints go; `None` writes nothing.
+    pub out_dir: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            device: DeviceKind::Cpu,
+            seed: 0,
+            // The built-in corpus is 9 KB: longer runs only memorise it (validation loss
+            // bottoms out around step 100 and then rises).
+            steps: 100,
+            batch_size: 16,
+            lr: 3e-3,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            grad_clip: 1.0,
+            eval_every: 20,
+            eval_batches: 4,
+            checkpoint_every: 0,
+            out_dir: None,
+        }
+    }
+}
+
+/// One problem with a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// Dotted path of the field, e.g. `model.n_kv_heads`.
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every problem found in a configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("invalid training configuration:\n{}", .problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+pub struct ConfigErrors {
+    pub problems: Vec<ConfigProblem>,
+}
+
+impl ConfigErrors {
+    /// Whether some problem concerns `path`.
+    pub fn mentions(&self, path: &str) -> bool {
+        self.problems.iter().any(|p| p.path == path)
+    }
+}
+
+/// Reading a configuration from TOML.
+#[derive(Debug, Error)]
+pub enum ConfigLoadError {
+    #[error("training configuration is not valid TOML for this schema: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error(transparent)]
+    Invalid(#[from] ConfigErrors),
+}
+
+impl TrainConfig {
+    /// Parses TOML (every field optional, unknown fields rejected) and validates it.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigLoadError> {
+        let config: Self = toml::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every constraint and reports all violations together.
+    pub fn validate(&self) -> Result<(), ConfigErrors> {
+        let mut p = Vec::new();
+        let mut bad = |path: &str, message: String| {
+            p.push(ConfigProblem {
+                path: path.to_owned(),
+                message,
+            });
+        };
+        let m = &self.model;
+        if m.vocab_size == 0 {
+            bad("model.vocab_size", "must be at least 1".into());
+        }
+        if self.data.tokenizer == TokenizerKind::Byte && m.vocab_size < 256 {
+            bad(
+                "model.vocab_size",
+                format!("{} is smaller than the byte tokenizer's 256", m.vocab_size),
+            );
+        }
+        if m.context < 2 {
+            bad("model.context", format!("{} is below 2", m.context));
+        }
+        if m.d_model == 0 {
+            bad("model.d_model", "must be at least 1".into());
+        }
+        if m.n_layers == 0 {
+            bad("model.n_layers", "must be at least 1".into());
+        }
+        if m.n_heads == 0 {
+            bad("model.n_heads", "must be at least 1".into());
+        } else if !m.d_model.is_multiple_of(m.n_heads) {
+            bad(
+                "model.n_heads",
+                format!("{} does not divide d_model {}", m.n_heads, m.d_model),
+            );
+        } else if m.positions == PositionKind::Rope && !m.head_dim().is_multiple_of(2) {
+            bad(
+                "model.positions",
+                format!("rope needs an even head dimension, got {}", m.head_dim()),
+            );
+        }
+        if m.n_kv_heads == 0 {
+            bad("model.n_kv_heads", "must be at least 1".into());
+        } else if m.n_heads != 0 && !m.n_heads.is_multiple_of(m.n_kv_heads) {
+            bad(
+                "model.n_kv_heads",
+                format!("{} does not divide n_heads {}", m.n_kv_heads, m.n_heads),
+            );
+        }
+        if m.d_ff == 0 {
+            bad("model.d_ff", "must be at least 1".into());
+        }
+        if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
+            bad(
+                "model.rope_theta",
+                format!("{} is not above 1", m.rope_theta),
+            );
+        }
+        if !(m.norm_eps.is_finite() && m.norm_eps > 0.0) {
+            bad("model.norm_eps", format!("{} is not positive", m.norm_eps));
+        }
+        if !(m.init_std.is_finite() && m.init_std > 0.0) {
+            bad("model.init_std", format!("{} is not positive", m.init_std));
+        }
+        let d = &self.data;
+        if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
+            bad(
+                "data.val_fraction",
+                format!("{} is not strictly between 0 and 1", d.val_fraction),
+            );
+        }
+        if let TokenizerKind::Bpe(name) = &d.tokenizer {
+            match crate::data::bpe_vocab_size(name) {
+                None => {
+                    let known: Vec<&str> =
+                        crate::data::BPE_VOCABULARIES.iter().map(|v| v.0).collect();
+                    bad(
+                        "data.tokenizer",
+                        format!(
+                            "unknown BPE vocabulary `{name}` (known: {})",
+                            known.join(", ")
+                        ),
+                    );
+                }
+                Some(v) if m.vocab_size < v => bad(
+                    "model.vocab_size",
+                    format!("{} is smaller than {name}'s {v} tokens", m.vocab_size),
+                ),
+                Some(_) => {}
+            }
+            if !cfg!(feature = "bpe") {
+                bad(
+                    "data.tokenizer",
+                    "BPE needs orrery-train built with the `bpe` feature".into(),
+                );
+            }
+        }
+        let o = &self.optimizer;
+        if !KNOWN_OPTIMIZERS.contains(&o.name.as_str()) {
+            bad(
+                "optimizer.name",
+                format!(
+                    "unknown optimizer `{}` (known: {})",
+                    o.name,
+                    KNOWN_OPTIMIZERS.join(", ")
+                ),
+            );
+        }
+        if !(0.0..1.0).contains(&o.beta1) {
+            bad("optimizer.beta1", format!("{} is not in [0, 1)", o.beta1));
+        }
+        if !(0.0..1.0).contains(&o.beta2) {
+            bad("optimizer.beta2", format!("{} is not in [0, 1)", o.beta2));
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            bad("optimizer.eps", format!("{} is not positive", o.eps));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            bad(
+                "optimizer.weight_decay",
+                format!("{} is negative", o.weight_decay),
+            );
+        }
+        if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
+            bad(
+                "device",
+                "cuda needs orrery-train built with the `cuda` feature".into(),
+            );
+        }
+        if self.steps == 0 {
+            bad("steps", "must be at least 1".into());
+        }
+        if self.batch_size == 0 {
+            bad("batch_size", "must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bad("lr", format!("{} is not positive", self.lr));
+        }
+        if self.warmup_steps > self.steps {
+            bad(
+                "warmup_steps",
+                format!("{} exceeds steps {}", self.warmup_steps, self.steps),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            bad(
+                "min_lr_ratio",
+                format!("{} is not in [0, 1]", self.min_lr_ratio),
+            );
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            bad("grad_clip", format!("{} is negative", self.grad_clip));
+        }
+        if self.eval_every > 0 && self.eval_batches == 0 {
+            bad(
+                "eval_batches",
+                "must be at least 1 when eval_every is set".into(),
+            );
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors { problems: p })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        TrainConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_path() {
+        let mut c = TrainConfig::default();
+        c.model.n_kv_heads = 3;
+        c.model.d_model = 130;
+        c.batch_size = 0;
+        c.data.val_fraction = 1.5;
+        let err = c.validate().unwrap_err();
+        assert!(err.mentions("model.n_kv_heads"), "{err}");
+        assert!(err.mentions("model.n_heads"), "{err}");
+        assert!(err.mentions("batch_size"), "{err}");
+        assert!(err.mentions("data.val_fraction"), "{err}");
+        assert!(err
+            .to_string()
+            .contains("model.n_kv_heads: 3 does not divide"));
+    }
+
+    #[test]
+    fn toml_round_trip_and_unknown_field() {
+        let c = TrainConfig::from_toml_str(
+            "steps = 100\n[model]\nnorm = \"rmsnorm\"\nmlp = \"swiglu\"\npositions = \"learned\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.steps, 100);
+        assert_eq!(c.model.norm, NormKind::RmsNorm);
+        assert_eq!(c.model.mlp, MlpKind::SwiGlu);
+        assert!(matches!(
+            TrainConfig::from_toml_str("[model]\nwidth = 3\n"),
+            Err(ConfigLoadError::Parse(_))
+        ));
+        assert!(matches!(
+            TrainConfig::from_toml_str("[model]\nn_layers = 0\n"),
+            Err(ConfigLoadError::Invalid(e)) if e.mentions("model.n_layers")
+        ));
+    }
+}

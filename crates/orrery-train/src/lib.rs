@@ -1,0 +1,369 @@
+//! orrery's real training program, as a library.
+//!
+//! This is the layer that actually trains a language model — the program that hybrid emulation
+//! will later run as its real ranks, and the harness the optimizer runtime is benchmarked in.
+//! It is deliberately small and exact rather than fast:
+//!
+//! - **Model** ([`model`]): a decoder-only GPT on burn (CPU `ndarray` backend with autodiff by
+//!   default; CUDA behind the `cuda` feature). Pre-norm blocks; LayerNorm or RMSNorm; RoPE or
+//!   learned positions; grouped-query attention (`n_kv_heads`); GeLU or SwiGLU; tied or untied
+//!   output head — all chosen in [`ModelConfig`].
+//! - **Parameters** ([`params::ParamStore`]): the canonical weights are named `f32` buffers,
+//!   not burn tensors. Each step builds the burn module from the store, runs forward and
+//!   backward with burn's autodiff, copies each parameter's gradient out by module path, and
+//!   hands values and gradients to an [`orrery_optim::Optimizer`]. burn's own optimizers are
+//!   never used: the optimizer math (AdamW, SOAP, Shampoo) lives in `orrery-optim`, backend-free.
+//! - **Data** ([`data`]): a byte-level tokenizer by default (BPE from tiktoken-rs behind the
+//!   `bpe` feature); a text file or folder of `.txt` files split by position into training and
+//!   validation tokens; random contiguous windows from a seeded, checkpointed RNG. A few KB of
+//!   Shakespeare's sonnets are built in; `scripts/fetch-shakespeare.sh` fetches 42 plays.
+//! - **Loop** ([`Trainer`]): warm-up + cosine schedule, global-norm gradient clipping, periodic
+//!   evaluation on fixed validation windows, metrics as JSON lines ([`StepMetrics`]) and a
+//!   loss-curve SVG.
+//! - **Checkpoints** ([`checkpoint`]): one file with magic, version, length and CRC32, written
+//!   atomically; it holds weights (exact bit patterns), optimizer state bytes, sampler RNG
+//!   state, step, configuration and metrics, so that a run of N steps equals k steps + resume
+//!   + N − k steps bit for bit.
+//! - **Data parallelism** ([`comm`]): a blocking, rank-ordered [`Communicator`] trait (shaped
+//!   so an MPI backend maps onto it one-to-one) with a single-rank and an in-process threads
+//!   backend. Every rank draws the same global batch and trains on its slice; gradients are
+//!   averaged with an all-reduce that sums in rank order, so results do not depend on timing.
+//!
+//! Determinism: the crate's own [`rng::Rng`] initialises weights and samples batches, burn's
+//! backend RNG is seeded too (nothing here draws from it: there is no dropout), and timing is
+//! read from a caller-supplied [`Clock`]. The same configuration and seed give bit-identical
+//! losses and weights.
+//!
+//! What this crate does not do: it does not print (progress goes to a [`TrainObserver`]); it
+//! does not shard optimizer state or preconditioner work across ranks (that is
+//! `orrery-optim`'s runtime); it has no tensor/pipeline parallelism, mixed precision, dropout,
+//! KV cache or sampling/generation; and it does not make the CPU fast — it is a faithful,
+//! reproducible reference trainer.
+
+pub mod checkpoint;
+pub mod comm;
+pub mod config;
+pub mod data;
+pub mod metrics;
+pub mod model;
+pub mod params;
+pub mod rng;
+pub mod schedule;
+mod trainer;
+
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
+
+use orrery_optim::{OptimError, Optimizer, Param, StepReport};
+
+pub use checkpoint::{Checkpoint, CheckpointError};
+pub use comm::{CommError, Communicator, SingleRank, ThreadComm};
+pub use config::{
+    ConfigErrors, ConfigLoadError, ConfigProblem, DataConfig, DeviceKind, MlpKind, ModelConfig,
+    NormKind, OptimizerConfig, PositionKind, TokenizerKind, TrainConfig,
+};
+pub use data::{Corpus, DataError, Tokenizer};
+pub use metrics::{loss_curve_svg, StepMetrics};
+pub use trainer::{
+    Clock, FixedClock, MonotonicClock, NullObserver, TrainError, TrainObserver, TrainSummary,
+    Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE, METRICS_FILE,
+};
+
+/// The default backend: burn's ndarray CPU backend with autodiff.
+pub type CpuBackend = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+
+/// burn's CUDA backend with autodiff (feature `cuda`).
+#[cfg(feature = "cuda")]
+pub type CudaBackend = burn::backend::Autodiff<burn::backend::Cuda>;
+
+/// Plain gradient descent, `x -= lr * g`. Stateless; for debugging and for tests that need an
+/// optimizer whose arithmetic is obvious.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sgd;
+
+impl Optimizer for Sgd {
+    fn step(&mut self, lr: f32, params: &mut [Param<'_>]) -> Result<StepReport, OptimError> {
+        for p in params.iter_mut() {
+            if p.value.len() != p.grad.len() {
+                return Err(OptimError::BadParam {
+                    name: p.name.to_owned(),
+                    problem: "value and gradient lengths differ".into(),
+                });
+            }
+            for (x, g) in p.value.iter_mut().zip(p.grad) {
+                *x -= lr * g;
+            }
+        }
+        Ok(StepReport::default())
+    }
+
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        if bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(OptimError::BadState("sgd has no state".into()))
+        }
+    }
+}
+
+/// The optimizer `config.optimizer` names, with `orrery-optim`'s defaults for everything the
+/// configuration does not set (SOAP/Shampoo preconditioning, synchronous refreshes). Callers
+/// that need the runtime's options (asynchronous refresh, staleness, tiers) pass their own
+/// [`OptimizerFactory`] in [`RunOptions`].
+pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainError> {
+    let o = &config.optimizer;
+    match o.name.as_str() {
+        "adamw" => Ok(Box::new(orrery_optim::AdamW::new(
+            orrery_optim::AdamWConfig {
+                betas: (o.beta1, o.beta2),
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+            },
+        ))),
+        "soap" => Ok(Box::new(orrery_optim::Soap::new(
+            orrery_optim::SoapConfig {
+                betas: (o.beta1, o.beta2),
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+                ..Default::default()
+            },
+        ))),
+        "shampoo" => Ok(Box::new(orrery_optim::Shampoo::new(
+            orrery_optim::ShampooConfig {
+                beta1: o.beta1,
+                weight_decay: o.weight_decay,
+                ..Default::default()
+            },
+        ))),
+        "sgd" => Ok(Box::new(Sgd)),
+        other => Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "optimizer.name".into(),
+                message: format!("unknown optimizer `{other}`"),
+            }],
+        })),
+    }
+}
+
+/// Builds one rank's optimizer (called once per rank).
+pub type OptimizerFactory =
+    Arc<dyn Fn(&TrainConfig) -> Result<Box<dyn Optimizer>, TrainError> + Send + Sync>;
+
+/// How to run a configuration (beyond the configuration itself).
+#[derive(Clone)]
+pub struct RunOptions {
+    /// Continue from this checkpoint file, or from `checkpoint.ckpt` in this folder.
+    pub resume: Option<PathBuf>,
+    /// In-process data-parallel ranks (threads); 1 trains on the calling thread.
+    pub ranks: usize,
+    pub clock: Arc<dyn Clock>,
+    pub make_optimizer: OptimizerFactory,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("resume", &self.resume)
+            .field("ranks", &self.ranks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            resume: None,
+            ranks: 1,
+            clock: Arc::new(MonotonicClock::new()),
+            make_optimizer: Arc::new(make_optimizer),
+        }
+    }
+}
+
+/// Trains `config` on one rank with the optimizer it names and a real clock.
+pub fn train(
+    config: &TrainConfig,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainSummary, TrainError> {
+    train_with(config, &RunOptions::default(), observer)
+}
+
+/// Reads and tokenizes the configured corpus and splits it.
+pub fn load_corpus(config: &TrainConfig) -> Result<Corpus, TrainError> {
+    let tokenizer = data::make_tokenizer(&config.data.tokenizer)?;
+    if tokenizer.vocab_size() > config.model.vocab_size {
+        return Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "model.vocab_size".into(),
+                message: format!(
+                    "{} is smaller than the tokenizer's vocabulary of {}",
+                    config.model.vocab_size,
+                    tokenizer.vocab_size()
+                ),
+            }],
+        }));
+    }
+    let text = data::read_text(config.data.path.as_deref())?;
+    Ok(Corpus::split(
+        tokenizer.encode(&text),
+        config.data.val_fraction,
+        config.model.context,
+    )?)
+}
+
+/// The checkpoint file `resume` refers to (a folder means its `checkpoint.ckpt`).
+pub fn checkpoint_path(resume: &Path) -> PathBuf {
+    if resume.is_dir() {
+        resume.join(CHECKPOINT_FILE)
+    } else {
+        resume.to_owned()
+    }
+}
+
+/// Trains with explicit options: resume, in-process data parallelism, clock, optimizer.
+pub fn train_with(
+    config: &TrainConfig,
+    options: &RunOptions,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainSummary, TrainError> {
+    config.validate()?;
+    match config.device {
+        DeviceKind::Cpu => run_ranks::<CpuBackend>(config, options, &Default::default(), observer),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            run_ranks::<CudaBackend>(config, options, &Default::default(), observer)
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "device".into(),
+                message: "cuda needs orrery-train built with the `cuda` feature".into(),
+            }],
+        })),
+    }
+}
+
+fn run_rank<B: burn::tensor::backend::AutodiffBackend>(
+    config: &TrainConfig,
+    options: &RunOptions,
+    corpus: Corpus,
+    comm: Box<dyn Communicator>,
+    device: B::Device,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainSummary, TrainError> {
+    let optimizer = (options.make_optimizer)(config)?;
+    let mut trainer = match &options.resume {
+        Some(p) => {
+            let ckpt = Checkpoint::load(&checkpoint_path(p))?;
+            Trainer::<B>::resume(config.clone(), ckpt, corpus, optimizer, comm, device)?
+        }
+        None => Trainer::<B>::new(config.clone(), corpus, optimizer, comm, device)?,
+    };
+    trainer.run(options.clock.as_ref(), observer)
+}
+
+enum Event {
+    Step(StepMetrics),
+    Checkpoint(u64, PathBuf),
+}
+
+/// Forwards rank 0's progress from its thread to the caller's observer.
+struct ChannelObserver(mpsc::Sender<Event>);
+
+impl TrainObserver for ChannelObserver {
+    fn on_step(&mut self, m: &StepMetrics) {
+        let _ = self.0.send(Event::Step(m.clone()));
+    }
+    fn on_checkpoint(&mut self, step: u64, path: &Path) {
+        let _ = self.0.send(Event::Checkpoint(step, path.to_owned()));
+    }
+}
+
+fn run_ranks<B: burn::tensor::backend::AutodiffBackend>(
+    config: &TrainConfig,
+    options: &RunOptions,
+    device: &B::Device,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainSummary, TrainError>
+where
+    B::Device: Sync,
+{
+    let corpus = load_corpus(config)?;
+    let ranks = options.ranks.max(1);
+    if ranks == 1 {
+        return run_rank::<B>(
+            config,
+            options,
+            corpus,
+            Box::new(SingleRank),
+            device.clone(),
+            observer,
+        );
+    }
+    if !config.batch_size.is_multiple_of(ranks) {
+        return Err(TrainError::BatchNotDivisible {
+            batch: config.batch_size,
+            world: ranks,
+        });
+    }
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let corpus = corpus.clone();
+                let tx = tx.clone();
+                s.spawn(move || {
+                    let mut chan = ChannelObserver(tx);
+                    let mut null = NullObserver;
+                    let obs: &mut dyn TrainObserver = if rank == 0 { &mut chan } else { &mut null };
+                    run_rank::<B>(config, options, corpus, Box::new(comm), device.clone(), obs)
+                })
+            })
+            .collect();
+        drop(tx);
+        for ev in rx {
+            match ev {
+                Event::Step(m) => observer.on_step(&m),
+                Event::Checkpoint(step, path) => observer.on_checkpoint(step, &path),
+            }
+        }
+        let mut results = Vec::with_capacity(ranks);
+        for (rank, h) in handles.into_iter().enumerate() {
+            results.push(h.join().unwrap_or(Err(TrainError::RankPanicked(rank))));
+        }
+        // Report the first rank's own failure: the ranks it leaves behind fail with the less
+        // informative `PeerGone`.
+        let peer_gone = |e: &TrainError| {
+            matches!(
+                e,
+                TrainError::Comm {
+                    source: CommError::PeerGone,
+                    ..
+                }
+            )
+        };
+        let mut errors: Vec<TrainError> = Vec::new();
+        let mut summary = None;
+        for r in results {
+            match r {
+                Ok(s) => {
+                    summary.get_or_insert(s);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        if let Some(i) = errors.iter().position(|e| !peer_gone(e)) {
+            return Err(errors.swap_remove(i));
+        }
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e);
+        }
+        summary.ok_or(TrainError::RankPanicked(0))
+    })
+}

@@ -1,0 +1,548 @@
+//! The training loop: one [`Trainer`] per rank.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use orrery_optim::{OptimError, Optimizer};
+use thiserror::Error;
+
+use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointMeta};
+use crate::comm::{CommError, Communicator};
+use crate::config::{ConfigErrors, TrainConfig};
+use crate::data::{even_starts, random_starts, Batch, Corpus, DataError};
+use crate::metrics::{loss_curve_svg, StepMetrics};
+use crate::model::{param_specs, Aux, BuildError, Gpt};
+use crate::params::{collect_grads, ParamStore};
+use crate::rng::Rng;
+use crate::schedule::lr_at;
+
+/// RNG stream of weight initialisation.
+const STREAM_WEIGHTS: u64 = 1;
+/// RNG stream of training-batch sampling.
+const STREAM_DATA: u64 = 2;
+
+/// File names inside a run's output folder.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const LOSS_PLOT_FILE: &str = "loss.svg";
+pub const CHECKPOINT_FILE: &str = "checkpoint.ckpt";
+
+/// Errors of a training run.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Config(#[from] ConfigErrors),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("collective failed on rank {rank}: {source}")]
+    Comm {
+        rank: usize,
+        #[source]
+        source: CommError,
+    },
+    #[error("optimizer: {0}")]
+    Optim(#[from] OptimError),
+    #[error("building the model: {0}")]
+    Model(#[from] BuildError),
+    #[error("tensor backend: {0}")]
+    Backend(String),
+    #[error("cannot resume: {0}")]
+    Resume(String),
+    #[error("writing {path}: {source}")]
+    Output {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the training loss became {loss} at step {step}")]
+    NonFinite { step: u64, loss: f32 },
+    #[error("data-parallel rank {0} panicked")]
+    RankPanicked(usize),
+    #[error("batch_size {batch} is not divisible by the {world} data-parallel ranks")]
+    BatchNotDivisible { batch: usize, world: usize },
+}
+
+/// A monotonic source of seconds. Libraries do not read the wall clock themselves: the caller
+/// passes one in (the CLI a real one, tests a fixed one so output is reproducible).
+pub trait Clock: Send + Sync {
+    fn now_seconds(&self) -> f64;
+}
+
+/// A clock that always reads 0 (timing fields become 0; everything else is unchanged).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FixedClock;
+
+impl Clock for FixedClock {
+    fn now_seconds(&self) -> f64 {
+        0.0
+    }
+}
+
+/// `std::time::Instant` since construction, for callers that want real timings.
+#[derive(Debug, Clone, Copy)]
+pub struct MonotonicClock {
+    start: std::time::Instant,
+}
+
+impl MonotonicClock {
+    pub fn new() -> Self {
+        Self {
+            start: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now_seconds(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+}
+
+/// Receives progress from rank 0 of a run (for progress bars); every method has a no-op default.
+pub trait TrainObserver {
+    /// After every optimizer step (and its evaluation, if any).
+    fn on_step(&mut self, _metrics: &StepMetrics) {}
+    /// After a checkpoint was written.
+    fn on_checkpoint(&mut self, _step: u64, _path: &Path) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NullObserver;
+
+impl TrainObserver for NullObserver {}
+
+fn backend_err(e: impl std::fmt::Debug) -> TrainError {
+    TrainError::Backend(format!("{e:?}"))
+}
+
+fn scalar<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Result<f32, TrainError> {
+    let v = t
+        .try_into_data()
+        .map_err(backend_err)?
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(backend_err)?;
+    v.first()
+        .copied()
+        .ok_or_else(|| TrainError::Backend("empty loss tensor".into()))
+}
+
+/// The training state of one rank: configuration, data, parameters, optimizer, sampler RNG.
+pub struct Trainer<B: AutodiffBackend> {
+    config: TrainConfig,
+    device: B::Device,
+    corpus: Corpus,
+    store: ParamStore,
+    grads: ParamStore,
+    optimizer: Box<dyn Optimizer>,
+    comm: Box<dyn Communicator>,
+    data_rng: Rng,
+    step: u64,
+    tokens_seen: u64,
+    history: Vec<StepMetrics>,
+    aux: Aux<B>,
+    aux_eval: Aux<B::InnerBackend>,
+}
+
+impl<B: AutodiffBackend> std::fmt::Debug for Trainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("step", &self.step)
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("params", &self.store.numel())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// A fresh run: weights initialised from `config.seed` (identically on every rank, then
+    /// broadcast from rank 0 so that backends whose ranks could differ still agree).
+    pub fn new(
+        config: TrainConfig,
+        corpus: Corpus,
+        optimizer: Box<dyn Optimizer>,
+        mut comm: Box<dyn Communicator>,
+        device: B::Device,
+    ) -> Result<Self, TrainError> {
+        config.validate()?;
+        let world = comm.world_size();
+        if !config.batch_size.is_multiple_of(world) {
+            return Err(TrainError::BatchNotDivisible {
+                batch: config.batch_size,
+                world,
+            });
+        }
+        B::seed(&device, config.seed);
+        let specs = param_specs(&config.model);
+        let mut store = ParamStore::init(&specs, &mut Rng::new(config.seed, STREAM_WEIGHTS));
+        let rank = comm.rank();
+        comm.broadcast_f32(0, store.flat_mut())
+            .map_err(|source| TrainError::Comm { rank, source })?;
+        let grads = ParamStore::zeros(&specs);
+        let aux = Aux::new(&config.model, config.model.context, &device);
+        let aux_eval = Aux::new(&config.model, config.model.context, &device);
+        Ok(Self {
+            data_rng: Rng::new(config.seed, STREAM_DATA),
+            config,
+            device,
+            corpus,
+            store,
+            grads,
+            optimizer,
+            comm,
+            step: 0,
+            tokens_seen: 0,
+            history: Vec::new(),
+            aux,
+            aux_eval,
+        })
+    }
+
+    /// Continues from a checkpoint. `config` may change the run length, evaluation and output
+    /// settings; the model must be the checkpoint's. The optimizer is restored from the
+    /// checkpoint's state bytes.
+    pub fn resume(
+        config: TrainConfig,
+        checkpoint: Checkpoint,
+        corpus: Corpus,
+        optimizer: Box<dyn Optimizer>,
+        comm: Box<dyn Communicator>,
+        device: B::Device,
+    ) -> Result<Self, TrainError> {
+        let saved = &checkpoint.meta.config;
+        if saved.model != config.model {
+            return Err(TrainError::Resume(
+                "the configuration's [model] differs from the checkpoint's".into(),
+            ));
+        }
+        if saved.batch_size != config.batch_size
+            || saved.seed != config.seed
+            || saved.data != config.data
+        {
+            return Err(TrainError::Resume(
+                "batch_size, seed and [data] must match the checkpoint's for an exact resume"
+                    .into(),
+            ));
+        }
+        if checkpoint.meta.step > config.steps {
+            return Err(TrainError::Resume(format!(
+                "the checkpoint is at step {}, past the configured {} steps",
+                checkpoint.meta.step, config.steps
+            )));
+        }
+        let mut t = Self::new(config, corpus, optimizer, comm, device)?;
+        let names_match = checkpoint.meta.param_names == t.store.names()
+            && checkpoint
+                .meta
+                .param_shapes
+                .iter()
+                .enumerate()
+                .all(|(i, s)| i < t.store.len() && s == t.store.shape(i))
+            && checkpoint.meta.param_shapes.len() == t.store.len();
+        if !names_match || checkpoint.values.len() != t.store.numel() {
+            return Err(TrainError::Resume(
+                "the checkpoint's parameters do not match the model".into(),
+            ));
+        }
+        t.store.flat_mut().copy_from_slice(&checkpoint.values);
+        t.optimizer.load_state(&checkpoint.optimizer)?;
+        t.data_rng = Rng::from_state(checkpoint.meta.data_rng);
+        t.step = checkpoint.meta.step;
+        t.tokens_seen = checkpoint.meta.tokens_seen;
+        t.history = checkpoint.meta.history;
+        Ok(t)
+    }
+
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Updates completed so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.store
+    }
+
+    pub fn history(&self) -> &[StepMetrics] {
+        &self.history
+    }
+
+    pub fn tokens_seen(&self) -> u64 {
+        self.tokens_seen
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn comm_err(&self, source: CommError) -> TrainError {
+        TrainError::Comm {
+            rank: self.comm.rank(),
+            source,
+        }
+    }
+
+    fn int_tensor<BB: burn::tensor::backend::Backend>(
+        data: Vec<i64>,
+        shape: [usize; 2],
+        device: &BB::Device,
+    ) -> Tensor<BB, 2, Int> {
+        Tensor::from_data(TensorData::new(data, shape), device)
+    }
+
+    /// One optimizer update: sample the global batch, run this rank's share forward and
+    /// backward, average gradients over ranks, clip, step, and evaluate when it is due.
+    pub fn step(&mut self, clock: &dyn Clock) -> Result<StepMetrics, TrainError> {
+        let t0 = clock.now_seconds();
+        let cfg = &self.config;
+        let ctx = cfg.model.context;
+        let world = self.comm.world_size();
+        let rank = self.comm.rank();
+        let local = cfg.batch_size / world;
+        let lr = lr_at(
+            self.step,
+            cfg.steps,
+            cfg.warmup_steps,
+            cfg.lr,
+            cfg.min_lr_ratio,
+        );
+
+        // Every rank draws the whole global batch from the same RNG and keeps its slice, so
+        // the data do not depend on the number of ranks.
+        let starts = random_starts(
+            &mut self.data_rng,
+            self.corpus.train.len(),
+            ctx,
+            cfg.batch_size,
+        );
+        let batch = Batch::from_starts(
+            &self.corpus.train,
+            &starts[rank * local..(rank + 1) * local],
+            ctx,
+        );
+        let model = Gpt::<B>::build(&cfg.model, &self.store, &self.device, true)?;
+        let inputs = Self::int_tensor::<B>(batch.inputs, [local, ctx], &self.device);
+        let targets = Self::int_tensor::<B>(batch.targets, [local, ctx], &self.device);
+        let loss = model.loss(&cfg.model, inputs, targets, &self.aux);
+        let mut loss_value = scalar(loss.clone().inner())?;
+        let grads = loss.backward();
+        collect_grads::<B, _>(&model, &grads, &mut self.grads).map_err(TrainError::Backend)?;
+        drop(model);
+
+        if world > 1 {
+            // Each rank's loss is a mean over its equal share, so the mean over ranks is the
+            // mean over the global batch.
+            let inv = 1.0 / world as f32;
+            let mut l = [loss_value];
+            self.comm
+                .all_reduce_sum_f32(&mut l)
+                .map_err(|e| self.comm_err(e))?;
+            loss_value = l[0] * inv;
+            let mut g = std::mem::replace(&mut self.grads, ParamStore::zeros(&[]));
+            let r = self.comm.all_reduce_sum_f32(g.flat_mut());
+            for x in g.flat_mut() {
+                *x *= inv;
+            }
+            self.grads = g;
+            r.map_err(|e| self.comm_err(e))?;
+        }
+        if !loss_value.is_finite() {
+            return Err(TrainError::NonFinite {
+                step: self.step + 1,
+                loss: loss_value,
+            });
+        }
+
+        // Global norm in f64, summed in store order: deterministic and rank-independent.
+        let norm = self
+            .grads
+            .flat()
+            .iter()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()
+            .sqrt();
+        let clip = self.config.grad_clip;
+        if clip > 0.0 && norm > clip {
+            let scale = (clip / (norm + 1e-6)) as f32;
+            for g in self.grads.flat_mut() {
+                *g *= scale;
+            }
+        }
+        let grads = &self.grads;
+        let optimizer = &mut self.optimizer;
+        let report = self
+            .store
+            .with_optim_params(grads, |params| optimizer.step(lr as f32, params))?;
+        let t1 = clock.now_seconds();
+
+        self.step += 1;
+        let tokens = (self.config.batch_size * ctx) as u64;
+        self.tokens_seen += tokens;
+        let eval_every = self.config.eval_every;
+        let val_loss = if eval_every > 0
+            && (self.step.is_multiple_of(eval_every) || self.step == self.config.steps)
+        {
+            Some(self.evaluate()?)
+        } else {
+            None
+        };
+        let step_seconds = t1 - t0;
+        let metrics = StepMetrics {
+            step: self.step,
+            loss: loss_value,
+            val_loss,
+            lr,
+            grad_norm: norm as f32,
+            tokens_per_s: if step_seconds > 0.0 {
+                tokens as f64 / step_seconds
+            } else {
+                0.0
+            },
+            step_seconds,
+            optimizer_wait_s: report.wait_seconds,
+        };
+        self.history.push(metrics.clone());
+        Ok(metrics)
+    }
+
+    /// Mean loss over the fixed validation windows (`eval_batches * batch_size` of them,
+    /// evenly spaced), split across ranks.
+    pub fn evaluate(&mut self) -> Result<f32, TrainError> {
+        let cfg = &self.config;
+        let ctx = cfg.model.context;
+        let world = self.comm.world_size();
+        let rank = self.comm.rank();
+        let n = cfg.eval_batches.max(1) * cfg.batch_size;
+        let starts = even_starts(self.corpus.val.len(), ctx, n);
+        let mine = &starts[rank * n / world..(rank + 1) * n / world];
+        let chunk = (cfg.batch_size / world).max(1);
+        let model = Gpt::<B::InnerBackend>::build(&cfg.model, &self.store, &self.device, false)?;
+        let mut sums = [0.0f32, 0.0f32];
+        for part in mine.chunks(chunk) {
+            let b = Batch::from_starts(&self.corpus.val, part, ctx);
+            let inputs =
+                Self::int_tensor::<B::InnerBackend>(b.inputs, [part.len(), ctx], &self.device);
+            let targets =
+                Self::int_tensor::<B::InnerBackend>(b.targets, [part.len(), ctx], &self.device);
+            let l = scalar(model.loss(&cfg.model, inputs, targets, &self.aux_eval))?;
+            sums[0] += l * part.len() as f32;
+            sums[1] += part.len() as f32;
+        }
+        self.comm
+            .all_reduce_sum_f32(&mut sums)
+            .map_err(|e| self.comm_err(e))?;
+        Ok(sums[0] / sums[1].max(1.0))
+    }
+
+    /// The full training state.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            meta: CheckpointMeta {
+                step: self.step,
+                config: self.config.clone(),
+                data_rng: self.data_rng.state(),
+                world_size: self.comm.world_size(),
+                tokens_seen: self.tokens_seen,
+                param_names: self.store.names().to_vec(),
+                param_shapes: (0..self.store.len())
+                    .map(|i| self.store.shape(i).to_vec())
+                    .collect(),
+                history: self.history.clone(),
+            },
+            values: self.store.flat().to_vec(),
+            optimizer: self.optimizer.save_state(),
+        }
+    }
+
+    /// Runs until `config.steps`, reporting to `observer` and, on rank 0 with `out_dir` set,
+    /// writing metrics, checkpoints and the loss curve.
+    pub fn run(
+        &mut self,
+        clock: &dyn Clock,
+        observer: &mut dyn TrainObserver,
+    ) -> Result<TrainSummary, TrainError> {
+        let out_dir = if self.rank() == 0 {
+            self.config.out_dir.clone()
+        } else {
+            None
+        };
+        let mut metrics_file = match &out_dir {
+            Some(dir) => Some(self.open_metrics(dir)?),
+            None => None,
+        };
+        while self.step < self.config.steps {
+            let m = self.step(clock)?;
+            observer.on_step(&m);
+            if let (Some(dir), Some(f)) = (&out_dir, metrics_file.as_mut()) {
+                let path = dir.join(METRICS_FILE);
+                writeln!(f, "{}", m.to_json_line())
+                    .and_then(|()| f.flush())
+                    .map_err(|source| TrainError::Output { path, source })?;
+                let every = self.config.checkpoint_every;
+                if (every > 0 && self.step.is_multiple_of(every)) || self.step == self.config.steps
+                {
+                    let path = dir.join(CHECKPOINT_FILE);
+                    self.checkpoint().save(&path)?;
+                    observer.on_checkpoint(self.step, &path);
+                }
+            }
+        }
+        if let Some(dir) = &out_dir {
+            let path = dir.join(LOSS_PLOT_FILE);
+            crate::checkpoint::write_atomic(&path, loss_curve_svg(&self.history).as_bytes())?;
+        }
+        Ok(self.summary())
+    }
+
+    /// Rewrites the metrics file with the history so far (non-empty after a resume) and
+    /// returns it open for appending.
+    fn open_metrics(&self, dir: &Path) -> Result<std::fs::File, TrainError> {
+        let path = dir.join(METRICS_FILE);
+        let io = |source| TrainError::Output {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut f = std::fs::File::create(&path).map_err(io)?;
+        for m in &self.history {
+            writeln!(f, "{}", m.to_json_line()).map_err(io)?;
+        }
+        Ok(f)
+    }
+
+    pub fn summary(&self) -> TrainSummary {
+        TrainSummary {
+            steps: self.step,
+            final_loss: self.history.last().map(|m| m.loss),
+            final_val_loss: self.history.iter().rev().find_map(|m| m.val_loss),
+            tokens_seen: self.tokens_seen,
+            num_params: self.store.numel(),
+            history: self.history.clone(),
+        }
+    }
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSummary {
+    pub steps: u64,
+    pub final_loss: Option<f32>,
+    pub final_val_loss: Option<f32>,
+    pub tokens_seen: u64,
+    pub num_params: usize,
+    pub history: Vec<StepMetrics>,
+}
