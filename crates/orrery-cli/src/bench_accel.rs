@@ -166,14 +166,25 @@ fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
     Ok((run, t.elapsed().as_secs_f64()))
 }
 
-/// Runs the table. `ring_mib` sizes the ring all-reduce; GPT steps run at each of
-/// `gpt_gpus`; the reference runs only up to `reference_max_gpus`.
-pub fn run_accel_bench(ring_mib: u64, gpt_gpus: &[u32], reference_max_gpus: u32) -> Result<()> {
-    let mut scenarios = vec![ring_all_reduce(128, ring_mib << 20)?];
-    for &g in gpt_gpus {
+/// Runs the table. `ring_mib` sizes the ring all-reduce (0: none); GPT steps run at each of
+/// `gpt_gpus` (0s skipped); the MoE step runs if `with_moe`; the reference runs only up to
+/// `reference_max_gpus`.
+pub fn run_accel_bench(
+    ring_mib: u64,
+    gpt_gpus: &[u32],
+    with_moe: bool,
+    reference_max_gpus: u32,
+) -> Result<()> {
+    let mut scenarios = Vec::new();
+    if ring_mib > 0 {
+        scenarios.push(ring_all_reduce(128, ring_mib << 20)?);
+    }
+    for &g in gpt_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_step(g)?);
     }
-    scenarios.push(moe_step()?);
+    if with_moe {
+        scenarios.push(moe_step()?);
+    }
     outln!(
         "orrery bench --accel: accelerated packet model (fast-forward + partitioning + memo) vs the packet-by-packet reference\n"
     );

@@ -69,12 +69,15 @@ enum Command {
         /// training traffic (ring all-reduce, GPT steps, an MoE step), one run each.
         #[arg(long)]
         accel: bool,
-        /// With --accel: MiB of the 128-GPU ring all-reduce.
+        /// With --accel: MiB of the 128-GPU ring all-reduce (0: leave it out).
         #[arg(long, default_value_t = 64)]
         ring_mib: u64,
-        /// With --accel: GPU counts of the GPT step scenarios.
+        /// With --accel: GPU counts of the GPT step scenarios (0: none).
         #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
         gpt_gpus: Vec<u32>,
+        /// With --accel: leave out the MoE step.
+        #[arg(long)]
+        no_moe: bool,
         /// With --accel: run the (slow) reference only for scenarios up to this many GPUs;
         /// larger ones show the speedup estimated from events.
         #[arg(long, default_value_t = 128)]
@@ -206,8 +209,9 @@ fn run(cli: Cli) -> Result<()> {
             ring_mib,
             gpt_gpus,
             reference_max_gpus,
+            no_moe,
             ..
-        } => bench_accel::run_accel_bench(ring_mib, &gpt_gpus, reference_max_gpus),
+        } => bench_accel::run_accel_bench(ring_mib, &gpt_gpus, !no_moe, reference_max_gpus),
         Command::Bench { runs, .. } => run_bench(runs.max(1)),
     }
 }
