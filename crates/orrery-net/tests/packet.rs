@@ -260,13 +260,16 @@ fn same_config_and_seed_give_identical_results() {
 #[test]
 fn tracing_does_not_change_the_report() {
     let (g, fs) = incast(4, 300_000);
-    let sim = PacketSimulator::default();
-    let plain = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
+    // Separate simulators: one keeps its memo cache across runs, and the second run would be
+    // answered from it.
+    let plain = PacketSimulator::default()
+        .run(&g, &fs, &TraceRequest::default())
+        .unwrap();
     let trace = TraceRequest {
         interval: us(5),
         ports: vec![LinkId(9)], // switch -> receiver (endpoint 4)
     };
-    let traced = sim.run(&g, &fs, &trace).unwrap();
+    let traced = PacketSimulator::default().run(&g, &fs, &trace).unwrap();
     assert_eq!(plain.report, traced.report);
     assert!(!traced.samples.is_empty());
     assert!(traced.samples.iter().any(|s| s.queue[0] > 0));
