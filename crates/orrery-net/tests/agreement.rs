@@ -87,7 +87,10 @@ fn progress_reports_do_not_change_the_report() {
     // Two simulators of each kind: a packet simulator keeps its memo cache across runs,
     // so the second run on the same one would be answered from the cache.
     let sims: [[&dyn FlowSimulator; 2]; 2] = [
-        [&FlowLevelSimulator::default(), &FlowLevelSimulator::default()],
+        [
+            &FlowLevelSimulator::default(),
+            &FlowLevelSimulator::default(),
+        ],
         [&PacketSimulator::default(), &PacketSimulator::default()],
     ];
     for [sim, twin] in sims {
