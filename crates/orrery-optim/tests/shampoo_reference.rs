@@ -178,7 +178,12 @@ mod random {
         fn shampoo_matches_reference_on_random_small_shapes(
             rows in 1usize..6, cols in 1usize..6, bdim in 1usize..5, freq in 1u64..4, ema in proptest::bool::ANY,
         ) {
-            compare(&[rows, cols], bdim, freq, if ema { 0.9 } else { 1.0 }, 5, 1e-4);
+            // Looser than the fixed cases: the statistics are stored in f32 (as documented),
+            // and in a rank-deficient statistic (a [4, 1] gradient, or fewer steps than rows)
+            // the null-space eigenvalues are epsilon (1e-6) plus f32 rounding, raised to the
+            // -1/4: agreement with the all-f64 reference is then ~1e-3 relative, not 1e-4
+            // (found by CI's seed: [4, 1] at step 2 differed by 1.1e-4).
+            compare(&[rows, cols], bdim, freq, if ema { 0.9 } else { 1.0 }, 5, 5e-4);
         }
     }
 }
