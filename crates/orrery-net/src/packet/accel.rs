@@ -455,12 +455,8 @@ struct Group {
 
 impl Engine<'_> {
     /// The links of flow `f`, data path then reverse path.
-    fn flow_links(&self, f: u32) -> impl Iterator<Item = u32> + '_ {
-        let fl = &self.flows[f as usize];
-        let (a, b) = (fl.fwd, fl.rev);
-        (a.0..a.0 + a.1)
-            .chain(b.0..b.0 + b.1)
-            .map(move |h| self.paths[h as usize])
+    pub(super) fn flow_links(&self, f: u32) -> impl Iterator<Item = u32> + '_ {
+        super::engine::links_of(&self.flows, &self.paths, f)
     }
 
     /// The partitioned fast-forward sample: recompute the partitions, record the delivered

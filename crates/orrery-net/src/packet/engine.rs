@@ -204,6 +204,20 @@ pub(super) struct Engine<'a> {
     pub stats: PacketStats,
 }
 
+/// The links of flow `f`, data path then reverse path. A free function over the two fields
+/// so callers can hold other parts of the engine mutably meanwhile.
+pub(super) fn links_of<'p>(
+    flows: &[FlowState],
+    paths: &'p [u32],
+    f: u32,
+) -> impl Iterator<Item = u32> + 'p {
+    let fl = &flows[f as usize];
+    let (a, b) = (fl.fwd, fl.rev);
+    (a.0..a.0 + a.1)
+        .chain(b.0..b.0 + b.1)
+        .map(move |h| paths[h as usize])
+}
+
 /// Serialisation time of `bytes` at `bw` bytes per second, rounded to the picosecond.
 pub(super) fn ser(bytes: u64, bw: f64) -> Picos {
     Bandwidth(bw).time_for(bytes as f64)
@@ -373,10 +387,9 @@ impl<'a> Engine<'a> {
         let ledger = (cfg.accel.fast_forward && cfg.accel.partitioning).then(Vec::new);
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);
-            m.index_links(&states, &paths);
             for (f, slot) in pending_rel.iter().enumerate() {
                 if slot.is_some() {
-                    m.note_pending(f as u32, true);
+                    m.note_pending(f as u32, links_of(&states, &paths, f as u32), true);
                 }
             }
             m
@@ -673,7 +686,7 @@ impl<'a> Engine<'a> {
                 let key = self.q.schedule(at, Ev::Release(d as u32));
                 self.pending_rel[d] = Some((at, key));
                 if let Some(m) = self.memo.as_mut() {
-                    m.note_pending(d as u32, true);
+                    m.note_pending(d as u32, links_of(&self.flows, &self.paths, d as u32), true);
                 }
             }
         }

@@ -17,7 +17,11 @@ impl Engine<'_> {
         let now = self.now;
         self.pending_rel[f as usize] = None;
         if let Some(m) = self.memo.as_mut() {
-            m.note_pending(f, false);
+            m.note_pending(
+                f,
+                super::engine::links_of(&self.flows, &self.paths, f),
+                false,
+            );
         }
         let fl = &mut self.flows[f as usize];
         fl.start = Picos(now.0 + self.offset.0);

@@ -432,9 +432,6 @@ pub(super) struct Memo<'a> {
     /// The flows whose release is scheduled, per link they will use (short lists: a flow
     /// is in them from the scheduling of its release to the release).
     pending_on: Vec<Vec<u32>>,
-    /// Each flow's links (CSR), as [`Engine::links_of`] lists them.
-    flow_links_at: Vec<u32>,
-    flow_links: Vec<u32>,
 }
 
 impl<'a> Memo<'a> {
@@ -457,8 +454,6 @@ impl<'a> Memo<'a> {
             deps,
             index: vec![NONE; flows],
             pending_on: vec![Vec::new(); links],
-            flow_links_at: Vec::new(),
-            flow_links: Vec::new(),
             cache: match cache {
                 Some(c) => CacheRef::Shared(c),
                 None => CacheRef::Own(MemoCache::new()),
@@ -480,30 +475,10 @@ impl<'a> Memo<'a> {
 }
 
 impl Memo<'_> {
-    /// Records every flow's links from the routes.
-    pub fn index_links(&mut self, flows: &[super::engine::FlowState], paths: &[u32]) {
-        self.flow_links_at = Vec::with_capacity(flows.len() + 1);
-        self.flow_links_at.push(0);
-        self.flow_links.clear();
-        for fl in flows {
-            let (a, b) = (fl.fwd, fl.rev);
-            self.flow_links.extend(
-                (a.0..a.0 + a.1)
-                    .chain(b.0..b.0 + b.1)
-                    .map(|h| paths[h as usize]),
-            );
-            self.flow_links_at.push(self.flow_links.len() as u32);
-        }
-    }
-
     /// Flow `f`'s release was scheduled (`on`) or has happened (`!on`).
-    pub fn note_pending(&mut self, f: u32, on: bool) {
-        let (a, b) = (
-            self.flow_links_at[f as usize] as usize,
-            self.flow_links_at[f as usize + 1] as usize,
-        );
-        for k in a..b {
-            let list = &mut self.pending_on[self.flow_links[k] as usize];
+    pub fn note_pending(&mut self, f: u32, links: impl Iterator<Item = u32>, on: bool) {
+        for l in links {
+            let list = &mut self.pending_on[l as usize];
             if on {
                 list.push(f);
             } else if let Some(i) = list.iter().position(|&x| x == f) {
@@ -518,14 +493,9 @@ impl Memo<'_> {
 }
 
 impl Engine<'_> {
-    /// The links of flow `f` (data path, then reverse path).
+    /// The links of flow `f` (data path, then reverse path), collected.
     fn links_of(&self, f: u32) -> Vec<u32> {
-        let fl = &self.flows[f as usize];
-        let (a, b) = (fl.fwd, fl.rev);
-        (a.0..a.0 + a.1)
-            .chain(b.0..b.0 + b.1)
-            .map(|h| self.paths[h as usize])
-            .collect()
+        self.flow_links(f).collect()
     }
 
     /// A flow with packets is released. Returns true if it was deferred to the decision
@@ -1303,15 +1273,11 @@ impl Engine<'_> {
             }
         }
         if let Some(id) = store {
-            let mut links = Vec::new();
             let flows = self
                 .memo
                 .as_ref()
                 .map(|m| m.episodes[id as usize].flows.clone())
                 .unwrap_or_default();
-            for &g in &flows {
-                links.extend(self.links_of(g));
-            }
             let packets: u64 = flows.iter().map(|&g| self.flows[g as usize].npkts).sum();
             let finish: Vec<u64> = flows
                 .iter()
@@ -1338,21 +1304,18 @@ impl Engine<'_> {
             }
         }
         // A completed episode no longer owns its links.
+        let Some(m) = self.memo.as_ref() else {
+            return;
+        };
+        let id = m.flow_episode[f as usize];
+        let Some(ep) = m.episodes.get(id as usize).filter(|e| e.left == 0) else {
+            return;
+        };
+        let links: Vec<u32> = ep.flows.iter().flat_map(|&g| self.flow_links(g)).collect();
         if let Some(m) = self.memo.as_mut() {
-            let id = m.flow_episode[f as usize];
-            let done = m.episodes.get(id as usize).is_some_and(|e| e.left == 0);
-            if done {
-                let flows = m.episodes[id as usize].flows.clone();
-                let mut links = Vec::new();
-                for &g in &flows {
-                    links.extend(self.links_of(g));
-                }
-                if let Some(m) = self.memo.as_mut() {
-                    for l in links {
-                        if m.link_episode[l as usize] == id {
-                            m.link_episode[l as usize] = NONE;
-                        }
-                    }
+            for l in links {
+                if m.link_episode[l as usize] == id {
+                    m.link_episode[l as usize] = NONE;
                 }
             }
         }
@@ -1363,16 +1326,7 @@ impl Engine<'_> {
     /// Also returns the links and nodes in the order the certificate names them.
     #[allow(clippy::type_complexity)]
     fn certificate(&self, flows: &[u32]) -> (Vec<u32>, Vec<u64>, Vec<u32>, Vec<u32>) {
-        let hop = |l: u32| {
-            let p = &self.ports[l as usize];
-            hash_words(&[
-                p.bw.to_bits(),
-                p.delay.0,
-                u64::from(p.from_switch),
-                u64::from(p.to_switch),
-                p.headroom,
-            ])
-        };
+        let hop = |l: u32| hash_words(&link_attrs(&self.ports[l as usize]));
         let n = flows.len();
         let links: Vec<Vec<u32>> = flows.iter().map(|&f| self.links_of(f)).collect();
         let mut colour: Vec<u64> = flows
