@@ -12,6 +12,7 @@
 use anyhow::{Context, Result};
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bytes, Picos};
@@ -118,46 +119,6 @@ fn moe_step() -> Result<Scenario> {
     )
 }
 
-/// Errors of `fast` against `reference`: mean and p99 per-flow FCT, run end, worst
-/// collective completion.
-fn errors(reference: &PacketRun, fast: &PacketRun, flows: &FlowSet) -> [f64; 4] {
-    let rel =
-        |a: Picos, b: Picos| (a.as_secs_f64() - b.as_secs_f64()).abs() / b.as_secs_f64().max(1e-15);
-    let mut per: Vec<f64> = reference
-        .report
-        .flows
-        .iter()
-        .zip(&fast.report.flows)
-        .map(|(r, f)| rel(f.fct(), r.fct()))
-        .collect();
-    let mean = per.iter().sum::<f64>() / per.len().max(1) as f64;
-    per.sort_by(f64::total_cmp);
-    let p99 = per
-        .get(((per.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0);
-    let mut finish_ref = vec![Picos::ZERO; flows.collectives.len()];
-    let mut finish_fast = finish_ref.clone();
-    for (i, f) in flows.flows.iter().enumerate() {
-        if let Some(slot) = finish_ref.get_mut(f.collective as usize) {
-            *slot = (*slot).max(reference.report.flows[i].finish);
-            finish_fast[f.collective as usize] =
-                finish_fast[f.collective as usize].max(fast.report.flows[i].finish);
-        }
-    }
-    let collective = finish_ref
-        .iter()
-        .zip(&finish_fast)
-        .map(|(&r, &f)| rel(f, r))
-        .fold(0.0, f64::max);
-    [
-        mean,
-        p99,
-        rel(fast.report.end, reference.report.end),
-        collective,
-    ]
-}
-
 fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
     let t = Instant::now();
     let run = PacketSimulator::new(config)
@@ -210,7 +171,7 @@ pub fn run_accel_bench(
         let memo = 100.0 * fast.stats.memo_hit_rate();
         let line = if s.gpus <= reference_max_gpus {
             let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
-            let e = errors(&reference, &fast, &s.flows);
+            let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
             format!(
                 "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
                 t_ref,
@@ -219,10 +180,10 @@ pub fn run_accel_bench(
                 reference.report.events,
                 fast.report.events,
                 memo,
-                100.0 * e[0],
-                100.0 * e[1],
-                100.0 * e[2],
-                100.0 * e[3]
+                100.0 * e.mean_fct,
+                100.0 * e.p99_fct,
+                100.0 * e.end,
+                100.0 * e.collective
             )
         } else {
             let est = (fast.report.events + skipped) as f64 / fast.report.events.max(1) as f64;

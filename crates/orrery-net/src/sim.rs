@@ -75,6 +75,59 @@ impl AccelCounts {
     }
 }
 
+/// How far one report is from a reference report of the same flows: the error measures the
+/// accelerated packet model is held to (mean and p99 of the per-flow completion-time errors,
+/// the run's end, the worst collective's finish). All relative, as fractions.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct RunErrors {
+    pub mean_fct: f64,
+    pub p99_fct: f64,
+    pub end: f64,
+    /// Worst relative error of a collective's finish (zero without collectives).
+    pub collective: f64,
+}
+
+impl RunErrors {
+    /// Errors of `report` against `reference`, both runs of `flows`.
+    pub fn between(reference: &SimReport, report: &SimReport, flows: &FlowSet) -> RunErrors {
+        let rel = |a: Picos, b: Picos| {
+            (a.as_secs_f64() - b.as_secs_f64()).abs() / b.as_secs_f64().max(1e-15)
+        };
+        let mut per: Vec<f64> = reference
+            .flows
+            .iter()
+            .zip(&report.flows)
+            .map(|(r, o)| rel(o.fct(), r.fct()))
+            .collect();
+        let mean_fct = per.iter().sum::<f64>() / per.len().max(1) as f64;
+        per.sort_by(f64::total_cmp);
+        let p99_fct = per
+            .get(((per.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0);
+        // Each collective's finish in both runs, in one pass over the flows.
+        let n = flows.collectives.len();
+        let (mut fin_ref, mut fin) = (vec![Picos::ZERO; n], vec![Picos::ZERO; n]);
+        for ((f, r), o) in flows.flows.iter().zip(&reference.flows).zip(&report.flows) {
+            if let Some(c) = fin_ref.get_mut(f.collective as usize) {
+                *c = (*c).max(r.finish);
+                fin[f.collective as usize] = fin[f.collective as usize].max(o.finish);
+            }
+        }
+        let collective = fin_ref
+            .iter()
+            .zip(&fin)
+            .map(|(&r, &o)| rel(o, r))
+            .fold(0.0, f64::max);
+        RunErrors {
+            mean_fct,
+            p99_fct,
+            end: rel(report.end, reference.end),
+            collective,
+        }
+    }
+}
+
 /// Why a simulation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SimError {
@@ -115,5 +168,60 @@ pub trait FlowSimulator {
     ) -> Result<SimReport, SimError> {
         let _ = progress;
         self.simulate(graph, flows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flows::FlowSpec;
+
+    fn report(finishes: &[u64]) -> SimReport {
+        SimReport {
+            flows: finishes
+                .iter()
+                .map(|&f| FlowOutcome {
+                    start: Picos::ZERO,
+                    finish: Picos(f),
+                })
+                .collect(),
+            end: Picos(finishes.iter().copied().max().unwrap_or(0)),
+            ..SimReport::default()
+        }
+    }
+
+    #[test]
+    fn run_errors_are_relative_to_the_reference() {
+        let spec = |c: u32| FlowSpec {
+            src: 0,
+            dst: 1,
+            bytes: orrery_units::Bytes(1),
+            deps: Vec::new(),
+            delay: Picos::ZERO,
+            collective: c,
+        };
+        let flows = FlowSet {
+            flows: vec![spec(0), spec(0), spec(1), spec(1)],
+            collectives: vec![
+                crate::flows::CollectiveInfo {
+                    name: "a".into(),
+                    kind: None,
+                    ranks: Vec::new(),
+                    bytes: orrery_units::Bytes(0),
+                };
+                2
+            ],
+        };
+        let reference = report(&[100, 200, 400, 1000]);
+        assert_eq!(
+            RunErrors::between(&reference, &reference, &flows),
+            RunErrors::default()
+        );
+        // The second flow 10% late, the fourth 5% early.
+        let e = RunErrors::between(&reference, &report(&[100, 220, 400, 950]), &flows);
+        assert!((e.mean_fct - 0.15 / 4.0).abs() < 1e-12, "{e:?}");
+        assert!((e.p99_fct - 0.1).abs() < 1e-12, "{e:?}");
+        assert!((e.end - 0.05).abs() < 1e-12, "{e:?}");
+        assert!((e.collective - 0.1).abs() < 1e-12, "{e:?}");
     }
 }

@@ -9,6 +9,7 @@
 
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bandwidth, Bytes, FlowId, Picos};
@@ -62,53 +63,10 @@ fn run(cfg: PacketConfig, g: &NetGraph, fs: &FlowSet) -> PacketRun {
         .unwrap()
 }
 
-/// How far the accelerated run is from the reference.
-#[derive(Debug)]
-struct Errors {
-    mean_fct: f64,
-    p99_fct: f64,
-    end: f64,
-    /// Worst relative error of a collective's finish (zero without collectives).
-    collective: f64,
-}
-
-fn rel(a: Picos, b: Picos) -> f64 {
-    (a.as_secs_f64() - b.as_secs_f64()).abs() / b.as_secs_f64().max(1e-15)
-}
+type Errors = RunErrors;
 
 fn errors(off: &PacketRun, on: &PacketRun, fs: &FlowSet) -> Errors {
-    let mut per: Vec<f64> = off
-        .report
-        .flows
-        .iter()
-        .zip(&on.report.flows)
-        .map(|(a, b)| rel(b.fct(), a.fct()))
-        .collect();
-    let mean_fct = per.iter().sum::<f64>() / per.len().max(1) as f64;
-    per.sort_by(f64::total_cmp);
-    let p99_fct = per
-        .get(((per.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0);
-    let mut collective = 0.0f64;
-    for c in 0..fs.collectives.len() {
-        let finish = |r: &PacketRun| {
-            fs.flows
-                .iter()
-                .zip(&r.report.flows)
-                .filter(|(f, _)| f.collective as usize == c)
-                .map(|(_, o)| o.finish)
-                .max()
-                .unwrap_or(Picos::ZERO)
-        };
-        collective = collective.max(rel(finish(on), finish(off)));
-    }
-    Errors {
-        mean_fct,
-        p99_fct,
-        end: rel(on.report.end, off.report.end),
-        collective,
-    }
+    RunErrors::between(&off.report, &on.report, fs)
 }
 
 /// Runs `fs` with fast-forwarding off and on, checks the bounds and the invariants every
