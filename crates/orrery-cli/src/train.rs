@@ -4,8 +4,11 @@
 
 use crate::{bad, progress_bar};
 use anyhow::Result;
-use orrery_optim::{RefreshMode, Shampoo, ShampooConfig, Soap, SoapConfig, TierConfig};
-use orrery_train::{train_with, RunOptions, StepMetrics, TrainConfig, TrainError, TrainObserver};
+use orrery_optim::{RefreshMode, TierConfig};
+use orrery_train::{
+    make_optimizer_with, train_with, OptimizerRuntime, RunOptions, StepMetrics, TrainConfig,
+    TrainError, TrainObserver,
+};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -163,31 +166,17 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         resume: args.resume.clone(),
         ranks: args.ranks,
         make_optimizer: Arc::new(move |c: &TrainConfig| {
-            let o = &c.optimizer;
-            match o.name.as_str() {
-                "soap" => {
-                    let rank = rank_counter.fetch_add(1, Ordering::SeqCst);
-                    Ok(Box::new(Soap::new(SoapConfig {
-                        betas: (o.beta1, o.beta2),
-                        eps: o.eps,
-                        weight_decay: o.weight_decay,
-                        refresh,
-                        tiers: tiers.map(|(device_budget, host_budget)| TierConfig {
-                            device_budget,
-                            host_budget,
-                            spill_dir: spill_dir(&spill_root, rank),
-                        }),
-                        ..SoapConfig::default()
-                    })) as Box<dyn orrery_optim::Optimizer>)
-                }
-                "shampoo" => Ok(Box::new(Shampoo::new(ShampooConfig {
-                    beta1: o.beta1,
-                    weight_decay: o.weight_decay,
-                    refresh,
-                    ..ShampooConfig::default()
-                })) as Box<dyn orrery_optim::Optimizer>),
-                _ => orrery_train::make_optimizer(c),
-            }
+            // Each rank spills into its own folder.
+            let rank = rank_counter.fetch_add(1, Ordering::SeqCst);
+            let runtime = OptimizerRuntime {
+                refresh,
+                tiers: tiers.map(|(device_budget, host_budget)| TierConfig {
+                    device_budget,
+                    host_budget,
+                    spill_dir: spill_dir(&spill_root, rank),
+                }),
+            };
+            make_optimizer_with(c, &runtime)
         }),
         ..RunOptions::default()
     };

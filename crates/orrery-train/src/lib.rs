@@ -110,12 +110,54 @@ impl Optimizer for Sgd {
     }
 }
 
+/// How the second-order optimizers run, beyond their hyper-parameters: synchronous or
+/// asynchronous preconditioner refreshes, and (SOAP) tier budgets for the state.
+#[derive(Debug, Clone)]
+pub struct OptimizerRuntime {
+    pub refresh: orrery_optim::RefreshMode,
+    pub tiers: Option<orrery_optim::TierConfig>,
+}
+
+impl Default for OptimizerRuntime {
+    fn default() -> Self {
+        Self {
+            refresh: orrery_optim::RefreshMode::Sync,
+            tiers: None,
+        }
+    }
+}
+
 /// The optimizer `config.optimizer` names, with `orrery-optim`'s defaults for everything the
-/// configuration does not set (SOAP/Shampoo preconditioning, synchronous refreshes). Callers
-/// that need the runtime's options (asynchronous refresh, staleness, tiers) pass their own
-/// [`OptimizerFactory`] in [`RunOptions`].
+/// configuration does not set (SOAP/Shampoo preconditioning, synchronous refreshes).
 pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainError> {
+    make_optimizer_with(config, &OptimizerRuntime::default())
+}
+
+/// [`make_optimizer`] with the runtime's options. Tiers apply to SOAP only; asking for them
+/// with another optimizer is a configuration error naming `optimizer.name`.
+pub fn make_optimizer_with(
+    config: &TrainConfig,
+    runtime: &OptimizerRuntime,
+) -> Result<Box<dyn Optimizer>, TrainError> {
     let o = &config.optimizer;
+    let refuse = |message: String| {
+        Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "optimizer.name".into(),
+                message,
+            }],
+        }))
+    };
+    let second_order = o.name == "soap" || o.name == "shampoo";
+    if !second_order && !matches!(runtime.refresh, orrery_optim::RefreshMode::Sync) {
+        return refuse(format!(
+            "asynchronous refresh needs soap or shampoo, not {}",
+            o.name
+        ));
+    }
+    if o.name != "soap" && runtime.tiers.is_some() {
+        return refuse(format!("tiered optimizer state needs soap, not {}", o.name));
+    }
     match o.name.as_str() {
         "adamw" => Ok(Box::new(orrery_optim::AdamW::new(
             orrery_optim::AdamWConfig {
@@ -129,6 +171,8 @@ pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainE
                 betas: (o.beta1, o.beta2),
                 eps: o.eps,
                 weight_decay: o.weight_decay,
+                refresh: runtime.refresh,
+                tiers: runtime.tiers.clone(),
                 ..Default::default()
             },
         ))),
@@ -136,16 +180,12 @@ pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainE
             orrery_optim::ShampooConfig {
                 beta1: o.beta1,
                 weight_decay: o.weight_decay,
+                refresh: runtime.refresh,
                 ..Default::default()
             },
         ))),
         "sgd" => Ok(Box::new(Sgd)),
-        other => Err(TrainError::Config(ConfigErrors {
-            problems: vec![ConfigProblem {
-                path: "optimizer.name".into(),
-                message: format!("unknown optimizer `{other}`"),
-            }],
-        })),
+        other => refuse(format!("unknown optimizer `{other}`")),
     }
 }
 

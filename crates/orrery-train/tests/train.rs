@@ -148,3 +148,34 @@ fn every_named_optimizer_trains() {
         assert!(last < first, "{name}: {first} -> {last}");
     }
 }
+
+#[test]
+fn optimizer_runtime_options_are_refused_where_they_do_not_apply() {
+    use orrery_train::{make_optimizer_with, OptimizerRuntime, TrainConfig};
+    let mut config = TrainConfig::default();
+    let asynchronous = OptimizerRuntime {
+        refresh: orrery_optim::RefreshMode::Async {
+            workers: 1,
+            staleness: 1,
+            apply_at_deadline: true,
+        },
+        tiers: None,
+    };
+    let tiered = OptimizerRuntime {
+        tiers: Some(orrery_optim::TierConfig {
+            device_budget: 0,
+            host_budget: 0,
+            spill_dir: std::env::temp_dir().join("orrery-train-unused-spill"),
+        }),
+        ..OptimizerRuntime::default()
+    };
+    config.optimizer.name = "adamw".into();
+    assert!(make_optimizer_with(&config, &asynchronous).is_err());
+    assert!(make_optimizer_with(&config, &tiered).is_err());
+    config.optimizer.name = "shampoo".into();
+    assert!(make_optimizer_with(&config, &asynchronous).is_ok());
+    assert!(make_optimizer_with(&config, &tiered).is_err());
+    config.optimizer.name = "soap".into();
+    assert!(make_optimizer_with(&config, &asynchronous).is_ok());
+    assert!(make_optimizer_with(&config, &tiered).is_ok());
+}
