@@ -7,38 +7,15 @@
 //! events; scenarios that must not (short flows, incast bursts) check that nothing was
 //! skipped and the report is identical to the reference.
 
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
+mod common;
+
+use common::{flow, flow_set, gbps, run, us};
+use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
-use orrery_units::{Bandwidth, Bytes, FlowId, Picos};
-
-fn gbps(x: f64) -> Bandwidth {
-    Bandwidth::from_gbits_per_sec(x)
-}
-
-fn us(x: u64) -> Picos {
-    Picos::from_micros(x)
-}
-
-fn flow(src: u32, dst: u32, bytes: u64) -> FlowSpec {
-    FlowSpec {
-        src,
-        dst,
-        bytes: Bytes(bytes),
-        deps: Vec::new(),
-        delay: Picos::ZERO,
-        collective: 0,
-    }
-}
-
-fn flow_set(flows: Vec<FlowSpec>) -> FlowSet {
-    FlowSet {
-        flows,
-        collectives: Vec::new(),
-    }
-}
+use orrery_units::{Bytes, FlowId, Picos};
 
 fn accel_on() -> PacketConfig {
     with_ff(PacketConfig::reference())
@@ -55,12 +32,6 @@ fn pfc_only() -> PacketConfig {
         dcqcn: false,
         ..PacketConfig::reference()
     }
-}
-
-fn run(cfg: PacketConfig, g: &NetGraph, fs: &FlowSet) -> PacketRun {
-    PacketSimulator::new(cfg)
-        .run(g, fs, &TraceRequest::default())
-        .unwrap()
 }
 
 type Errors = RunErrors;

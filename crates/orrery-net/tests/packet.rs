@@ -3,48 +3,19 @@
 //! incast with PFC, go-back-N recovery without PFC, determinism, and agreement with the
 //! fluid expectation when nothing is congested.
 
+mod common;
+
+use common::{flow, flow_set, gbps, run, us};
 use orrery_net::flows::{FlowSet, FlowSpec};
-use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::sim::{FlowSimulator, SimError};
 use orrery_net::topology::NetGraph;
-use orrery_units::{Bandwidth, Bytes, FlowId, LinkId, Picos};
-
-fn gbps(x: f64) -> Bandwidth {
-    Bandwidth::from_gbits_per_sec(x)
-}
-
-fn us(x: u64) -> Picos {
-    Picos::from_micros(x)
-}
+use orrery_units::{Bandwidth, FlowId, LinkId, Picos};
 
 /// Line time of a frame with `payload` bytes under the default headers and framing.
 fn frame_time(payload: u64, bw: Bandwidth) -> Picos {
     let c = PacketConfig::default();
     bw.time_for((payload + u64::from(c.header_bytes) + u64::from(c.framing_bytes)) as f64)
-}
-
-fn flow(src: u32, dst: u32, bytes: u64) -> FlowSpec {
-    FlowSpec {
-        src,
-        dst,
-        bytes: Bytes(bytes),
-        deps: Vec::new(),
-        delay: Picos::ZERO,
-        collective: 0,
-    }
-}
-
-fn flow_set(flows: Vec<FlowSpec>) -> FlowSet {
-    FlowSet {
-        flows,
-        collectives: Vec::new(),
-    }
-}
-
-fn run(cfg: PacketConfig, g: &NetGraph, fs: &FlowSet) -> PacketRun {
-    PacketSimulator::new(cfg)
-        .run(g, fs, &TraceRequest::default())
-        .unwrap()
 }
 
 /// One flow, one switch, two equal hops: the first packet is serialised at each hop, the

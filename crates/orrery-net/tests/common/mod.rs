@@ -1,0 +1,42 @@
+//! Helpers shared by the packet-model test files (each includes this with `mod common;`
+//! and uses what it needs).
+#![allow(dead_code, clippy::unwrap_used)]
+
+use orrery_net::flows::{FlowSet, FlowSpec};
+use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::topology::NetGraph;
+use orrery_units::{Bandwidth, Bytes, Picos};
+
+pub fn gbps(x: f64) -> Bandwidth {
+    Bandwidth::from_gbits_per_sec(x)
+}
+
+pub fn us(x: u64) -> Picos {
+    Picos::from_micros(x)
+}
+
+/// A flow of `bytes` from endpoint `src` to `dst`, released at time zero.
+pub fn flow(src: u32, dst: u32, bytes: u64) -> FlowSpec {
+    FlowSpec {
+        src,
+        dst,
+        bytes: Bytes(bytes),
+        deps: Vec::new(),
+        delay: Picos::ZERO,
+        collective: 0,
+    }
+}
+
+pub fn flow_set(flows: Vec<FlowSpec>) -> FlowSet {
+    FlowSet {
+        flows,
+        collectives: Vec::new(),
+    }
+}
+
+/// A packet-level run with `cfg` and no trace.
+pub fn run(cfg: PacketConfig, g: &NetGraph, fs: &FlowSet) -> PacketRun {
+    PacketSimulator::new(cfg)
+        .run(g, fs, &TraceRequest::default())
+        .unwrap()
+}
