@@ -3,12 +3,13 @@
 
 mod common;
 
+use common::lockstep::lockstep;
+
 use common::{noise, RefShampoo};
 use orrery_optim::{Optimizer, Param, Shampoo, ShampooConfig};
 
 fn compare(shape: &[usize], bdim: usize, freq: u64, shampoo_beta: f32, steps: u64, tol: f64) {
     let (rows, cols) = (shape[0], shape[1]);
-    let n = rows * cols;
     let cfg = ShampooConfig {
         beta1: 0.9,
         shampoo_beta,
@@ -31,29 +32,7 @@ fn compare(shape: &[usize], bdim: usize, freq: u64, shampoo_beta: f32, steps: u6
         freq,
     );
     let lr = 0.05f32;
-    let mut x = noise(9, n);
-    let mut xr: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-    for s in 0..steps {
-        let g = noise(200 + s, n);
-        let gr: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
-        opt.step(
-            lr,
-            &mut [Param {
-                name: "w",
-                shape,
-                value: &mut x,
-                grad: &g,
-            }],
-        )
-        .unwrap();
-        reference.step(f64::from(lr), &mut xr, &gr);
-        for (i, (a, b)) in x.iter().zip(&xr).enumerate() {
-            assert!(
-                (f64::from(*a) - b).abs() <= tol,
-                "shape {shape:?} step {s} elem {i}: {a} vs {b}"
-            );
-        }
-    }
+    lockstep(&mut opt, &mut reference, shape, lr, 9, 200, steps, tol);
 }
 
 #[test]

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::lockstep::lockstep;
+
 use common::{noise, RefSoap};
 use orrery_optim::{Optimizer, Param, Soap, SoapConfig};
 
@@ -10,7 +12,6 @@ use orrery_optim::{Optimizer, Param, Soap, SoapConfig};
 /// the step, not on the iterate) and compares the parameters after every call.
 fn compare(shape: &[usize], max_dim: usize, freq: u64, steps: u64, tol: f64) {
     let (rows, cols) = (shape[0], shape[1]);
-    let n = rows * cols;
     let (betas, eps, wd, lr) = ((0.9f32, 0.8f32), 1e-3f32, 0.1f32, 0.1f32);
     let mut opt = Soap::new(SoapConfig {
         betas,
@@ -29,29 +30,7 @@ fn compare(shape: &[usize], max_dim: usize, freq: u64, steps: u64, tol: f64) {
         f64::from(wd),
         freq,
     );
-    let mut x: Vec<f32> = noise(1, n);
-    let mut xr: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-    for s in 0..steps {
-        let g = noise(100 + s, n);
-        let gr: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
-        opt.step(
-            lr,
-            &mut [Param {
-                name: "w",
-                shape,
-                value: &mut x,
-                grad: &g,
-            }],
-        )
-        .unwrap();
-        reference.step(f64::from(lr), &mut xr, &gr);
-        for (i, (a, b)) in x.iter().zip(&xr).enumerate() {
-            assert!(
-                (f64::from(*a) - b).abs() <= tol,
-                "shape {shape:?} call {s} element {i}: soap {a} vs reference {b}"
-            );
-        }
-    }
+    lockstep(&mut opt, &mut reference, shape, lr, 1, 100, steps, tol);
 }
 
 #[test]

@@ -8,6 +8,8 @@
     clippy::type_complexity
 )]
 
+pub mod lockstep;
+
 pub type M = Vec<f64>;
 
 pub fn matmul(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> M {
