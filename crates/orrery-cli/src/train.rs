@@ -1,6 +1,8 @@
 //! `orrery train [CONFIG]`: the real training program (orrery-train) with the optimizer
 //! runtime's options (orrery-optim) on the command line, a progress bar, and the run's
-//! metrics, loss curve and checkpoints in an output folder.
+//! metrics, loss curve and checkpoints in an output folder. Data parallelism runs over threads
+//! of this process (`--ranks N`) or, with the `mpi` feature, over the processes of an MPI job
+//! (`mpirun -n N orrery train --comm mpi`).
 
 use crate::{bad, progress_bar};
 use anyhow::Result;
@@ -50,6 +52,10 @@ pub struct TrainArgs {
     /// Data-parallel ranks (threads in this process).
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// How data-parallel ranks communicate: `threads` of this process (`--ranks`), or `mpi`,
+    /// one rank per process of an `mpirun` job (needs orrery built with `--features mpi`).
+    #[arg(long, value_parser = ["threads", "mpi"], default_value = "threads")]
+    comm: String,
     /// A text file or folder of .txt files to train on (overrides `data.path`).
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
@@ -145,6 +151,28 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     if args.ranks == 0 {
         return Err(bad("--ranks must be at least 1"));
     }
+    let mpi = if args.comm == "mpi" {
+        if args.ranks != 1 {
+            return Err(bad(
+                "--ranks counts threads of --comm threads; under --comm mpi every process is \
+                 one rank (mpirun -n N)",
+            ));
+        }
+        let mpi = mpi_rank::MpiRank::join()?;
+        // Checked here rather than left to the trainer so that every rank refuses alike and
+        // ends normally, with status 2, instead of aborting the job.
+        if !config.batch_size.is_multiple_of(mpi.world_size()) {
+            return Err(bad(format!(
+                "batch_size {} is not divisible by the {} MPI ranks",
+                config.batch_size,
+                mpi.world_size()
+            )));
+        }
+        Some(mpi)
+    } else {
+        None
+    };
+    let rank = mpi.as_ref().map_or(0, mpi_rank::MpiRank::rank);
     let refresh = if args.async_refresh {
         RefreshMode::Async {
             workers: args.workers.max(1),
@@ -161,7 +189,9 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         )
     });
     let spill_root = args.out.join("spill");
-    let rank_counter = Arc::new(AtomicUsize::new(0));
+    // Threads number their optimizers from 0; an MPI process builds one optimizer, for its own
+    // rank, so several processes on one host never share a spill folder.
+    let rank_counter = Arc::new(AtomicUsize::new(rank));
     let options = RunOptions {
         resume: args.resume.clone(),
         ranks: args.ranks,
@@ -180,10 +210,16 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         }),
         ..RunOptions::default()
     };
-    let bar = progress_bar(
-        config.steps,
-        "training {bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise}]",
-    );
+    // Only rank 0 reports progress (the other MPI ranks' observers are never called), so the
+    // other processes keep the terminal free of idle bars and summaries.
+    let bar = if rank == 0 {
+        progress_bar(
+            config.steps,
+            "training {bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise}]",
+        )
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     if args.json {
         bar.finish_and_clear();
     }
@@ -192,12 +228,18 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         json: args.json,
     };
     let start = std::time::Instant::now();
-    let result = train_with(&config, &options, &mut observer);
+    let result = match mpi {
+        None => train_with(&config, &options, &mut observer),
+        Some(mpi) => mpi.train(&config, &options, &mut observer),
+    };
     bar.finish_and_clear();
     let summary = result.map_err(|e| match e {
         TrainError::Config(c) => bad(c.to_string()),
         other => anyhow::anyhow!("training failed: {other}"),
     })?;
+    if rank != 0 {
+        return Ok(());
+    }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "{} steps of {} ({} parameters): final loss {}, validation loss {}, {:.1} s, {:.0} tokens/s; metrics, loss curve and checkpoint in {}",
@@ -221,9 +263,131 @@ fn spill_dir(root: &Path, rank: usize) -> PathBuf {
     root.join(format!("rank{rank}"))
 }
 
+/// This process's rank of an MPI job (`--comm mpi`).
+#[cfg(feature = "mpi")]
+mod mpi_rank {
+    use crate::bad;
+    use anyhow::Result;
+    use orrery_train::{
+        train_with_comm, Communicator, MpiAbort, MpiComm, RunOptions, TrainConfig, TrainError,
+        TrainObserver, TrainSummary,
+    };
+
+    pub struct MpiRank {
+        comm: MpiComm,
+        abort: MpiAbort,
+    }
+
+    impl MpiRank {
+        /// Initialises MPI; started without a launcher, that is a usage error.
+        pub fn join() -> Result<MpiRank> {
+            let comm = MpiComm::init().map_err(|e| bad(format!("--comm mpi: {e}")))?;
+            let abort = comm.abort_handle();
+            Ok(MpiRank { comm, abort })
+        }
+
+        pub fn rank(&self) -> usize {
+            self.comm.rank()
+        }
+
+        pub fn world_size(&self) -> usize {
+            self.comm.world_size()
+        }
+
+        /// Trains this rank. A failure ends the whole job: a rank that simply returned would
+        /// leave its peers waiting in the next collective (and itself in `MPI_Finalize`), so
+        /// the error is printed here and the job aborted, with status 2 for a configuration
+        /// problem and 1 otherwise, as the CLI exits without MPI.
+        pub fn train(
+            self,
+            config: &TrainConfig,
+            options: &RunOptions,
+            observer: &mut dyn TrainObserver,
+        ) -> Result<TrainSummary, TrainError> {
+            let rank = self.comm.rank();
+            match train_with_comm(config, options, Box::new(self.comm), observer) {
+                Ok(summary) => Ok(summary),
+                Err(e) => {
+                    let code = if matches!(e, TrainError::Config(_)) {
+                        2
+                    } else {
+                        1
+                    };
+                    eprintln!("error: training failed on MPI rank {rank}: {e}");
+                    self.abort.abort(code)
+                }
+            }
+        }
+    }
+}
+
+/// Without the `mpi` feature no process can join an MPI job: `--comm mpi` is refused.
+#[cfg(not(feature = "mpi"))]
+mod mpi_rank {
+    use crate::bad;
+    use anyhow::Result;
+    use orrery_train::{RunOptions, TrainConfig, TrainError, TrainObserver, TrainSummary};
+
+    /// Has no values, so the code that would use one type-checks but never runs.
+    pub enum MpiRank {}
+
+    impl MpiRank {
+        pub fn join() -> Result<MpiRank> {
+            Err(bad(
+                "--comm mpi needs orrery built with MPI support: cargo build --release -p \
+                 orrery-cli --features mpi (with OpenMPI's development files and libclang \
+                 installed; see docs/train.md)",
+            ))
+        }
+
+        pub fn rank(&self) -> usize {
+            match *self {}
+        }
+
+        pub fn world_size(&self) -> usize {
+            match *self {}
+        }
+
+        pub fn train(
+            self,
+            _config: &TrainConfig,
+            _options: &RunOptions,
+            _observer: &mut dyn TrainObserver,
+        ) -> Result<TrainSummary, TrainError> {
+            match self {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, run_train, TrainArgs};
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    /// `--comm mpi` is a usage error (status 2) with advice when MPI support is not built in,
+    /// and under any build when combined with thread ranks; neither starts training.
+    #[test]
+    fn comm_mpi_is_refused_when_it_cannot_run() {
+        let is_bad = |args: &[&str], needle: &str| {
+            let cli = Cli::try_parse_from(args).unwrap();
+            let err = run_train(&cli.train).unwrap_err();
+            assert!(err.downcast_ref::<crate::BadInput>().is_some(), "{err}");
+            assert!(err.to_string().contains(needle), "{err}");
+        };
+        is_bad(&["t", "--comm", "mpi", "--ranks", "2"], "mpirun -n N");
+        #[cfg(not(feature = "mpi"))]
+        is_bad(&["t", "--comm", "mpi"], "--features mpi");
+        // Test binaries do not run under a launcher.
+        #[cfg(feature = "mpi")]
+        is_bad(&["t", "--comm", "mpi"], "mpirun -n N");
+        assert!(Cli::try_parse_from(["t", "--comm", "nccl"]).is_err());
+    }
 
     #[test]
     fn byte_counts_parse_with_units_and_reject_junk() {

@@ -2,14 +2,17 @@
 //!
 //! [`Communicator`] is the small blocking, rank-ordered interface the trainer needs: every rank
 //! calls the same collectives in the same order, each call returns when the collective is
-//! complete on that rank. That is the MPI model, so an MPI backend maps one-to-one
-//! (`MPI_Allreduce`, `MPI_Bcast`, `MPI_Allgather`, `MPI_Barrier`); an emulated backend (real
-//! ranks among virtual ones) fits the same shape.
+//! complete on that rank. That is the MPI model, so the MPI backend maps onto MPI collectives
+//! (`MPI_Bcast`, `MPI_Allgather`, `MPI_Barrier`; the all-reduce is an `MPI_Alltoallv` and an
+//! `MPI_Allgatherv` rather than `MPI_Allreduce`, whose summation order is the library's
+//! choice); an emulated backend (real ranks among virtual ones) fits the same shape.
 //!
 //! Two backends live here: [`SingleRank`] (world of one; every collective is the identity) and
 //! [`ThreadComm`] (ranks are threads of one process sharing a mutex-protected exchange area).
-//! Sums are always taken in rank order `((x0 + x1) + x2) + ...` and every rank computes the same
-//! sum, so results never depend on thread timing and are identical on all ranks.
+//! The third, `MpiComm` (one rank per process, over MPI), is in `comm_mpi` behind the `mpi`
+//! feature. Sums are always taken in rank order `((x0 + x1) + x2) + ...` and every rank computes
+//! the same sum, so results never depend on thread timing or on the backend and are identical
+//! on all ranks.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -30,6 +33,8 @@ pub enum CommError {
     BadRoot { root: usize, world: usize },
     #[error("a peer rank panicked while holding the communicator")]
     Poisoned,
+    #[error("a message of {elements} elements is too long for the communicator")]
+    TooLarge { elements: usize },
 }
 
 /// Blocking, rank-ordered collectives over a fixed group of ranks.

@@ -24,10 +24,12 @@
 //!   atomically; it holds weights (exact bit patterns), optimizer state bytes, sampler RNG
 //!   state, step, configuration and metrics, so that a run of N steps equals k steps + resume
 //!   + N − k steps bit for bit.
-//! - **Data parallelism** ([`comm`]): a blocking, rank-ordered [`Communicator`] trait (shaped
-//!   so an MPI backend maps onto it one-to-one) with a single-rank and an in-process threads
-//!   backend. Every rank draws the same global batch and trains on its slice; gradients are
-//!   averaged with an all-reduce that sums in rank order, so results do not depend on timing.
+//! - **Data parallelism** ([`comm`]): a blocking, rank-ordered [`Communicator`] trait with a
+//!   single-rank backend, an in-process threads backend ([`train_with`]'s `ranks`), and, behind
+//!   the `mpi` feature, an MPI backend with one rank per process on one or several hosts
+//!   (`comm_mpi::MpiComm`, run by [`train_with_comm`] under `mpirun`). Every rank draws the same
+//!   global batch and trains on its slice; gradients are averaged with an all-reduce that sums
+//!   in rank order, so results depend neither on timing nor on the backend.
 //!
 //! Determinism: the crate's own [`rng::Rng`] initialises weights and samples batches, burn's
 //! backend RNG is seeded too (nothing here draws from it: there is no dropout), and timing is
@@ -42,6 +44,8 @@
 
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "mpi")]
+pub mod comm_mpi;
 pub mod config;
 pub mod data;
 pub mod metrics;
@@ -58,6 +62,8 @@ use orrery_optim::{OptimError, Optimizer, Param, StepReport};
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use comm::{CommError, Communicator, SingleRank, ThreadComm};
+#[cfg(feature = "mpi")]
+pub use comm_mpi::{MpiAbort, MpiComm, MpiInitError};
 pub use config::{
     ConfigErrors, ConfigLoadError, ConfigProblem, DataConfig, DeviceKind, MlpKind, ModelConfig,
     NormKind, OptimizerConfig, PositionKind, TokenizerKind, TrainConfig,
@@ -198,7 +204,8 @@ pub type OptimizerFactory =
 pub struct RunOptions {
     /// Continue from this checkpoint file, or from `checkpoint.ckpt` in this folder.
     pub resume: Option<PathBuf>,
-    /// In-process data-parallel ranks (threads); 1 trains on the calling thread.
+    /// In-process data-parallel ranks (threads) of [`train_with`]; 1 trains on the calling
+    /// thread. [`train_with_comm`] ignores it: its communicator defines the ranks.
     pub ranks: usize,
     pub clock: Arc<dyn Clock>,
     pub make_optimizer: OptimizerFactory,
@@ -278,27 +285,106 @@ pub fn train_with(
             run_ranks::<CudaBackend>(config, options, &Default::default(), observer)
         }
         #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda => Err(TrainError::Config(ConfigErrors {
-            problems: vec![ConfigProblem {
-                path: "device".into(),
-                message: "cuda needs orrery-train built with the `cuda` feature".into(),
-            }],
-        })),
+        DeviceKind::Cuda => Err(cuda_unavailable()),
     }
+}
+
+/// Trains `config` as one rank of a run whose ranks are separate processes, possibly on
+/// several hosts, joined by `comm` (an `MpiComm` under `mpirun`, feature `mpi`). Every rank
+/// calls this with the same configuration and options and trains on the calling thread.
+/// `options.ranks` is not used: the communicator's world is the run's. As with the threads
+/// of [`train_with`], only rank 0 reports to `observer` and writes the output folder, and a
+/// resumed run reads its checkpoint on rank 0 only.
+pub fn train_with_comm(
+    config: &TrainConfig,
+    options: &RunOptions,
+    comm: Box<dyn Communicator>,
+    observer: &mut dyn TrainObserver,
+) -> Result<TrainSummary, TrainError> {
+    config.validate()?;
+    let corpus = load_corpus(config)?;
+    let mut null = NullObserver;
+    let observer: &mut dyn TrainObserver = if comm.rank() == 0 {
+        observer
+    } else {
+        &mut null
+    };
+    match config.device {
+        DeviceKind::Cpu => {
+            run_rank::<CpuBackend>(config, options, corpus, comm, Default::default(), observer)
+        }
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            run_rank::<CudaBackend>(config, options, corpus, comm, Default::default(), observer)
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(cuda_unavailable()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_unavailable() -> TrainError {
+    TrainError::Config(ConfigErrors {
+        problems: vec![ConfigProblem {
+            path: "device".into(),
+            message: "cuda needs orrery-train built with the `cuda` feature".into(),
+        }],
+    })
+}
+
+/// The checkpoint to resume from, read by rank 0 and broadcast: rank 0 is the rank that writes
+/// checkpoints, so ranks on other hosts need no shared file system. Rank 0 broadcasts nothing
+/// (an empty message; a checkpoint never is one) when it cannot read the file, so every rank
+/// fails instead of waiting.
+fn load_resume_checkpoint(
+    comm: &mut dyn Communicator,
+    resume: &Path,
+) -> Result<Checkpoint, TrainError> {
+    let path = checkpoint_path(resume);
+    if comm.world_size() == 1 {
+        return Ok(Checkpoint::load(&path)?);
+    }
+    let rank = comm.rank();
+    let (mut bytes, failure) = if rank == 0 {
+        match std::fs::read(&path) {
+            Ok(b) => (b, None),
+            Err(source) => (
+                Vec::new(),
+                Some(CheckpointError::Io {
+                    path: path.clone(),
+                    source,
+                }),
+            ),
+        }
+    } else {
+        (Vec::new(), None)
+    };
+    comm.broadcast_bytes(0, &mut bytes)
+        .map_err(|source| TrainError::Comm { rank, source })?;
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    if bytes.is_empty() {
+        return Err(TrainError::Resume(format!(
+            "rank 0 could not read a checkpoint from {}",
+            path.display()
+        )));
+    }
+    Ok(Checkpoint::decode(&bytes)?)
 }
 
 fn run_rank<B: burn::tensor::backend::AutodiffBackend>(
     config: &TrainConfig,
     options: &RunOptions,
     corpus: Corpus,
-    comm: Box<dyn Communicator>,
+    mut comm: Box<dyn Communicator>,
     device: B::Device,
     observer: &mut dyn TrainObserver,
 ) -> Result<TrainSummary, TrainError> {
     let optimizer = (options.make_optimizer)(config)?;
     let mut trainer = match &options.resume {
         Some(p) => {
-            let ckpt = Checkpoint::load(&checkpoint_path(p))?;
+            let ckpt = load_resume_checkpoint(comm.as_mut(), p)?;
             Trainer::<B>::resume(config.clone(), ckpt, corpus, optimizer, comm, device)?
         }
         None => Trainer::<B>::new(config.clone(), corpus, optimizer, comm, device)?,

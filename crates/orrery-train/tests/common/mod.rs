@@ -1,6 +1,9 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use orrery_train::{ModelConfig, TrainConfig};
+use orrery_train::{
+    load_corpus, make_optimizer, CpuBackend, FixedClock, ModelConfig, NullObserver, SingleRank,
+    StepMetrics, ThreadComm, TrainConfig, TrainSummary, Trainer,
+};
 
 /// A model small enough that 30 unoptimised steps take a couple of seconds.
 pub fn tiny() -> TrainConfig {
@@ -33,4 +36,88 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// The run of `two_ranks_equal_one_rank_with_twice_the_batch` and its MPI twin: 8 steps with
+/// evaluation every 4, a global batch of 8 (4 per rank on 2 ranks).
+pub fn dp_config() -> TrainConfig {
+    let mut config = tiny();
+    config.steps = 8;
+    config.eval_every = 4;
+    config.batch_size = 8;
+    config
+}
+
+/// Runs `config` on one rank; returns the summary and the final weights.
+pub fn run_single(config: &TrainConfig) -> (TrainSummary, Vec<f32>) {
+    let mut t = Trainer::<CpuBackend>::new(
+        config.clone(),
+        load_corpus(config).unwrap(),
+        make_optimizer(config).unwrap(),
+        Box::new(SingleRank),
+        Default::default(),
+    )
+    .unwrap();
+    let s = t.run(&FixedClock, &mut NullObserver).unwrap();
+    (s, t.params().flat().to_vec())
+}
+
+/// Runs `config` on `world` in-process ranks; returns every rank's summary and final weights.
+pub fn run_threads(config: &TrainConfig, world: usize) -> Vec<(TrainSummary, Vec<f32>)> {
+    let corpus = load_corpus(config).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| {
+                let corpus = corpus.clone();
+                s.spawn(move || {
+                    let mut t = Trainer::<CpuBackend>::new(
+                        config.clone(),
+                        corpus,
+                        make_optimizer(config).unwrap(),
+                        Box::new(comm),
+                        Default::default(),
+                    )
+                    .unwrap();
+                    let s = t.run(&FixedClock, &mut NullObserver).unwrap();
+                    (s, t.params().flat().to_vec())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A data-parallel run (`history`, final `weights`) trains like the single-rank run with the
+/// same global batch. Float sums are associated differently (each rank's mean over its share,
+/// then the mean over ranks), so equality is within a tolerance, the same for every backend.
+pub fn assert_matches_single(
+    single: &(TrainSummary, Vec<f32>),
+    history: &[StepMetrics],
+    weights: &[f32],
+) {
+    let (single, w1) = single;
+    assert_eq!(single.history.len(), history.len(), "same number of steps");
+    for (a, b) in single.history.iter().zip(history) {
+        assert!(
+            (a.loss - b.loss).abs() < 1e-4,
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+        assert!((a.grad_norm - b.grad_norm).abs() < 1e-3 * a.grad_norm.max(1.0));
+        match (a.val_loss, b.val_loss) {
+            (Some(x), Some(y)) => assert!((x - y).abs() < 1e-4, "val {x} vs {y}"),
+            (None, None) => {}
+            other => panic!("evaluation schedule differs: {other:?}"),
+        }
+    }
+    assert_eq!(w1.len(), weights.len(), "same number of weights");
+    let max_diff = w1
+        .iter()
+        .zip(weights)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(max_diff < 1e-4, "largest weight difference {max_diff}");
 }

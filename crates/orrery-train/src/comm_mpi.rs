@@ -1,0 +1,384 @@
+//! The MPI backend of [`Communicator`] (feature `mpi`): one rank per process, over the system's
+//! MPI library (OpenMPI or MPICH), within one host or across several.
+//!
+//! Start a run with an MPI launcher (`mpirun -n 2 orrery train --comm mpi`); each process calls
+//! [`MpiComm::init`] once and hands the communicator to the trainer. Every collective of the
+//! trait maps onto MPI collectives on `MPI_COMM_WORLD`:
+//!
+//! - `all_reduce_sum_f32` is *not* `MPI_Allreduce`: MPI lets the library associate the sum as
+//!   it likes (tree, ring or recursive doubling, chosen by message size), so its result may
+//!   differ from the trait's rank-order sum `((x0 + x1) + x2) + ...` and from [`ThreadComm`].
+//!   Instead the buffer is cut into one contiguous slice per rank; `MPI_Alltoallv` sends slice
+//!   `j` of every rank to rank `j`, which sums the pieces in rank order, and `MPI_Allgatherv`
+//!   returns the summed slices to everyone. That is the reduce-scatter + all-gather shape of a
+//!   ring all-reduce (each rank sends and receives about twice the buffer, independent of the
+//!   world size), every element is summed by exactly one rank in the trait's order, and all
+//!   ranks receive the same bits — the same bits [`ThreadComm`] computes.
+//! - `broadcast_f32`, `broadcast_bytes`: `MPI_Bcast` (the byte variant sends the length first).
+//! - `all_gather_bytes`: the lengths with `MPI_Allgather`, then the bytes with `MPI_Allgatherv`.
+//! - `barrier`: `MPI_Barrier`.
+//!
+//! Argument checks that need the other ranks' view (equal lengths) exchange the lengths first,
+//! so every rank reaches the same verdict and no rank enters a collective its peers skip.
+//! Failures inside MPI are not returned: MPI's default error handler aborts the whole job, and a
+//! process that dies makes the launcher end the others, so there is no `PeerGone` here.
+//!
+//! MPI counts are 32-bit, so long buffers travel in segments of at most [`SEGMENT`] elements.
+//!
+//! [`ThreadComm`]: crate::ThreadComm
+
+use std::sync::Arc;
+
+use mpi::collective::CommunicatorCollectives as _;
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::{Threading, Universe};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::traits::Root as _;
+use mpi::{Count, Rank};
+use thiserror::Error;
+
+use crate::comm::{CommError, Communicator};
+
+/// Elements per MPI call. Far below `i32::MAX`, so every count and displacement of a segment
+/// (including a gather of one segment-sized piece per rank) fits MPI's `int`.
+pub const SEGMENT: usize = 1 << 26;
+
+/// Environment variables that MPI launchers set in the processes they start: Open MPI's
+/// `mpirun`, MPICH/Intel MPI's Hydra `mpiexec` and Slurm's PMI-2 plugin (`PMI_SIZE`), and
+/// PMIx-based launchers such as `srun --mpi=pmix` and PRRTE (`PMIX_RANK`).
+const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"];
+
+/// Why MPI could not be set up in this process.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum MpiInitError {
+    /// Started without a launcher. MPI would fall back to a "singleton" world of one process
+    /// (or abort, depending on the library), which is never what `--comm mpi` means.
+    #[error(
+        "not started by an MPI launcher (none of OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK is \
+         set); run the program under `mpirun -n N` (or mpiexec, srun)"
+    )]
+    NotLaunched,
+    /// MPI may be initialised once per process, and never again after it was finalised.
+    #[error("MPI was already initialised in this process; MpiComm::init may be called only once")]
+    AlreadyInitialized,
+    /// The communicator may be moved to another thread (it is `Send`), so MPI must accept calls
+    /// from any one thread at a time.
+    #[error(
+        "the MPI library offers thread support {provided:?}; MpiComm needs at least \
+         MPI_THREAD_SERIALIZED"
+    )]
+    ThreadSupport { provided: Threading },
+}
+
+/// Keeps MPI initialised; the last clone to go finalises it (`MPI_Finalize`). The universe is
+/// held only for that drop: collectives reach `MPI_COMM_WORLD` through [`comm_world`].
+#[derive(Clone)]
+struct Env {
+    _universe: Arc<Universe>,
+}
+
+/// One rank of `MPI_COMM_WORLD`. Dropping the communicator and every [`MpiAbort`] made from
+/// it finalises MPI, which waits for the other ranks to finalise too.
+pub struct MpiComm {
+    env: Env,
+    rank: usize,
+    world: usize,
+    /// Receive space of the all-reduce, kept between steps so the gradient exchange does not
+    /// allocate.
+    scratch: Vec<f32>,
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Ends the whole MPI job (`MPI_Abort`). A rank that fails alone cannot simply return: its
+/// peers would wait for it in the next collective, and finalising MPI would wait for them, so
+/// the run would hang. Take this handle before giving the communicator away.
+#[derive(Clone)]
+pub struct MpiAbort {
+    _env: Env,
+}
+
+impl std::fmt::Debug for MpiAbort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiAbort").finish_non_exhaustive()
+    }
+}
+
+impl MpiAbort {
+    /// Terminates every process of the job; the launcher exits with `code` (Open MPI does).
+    pub fn abort(&self, code: i32) -> ! {
+        comm_world().abort(code)
+    }
+}
+
+/// The world communicator. It is a predefined handle, so fetching it per call costs nothing,
+/// and `MpiComm` itself then holds no raw MPI handle and can be `Send`.
+fn comm_world() -> SimpleCommunicator {
+    SimpleCommunicator::world()
+}
+
+/// `n` as an MPI count. Callers split their buffers into segments first, so this only fails on
+/// a broken invariant; the error is still the same on every rank because every rank derives
+/// its counts from the same exchanged lengths.
+fn count(n: usize) -> Result<Count, CommError> {
+    Count::try_from(n).map_err(|_| CommError::TooLarge { elements: n })
+}
+
+/// Splits `n` elements into `parts` contiguous pieces whose sizes differ by at most one:
+/// counts and displacements.
+fn split(n: usize, parts: usize) -> Result<(Vec<Count>, Vec<Count>), CommError> {
+    let (base, extra) = (n / parts, n % parts);
+    let mut counts = Vec::with_capacity(parts);
+    let mut displs = Vec::with_capacity(parts);
+    let mut at = 0;
+    for j in 0..parts {
+        let c = base + usize::from(j < extra);
+        counts.push(count(c)?);
+        displs.push(count(at)?);
+        at += c;
+    }
+    Ok((counts, displs))
+}
+
+/// Running offsets of `counts`.
+fn displacements(counts: &[Count]) -> Vec<Count> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect()
+}
+
+impl MpiComm {
+    /// Initialises MPI for this process (with `MPI_THREAD_SERIALIZED`) and returns its rank of
+    /// `MPI_COMM_WORLD`. Fails without a launcher, on a second call, or when the library cannot
+    /// serve calls from a thread other than the one that initialised it.
+    pub fn init() -> Result<MpiComm, MpiInitError> {
+        if !LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
+            return Err(MpiInitError::NotLaunched);
+        }
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or(MpiInitError::AlreadyInitialized)?;
+        // Held from here on, so an early return below still finalises MPI.
+        let env = Env {
+            _universe: Arc::new(universe),
+        };
+        if matches!(provided, Threading::Single | Threading::Funneled) {
+            return Err(MpiInitError::ThreadSupport { provided });
+        }
+        let w = comm_world();
+        // MPI ranks and sizes are non-negative `int`s.
+        let rank = usize::try_from(w.rank()).unwrap_or(0);
+        let size = usize::try_from(w.size()).unwrap_or(1);
+        Ok(MpiComm {
+            env,
+            rank,
+            world: size,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// A handle that can end the job when this rank fails (see [`MpiAbort`]).
+    pub fn abort_handle(&self) -> MpiAbort {
+        MpiAbort {
+            _env: self.env.clone(),
+        }
+    }
+
+    fn root(&self, root: usize) -> Result<Rank, CommError> {
+        let bad = CommError::BadRoot {
+            root,
+            world: self.world,
+        };
+        if root >= self.world {
+            return Err(bad);
+        }
+        Rank::try_from(root).map_err(|_| bad)
+    }
+
+    /// Every rank's `len`, indexed by rank.
+    fn all_lengths(&self, len: usize) -> Vec<usize> {
+        let mine = len as u64;
+        let mut all = vec![0u64; self.world];
+        comm_world().all_gather_into(&mine, &mut all[..]);
+        // Lengths come from processes of the same program; a value beyond `usize` cannot
+        // occur, and saturating keeps the comparison below meaningful if it did.
+        all.into_iter()
+            .map(|l| usize::try_from(l).unwrap_or(usize::MAX))
+            .collect()
+    }
+
+    /// The first rank whose length differs from `expected`, as the trait's error.
+    fn first_mismatch(lengths: &[usize], expected: usize) -> Result<(), CommError> {
+        match lengths.iter().position(|&l| l != expected) {
+            Some(rank) => Err(CommError::LengthMismatch {
+                rank,
+                expected,
+                found: lengths[rank],
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Rank-order sum of one segment (see the module documentation for the scheme).
+    fn all_reduce_segment(&mut self, seg: &mut [f32]) -> Result<(), CommError> {
+        let world = self.world;
+        let (counts, displs) = split(seg.len(), world)?;
+        let mine = seg.len() / world + usize::from(self.rank < seg.len() % world);
+        let mine_count = count(mine)?;
+        let recv_counts = vec![mine_count; world];
+        let recv_displs = displacements(&recv_counts);
+        self.scratch.clear();
+        self.scratch.resize(mine * world, 0.0);
+        {
+            let send = Partition::new(&seg[..], &counts[..], &displs[..]);
+            let mut recv =
+                PartitionMut::new(&mut self.scratch[..], &recv_counts[..], &recv_displs[..]);
+            comm_world().all_to_all_varcount_into(&send, &mut recv);
+        }
+        // Piece i came from rank i: adding them front to back is the rank-order sum.
+        let (acc, rest) = self.scratch.split_at_mut(mine);
+        if mine > 0 {
+            for piece in rest.chunks_exact(mine) {
+                for (a, x) in acc.iter_mut().zip(piece) {
+                    *a += *x;
+                }
+            }
+        }
+        let mut out = PartitionMut::new(seg, &counts[..], &displs[..]);
+        comm_world().all_gather_varcount_into(&acc[..], &mut out);
+        Ok(())
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let lengths = self.all_lengths(buf.len());
+        Self::first_mismatch(&lengths, lengths[0])?;
+        if self.world == 1 {
+            return Ok(());
+        }
+        for seg in buf.chunks_mut(SEGMENT) {
+            self.all_reduce_segment(seg)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let root_rank = self.root(root)?;
+        // MPI requires matching counts; a mismatch would truncate or abort, so check first and
+        // fail on every rank alike.
+        let lengths = self.all_lengths(buf.len());
+        Self::first_mismatch(&lengths, lengths[root])?;
+        let w = comm_world();
+        let process = w.process_at_rank(root_rank);
+        for seg in buf.chunks_mut(SEGMENT) {
+            process.broadcast_into(seg);
+        }
+        Ok(())
+    }
+
+    fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
+        let root_rank = self.root(root)?;
+        let w = comm_world();
+        let process = w.process_at_rank(root_rank);
+        let mut len = buf.len() as u64;
+        process.broadcast_into(&mut len);
+        // Only a 32-bit rank receiving more than it can address from a 64-bit root fails here
+        // (the length is then reported saturated); ranks of one architecture never do.
+        let len = usize::try_from(len).map_err(|_| CommError::TooLarge {
+            elements: usize::MAX,
+        })?;
+        if self.rank != root {
+            buf.clear();
+            buf.resize(len, 0);
+        }
+        for seg in buf.chunks_mut(SEGMENT) {
+            process.broadcast_into(seg);
+        }
+        Ok(())
+    }
+
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let lengths = self.all_lengths(mine.len());
+        let mut all: Vec<Vec<u8>> = lengths.iter().map(|&l| Vec::with_capacity(l)).collect();
+        // Round k moves bytes [k*piece, (k+1)*piece) of every rank's message, so one round's
+        // receive buffer holds at most SEGMENT bytes whatever the world size.
+        let piece = (SEGMENT / self.world).max(1);
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let mut recv = Vec::new();
+        for k in 0..longest.div_ceil(piece) {
+            let from = k * piece;
+            let part = |len: usize| len.saturating_sub(from).min(piece);
+            let counts = lengths
+                .iter()
+                .map(|&l| count(part(l)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let displs = displacements(&counts);
+            let total = lengths.iter().map(|&l| part(l)).sum();
+            recv.clear();
+            recv.resize(total, 0u8);
+            let send = &mine[from.min(mine.len())..from.min(mine.len()) + part(mine.len())];
+            {
+                let mut out = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
+                comm_world().all_gather_varcount_into(send, &mut out);
+            }
+            let mut at = 0;
+            for (dst, &l) in all.iter_mut().zip(&lengths) {
+                let n = part(l);
+                dst.extend_from_slice(&recv[at..at + n]);
+                at += n;
+            }
+        }
+        Ok(all)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        comm_world().barrier();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_buffer_and_differ_by_at_most_one() {
+        let (counts, displs) = split(10, 4).unwrap();
+        assert_eq!(counts, vec![3, 3, 2, 2]);
+        assert_eq!(displs, vec![0, 3, 6, 8]);
+        let (counts, displs) = split(1, 3).unwrap();
+        assert_eq!(counts, vec![1, 0, 0]);
+        assert_eq!(displs, vec![0, 1, 1]);
+        assert_eq!(displacements(&[2, 0, 5]), vec![0, 2, 2]);
+    }
+
+    /// Unit tests do not run under a launcher (tests/mpi.rs launches real ranks), so the one
+    /// thing to check here is the refusal, which must come before MPI is touched.
+    #[test]
+    fn init_without_a_launcher_is_refused() {
+        if LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
+            return;
+        }
+        assert_eq!(MpiComm::init().err(), Some(MpiInitError::NotLaunched));
+    }
+}

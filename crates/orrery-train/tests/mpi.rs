@@ -1,0 +1,346 @@
+//! The MPI backend with real processes: `mpirun -n 2` (or 3) starts this test binary once per
+//! rank, each copy runs one rank (the `rank_process` test, which does nothing unless the launching test set
+//! [`MODE_VAR`]), writes its results to a shared folder, and the launching test compares them.
+//!
+//! Needs an MPI library and its launcher (`mpirun`, or the one named by `ORRERY_MPIRUN`), so it
+//! is compiled only with the `mpi` feature: `cargo test -p orrery-train --features mpi --test mpi`.
+//! Open MPI's settings travel as environment variables rather than `mpirun` flags, so other
+//! launchers ignore them instead of rejecting the command line.
+#![cfg(feature = "mpi")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{assert_matches_single, bits, dp_config, run_single, run_threads, temp_dir};
+use orrery_train::{
+    load_corpus, make_optimizer, train_with_comm, Checkpoint, Communicator, CpuBackend, FixedClock,
+    MpiComm, RunOptions, StepMetrics, TrainObserver, Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE,
+    METRICS_FILE,
+};
+use serde::{Deserialize, Serialize};
+
+/// Set by the launching test: what the rank processes do (`trainer` or `api`).
+const MODE_VAR: &str = "ORRERY_MPI_TEST_MODE";
+/// Set by the launching test: the folder the rank processes write into.
+const DIR_VAR: &str = "ORRERY_MPI_TEST_DIR";
+/// A launch that has not finished by then has hung (a healthy one takes seconds).
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What one rank reports back.
+#[derive(Debug, Serialize, Deserialize)]
+struct RankResult {
+    rank: usize,
+    world: usize,
+    history: Vec<StepMetrics>,
+    /// Final weights as bit patterns (exact through JSON).
+    weights: Vec<u32>,
+    /// Steps that reached this rank's observer.
+    observed_steps: u64,
+}
+
+struct CountSteps(u64);
+
+impl TrainObserver for CountSteps {
+    fn on_step(&mut self, _m: &StepMetrics) {
+        self.0 += 1;
+    }
+}
+
+/// One rank's work; the MPI environment is already up.
+fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let config = dp_config();
+    match mode {
+        // The trainer itself over MPI, as tests/data_parallel.rs drives it over threads.
+        "trainer" => {
+            let mut t = Trainer::<CpuBackend>::new(
+                config.clone(),
+                load_corpus(&config).unwrap(),
+                make_optimizer(&config).unwrap(),
+                Box::new(comm),
+                Default::default(),
+            )
+            .unwrap();
+            let mut count = CountSteps(0);
+            let s = t.run(&FixedClock, &mut count).unwrap();
+            RankResult {
+                rank,
+                world,
+                history: s.history,
+                weights: bits(t.params().flat()),
+                observed_steps: count.0,
+            }
+        }
+        // The entry point `orrery train --comm mpi` uses, with an output folder: only rank 0
+        // may report progress and write files.
+        "api" => {
+            let mut config = config;
+            config.out_dir = Some(dir.join("out"));
+            let options = RunOptions {
+                clock: Arc::new(FixedClock),
+                ..RunOptions::default()
+            };
+            let mut count = CountSteps(0);
+            let s = train_with_comm(&config, &options, Box::new(comm), &mut count).unwrap();
+            RankResult {
+                rank,
+                world,
+                history: s.history,
+                weights: Vec::new(),
+                observed_steps: count.0,
+            }
+        }
+        // Every collective of the trait, on an odd world so that buffers split unevenly.
+        "collectives" => {
+            check_collectives(comm);
+            RankResult {
+                rank,
+                world,
+                history: Vec::new(),
+                weights: Vec::new(),
+                observed_steps: 0,
+            }
+        }
+        other => panic!("unknown {MODE_VAR} `{other}`"),
+    }
+}
+
+/// The trait's contract, checked on each rank of a world of 3 (mirrors the `ThreadComm` unit
+/// tests in src/comm.rs).
+fn check_collectives(mut c: MpiComm) {
+    let world = c.world_size();
+    assert_eq!(world, 3);
+    let r = c.rank();
+    let rf = r as f32;
+    // The first element's float sum depends on the association: in rank order
+    // (1 + 1e8) - 1e8 = 0, since 1e8 + 1 rounds to 1e8, whereas 1 + (1e8 - 1e8) = 1.
+    let contribution = |rank: f32| {
+        let first = [1.0, 1e8, -1e8][rank as usize];
+        [
+            first,
+            1e8 * (rank - 1.0),
+            0.1 * rank,
+            3.0,
+            -rank,
+            1e-3,
+            rank,
+        ]
+    };
+    let mut buf = contribution(rf);
+    c.all_reduce_sum_f32(&mut buf).unwrap();
+    let mut expected = contribution(0.0);
+    for rank in 1..world {
+        for (e, x) in expected.iter_mut().zip(contribution(rank as f32)) {
+            *e += x;
+        }
+    }
+    assert_eq!(expected[0], 0.0);
+    assert_eq!(bits(&buf), bits(&expected), "rank-order sum on rank {r}");
+    // Fewer elements than ranks: some ranks sum nothing.
+    let mut one = [rf + 0.5];
+    c.all_reduce_sum_f32(&mut one).unwrap();
+    assert_eq!(one, [((0.5f32 + 1.5) + 2.5)]);
+    let mut empty: [f32; 0] = [];
+    c.all_reduce_sum_f32(&mut empty).unwrap();
+
+    let mut f = vec![rf; 5];
+    c.broadcast_f32(2, &mut f).unwrap();
+    assert_eq!(f, vec![2.0; 5]);
+    let mut b = if r == 1 {
+        b"hello".to_vec()
+    } else {
+        vec![9; r * 7]
+    };
+    c.broadcast_bytes(1, &mut b).unwrap();
+    assert_eq!(b, b"hello");
+    let mine = vec![r as u8; r * 2];
+    let all = c.all_gather_bytes(&mine).unwrap();
+    assert_eq!(all, vec![vec![], vec![1, 1], vec![2, 2, 2, 2]]);
+    c.barrier().unwrap();
+
+    // Argument errors are reported alike on every rank and leave the communicator usable.
+    let mut uneven = vec![0.0f32; 1 + r];
+    assert_eq!(
+        c.all_reduce_sum_f32(&mut uneven),
+        Err(orrery_train::CommError::LengthMismatch {
+            rank: 1,
+            expected: 1,
+            found: 2
+        })
+    );
+    assert!(matches!(
+        c.broadcast_f32(0, &mut uneven),
+        Err(orrery_train::CommError::LengthMismatch { rank: 1, .. })
+    ));
+    assert_eq!(
+        c.broadcast_bytes(3, &mut b),
+        Err(orrery_train::CommError::BadRoot { root: 3, world: 3 })
+    );
+    let mut again = [1.0f32];
+    c.all_reduce_sum_f32(&mut again).unwrap();
+    assert_eq!(again, [3.0]);
+}
+
+/// The body of each rank process; an ordinary `cargo test` run passes through it doing nothing.
+#[test]
+fn rank_process() {
+    let (Some(mode), Some(dir)) = (std::env::var(MODE_VAR).ok(), std::env::var_os(DIR_VAR)) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let comm = MpiComm::init().expect("MPI initialises under the launcher");
+    let rank = comm.rank();
+    // A rank that fails must take the job down: returning (or unwinding) would finalise MPI
+    // while its peer still waits in a collective, and the launch would hang until the timeout.
+    let abort = comm.abort_handle();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let result = rank_body(&mode, &dir, comm);
+        let path = dir.join(format!("{mode}-rank{rank}.json"));
+        std::fs::write(&path, serde_json::to_vec(&result).unwrap()).unwrap();
+    }));
+    if outcome.is_err() {
+        eprintln!("rank {rank} failed; aborting the MPI job");
+        abort.abort(3);
+    }
+}
+
+/// Runs `mpirun -n RANKS` on this test binary in `mode`; returns each rank's result, by rank.
+/// Fails with the launcher's output if it fails, and kills it if it outlives [`TIMEOUT`].
+fn launch(mode: &str, ranks: usize, dir: &Path) -> Vec<RankResult> {
+    let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let exe = std::env::current_exe().unwrap();
+    let log = dir.join(format!("{mode}.log"));
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(&launcher)
+        .args(["-n", &ranks.to_string()])
+        .arg(&exe)
+        .args(["--exact", "rank_process", "--nocapture", "--test-threads=1"])
+        .env(MODE_VAR, mode)
+        .env(DIR_VAR, dir)
+        // CI runs as root in a container, which Open MPI refuses unless told twice.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Two ranks may exceed the slots Open MPI counts on a small machine (one per core).
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        // Loopback TCP between the two processes (plus `self` for a rank's messages to
+        // itself): it works in any container, whereas the shared-memory transport needs a
+        // large /dev/shm and cross-process memory access that containers often restrict.
+        .env("OMPI_MCA_btl", "self,tcp")
+        .env("OMPI_MCA_btl_tcp_if_include", "lo")
+        // The out-of-band channel between mpirun and the ranks, also on loopback.
+        .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start `{launcher}` (is MPI installed?): {e}"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > TIMEOUT {
+            // SIGTERM first: mpirun then ends its ranks too, which SIGKILL would orphan.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let grace = Instant::now();
+            while grace.elapsed() < Duration::from_secs(10) {
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "`{launcher} -n {ranks}` ({mode}) did not finish within {} s and was killed; its output:\n{}",
+                TIMEOUT.as_secs(),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        status.success(),
+        "`{launcher} -n {ranks}` ({mode}) failed with {status}; its output:\n{output}"
+    );
+    (0..ranks)
+        .map(|rank| {
+            let path = dir.join(format!("{mode}-rank{rank}.json"));
+            let bytes = std::fs::read(&path)
+                .unwrap_or_else(|e| panic!("rank {rank} wrote no result ({e}); output:\n{output}"));
+            serde_json::from_slice(&bytes).unwrap()
+        })
+        .collect()
+}
+
+/// The test for the MPI backend: 2 MPI ranks with 4 sequences each train like 1 rank
+/// with 8, within the tolerance of the threads test, and both ranks end with identical weights.
+/// The MPI all-reduce sums in rank order like the threads backend, so on top of that the MPI
+/// run reproduces the 2-thread run bit for bit.
+#[test]
+fn two_mpi_ranks_equal_one_rank_with_twice_the_batch() {
+    let dir = temp_dir("mpi-dp");
+    let ranks = launch("trainer", 2, &dir);
+    for (i, r) in ranks.iter().enumerate() {
+        assert_eq!((r.rank, r.world), (i, 2), "one rank per process");
+    }
+    assert_eq!(
+        ranks[0].history, ranks[1].history,
+        "both ranks report the same run"
+    );
+    assert_eq!(
+        ranks[0].weights, ranks[1].weights,
+        "ranks hold identical weights"
+    );
+    let config = dp_config();
+    let weights: Vec<f32> = ranks[0]
+        .weights
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+    assert_matches_single(&run_single(&config), &ranks[0].history, &weights);
+
+    let threads = run_threads(&config, 2);
+    assert_eq!(
+        ranks[0].history, threads[0].0.history,
+        "MPI run = threads run"
+    );
+    assert_eq!(
+        ranks[0].weights,
+        bits(&threads[0].1),
+        "MPI weights = threads weights"
+    );
+
+    // Through `train_with_comm`: the same run, progress and files on rank 0 only.
+    let api = launch("api", 2, &dir);
+    assert_eq!(api[0].history, ranks[0].history);
+    assert_eq!((api[0].observed_steps, api[1].observed_steps), (8, 0));
+    let out = dir.join("out");
+    let metrics = std::fs::read_to_string(out.join(METRICS_FILE)).unwrap();
+    let expected: Vec<String> = ranks[0].history.iter().map(|m| m.to_json_line()).collect();
+    assert_eq!(metrics.lines().collect::<Vec<_>>(), expected);
+    let ckpt = Checkpoint::load(&out.join(CHECKPOINT_FILE)).unwrap();
+    assert_eq!(bits(&ckpt.values), ranks[0].weights);
+    assert_eq!(ckpt.meta.world_size, 2);
+    assert!(out.join(LOSS_PLOT_FILE).exists());
+}
+
+/// Every method of the trait over MPI, on 3 ranks: rank-order sums identical on all ranks,
+/// broadcasts, an all-gather of unequal lengths, the barrier, and argument errors.
+#[test]
+fn mpi_collectives_keep_the_trait_contract() {
+    let dir = temp_dir("mpi-collectives");
+    let ranks = launch("collectives", 3, &dir);
+    for (i, r) in ranks.iter().enumerate() {
+        assert_eq!((r.rank, r.world), (i, 3));
+    }
+}
