@@ -4,9 +4,9 @@
 //! Each scenario runs with every acceleration on (the default) and, where the reference is
 //! affordable (`--reference-max-gpus`), with all of it off. The table shows wall times and
 //! their ratio, processed events, the events acceleration skipped (estimated from skipped
-//! packets), the memo hit rate and the errors the issue bounds: mean and p99 of the
-//! per-flow completion-time errors, and the error of the whole run's and of each
-//! collective's completion. Where the reference was not run, the speedup shown is the
+//! packets), the memo hit rate, the groups mirrored and the errors the issue bounds: mean
+//! and p99 of the per-flow completion-time errors, and the error of the whole run's and of
+//! each collective's completion. Where the reference was not run, the speedup shown is the
 //! event ratio `(processed + skipped) / processed`, marked "est".
 
 use anyhow::{Context, Result};
@@ -150,7 +150,7 @@ pub fn run_accel_bench(
         "orrery bench --accel: accelerated packet model (fast-forward + partitioning + memo) vs the packet-by-packet reference\n"
     );
     outln!(
-        "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>8} {:>8} {:>8} {:>8}",
+        "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
         "scenario",
         "GPUs",
         "flows",
@@ -160,6 +160,7 @@ pub fn run_accel_bench(
         "ref events",
         "events",
         "memo%",
+        "mirror",
         "meanFCT%",
         "p99FCT%",
         "end%",
@@ -169,17 +170,19 @@ pub fn run_accel_bench(
         let (fast, t_fast) = timed(PacketConfig::default(), s)?;
         let skipped = fast.stats.total_skipped_events();
         let memo = 100.0 * fast.stats.memo_hit_rate();
+        let mirrored = fast.stats.memo_mirrored;
         let line = if s.gpus <= reference_max_gpus {
             let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
             let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
             format!(
-                "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+                "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
                 t_ref,
                 t_fast,
                 t_ref / t_fast,
                 reference.report.events,
                 fast.report.events,
                 memo,
+                mirrored,
                 100.0 * e.mean_fct,
                 100.0 * e.p99_fct,
                 100.0 * e.end,
@@ -188,13 +191,14 @@ pub fn run_accel_bench(
         } else {
             let est = (fast.report.events + skipped) as f64 / fast.report.events.max(1) as f64;
             format!(
-                "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>8} {:>8} {:>8} {:>8}",
+                "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8}",
                 "-",
                 t_fast,
                 est,
                 format!("~{}", fast.report.events + skipped),
                 fast.report.events,
                 memo,
+                mirrored,
                 "-",
                 "-",
                 "-",

@@ -47,6 +47,10 @@ pub struct NetsimArgs {
     /// (`accel.memoize = false`).
     #[arg(long)]
     no_memo: bool,
+    /// Packet model: simulate every isomorphic group started at the same instant instead
+    /// of one per kind, the others mirroring it (`accel.mirror = false`).
+    #[arg(long)]
+    no_mirror: bool,
     /// Packet model: the packet-by-packet reference, every acceleration off.
     #[arg(long)]
     reference: bool,
@@ -278,12 +282,14 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted, ~{} events skipped",
+            "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted, {} mirrored ({} broken), ~{} events skipped",
             p.memo_lookups,
             p.memo_hits,
             100.0 * p.memo_hit_rate(),
             p.memo_recorded,
             p.memo_aborts,
+            p.memo_mirrored,
+            p.memo_mirror_breaks,
             p.memo_skipped_events
         );
         let _ = writeln!(
@@ -408,6 +414,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             a.fast_forward &= !(args.no_fast_forward || args.reference);
             a.partitioning &= !(args.no_partitioning || args.reference);
             a.memoize &= !(args.no_memo || args.reference);
+            a.mirror &= !(args.no_mirror || args.reference);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),

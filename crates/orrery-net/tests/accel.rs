@@ -705,3 +705,133 @@ fn a_whole_ring_is_one_episode_and_its_repeats_hit() {
     assert!(on.report.events * 4 < off.report.events, "{:?}", on.stats);
     assert!(e.mean_fct < 1e-9, "{e:?}");
 }
+
+// ---- Mirrors -------------------------------------------------------------------------
+
+fn with_mirror(mut c: PacketConfig) -> PacketConfig {
+    c.accel.memoize = true;
+    c.accel.mirror = true;
+    c
+}
+
+/// One ring all-reduce of `bytes` per rail on four rail-optimised hosts of four GPUs: ring
+/// `r` runs over GPU `r` of every host, on rail `r`'s NICs and leaf, so the four rings are
+/// isomorphic, start together and share no link (the data-parallel groups of four pipeline
+/// stages or tensor ranks).
+fn rings_on_every_rail(bytes: u64) -> (NetGraph, FlowSet) {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 4,
+        ..RailOptimizedSpec::dgx_h100(4)
+    };
+    let g = NetGraph::rail_optimized(&spec).unwrap();
+    let mut fs = FlowSet::default();
+    for rail in 0..4u32 {
+        let ranks: Vec<u32> = (0..4).map(|h| h * 4 + rail).collect();
+        collective_flows(
+            &mut fs,
+            &format!("ring{rail}"),
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 1 },
+            &ranks,
+            Bytes(bytes),
+            4,
+            Picos::from_nanos(2000),
+        )
+        .unwrap();
+    }
+    (g, fs)
+}
+
+/// Adds a flow from `src` to `dst` that starts about 40 us into the rings' first step,
+/// released by a short NVLink flow elsewhere (so it is neither a join nor a release known
+/// when the rings started: an intrusion).
+fn intruder_during_the_first_step(fs: &mut FlowSet, src: u32, dst: u32) {
+    let trigger = fs.flows.len();
+    let mut short = flow(1, 3, 100_000);
+    short.delay = us(5);
+    fs.flows.push(short);
+    let mut intruder = flow(src, dst, 2_000_000);
+    intruder.deps = vec![FlowId(trigger as u32)];
+    intruder.delay = us(35);
+    fs.flows.push(intruder);
+}
+
+#[test]
+fn isomorphic_groups_started_together_are_simulated_once() {
+    let (g, fs) = rings_on_every_rail(16_000_000);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let slow = run(with_memo(base.clone()), &g, &fs);
+    let fast = run(with_mirror(base.clone()), &g, &fs);
+    // Without mirrors every ring's first step is recorded; with them ring 0's is, and
+    // the other three follow it. Later steps of the mirrors start on links without
+    // draining packets, so they are looked up and mirrored too.
+    assert_eq!(slow.stats.memo_mirrored, 0);
+    assert_eq!(slow.stats.memo_recorded, 4, "{:?}", slow.stats);
+    assert!(fast.stats.memo_mirrored >= 3, "{:?}", fast.stats);
+    assert_eq!(fast.stats.memo_mirror_breaks, 0, "{:?}", fast.stats);
+    assert!(
+        fast.report.events * 3 < slow.report.events * 2,
+        "{:?}",
+        fast.stats
+    );
+    // Disjoint rings do not interact, so the mirrors' completions are the leader's, which
+    // are the reference's: the fast path changes nothing.
+    let e = check_bounds(&base, &off, &fast, &fs, "mirrored rings");
+    assert!(e.mean_fct < 1e-9 && e.end < 1e-9, "{e:?}");
+    let e = check_bounds(&base, &slow, &fast, &fs, "mirrors against no mirrors");
+    assert!(e.mean_fct < 1e-9, "{e:?}");
+}
+
+#[test]
+fn a_flow_intruding_on_a_mirror_breaks_only_that_mirror_within_bounds() {
+    // An unrelated flow starts on GPU 2's NIC (rail 2) while ring 2 mirrors ring 0: ring 2
+    // must be simulated from then on; rings 1 and 3 go on mirroring.
+    let (g, mut fs) = rings_on_every_rail(16_000_000);
+    intruder_during_the_first_step(&mut fs, 2, 10);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_mirror(base.clone()), &g, &fs);
+    assert!(on.stats.memo_mirrored >= 3, "{:?}", on.stats);
+    assert_eq!(on.stats.memo_mirror_breaks, 1, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "intruded mirror");
+}
+
+#[test]
+fn a_flow_intruding_on_the_leader_breaks_every_mirror_within_bounds() {
+    let (g, mut fs) = rings_on_every_rail(16_000_000);
+    let per_ring = fs.flows.len() / 4;
+    intruder_during_the_first_step(&mut fs, 0, 8);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_mirror(base.clone()), &g, &fs);
+    assert!(on.stats.memo_mirrored >= 3, "{:?}", on.stats);
+    assert_eq!(on.stats.memo_mirror_breaks, 3, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "intruded leader");
+    // The intruder slows ring 0 only (its first flow finishes later than ring 1's).
+    // Rings 1 to 3 mirrored ring 0 until then and took over its state when it was
+    // intruded: they finish exactly as in the reference, as does everything else.
+    assert!(off.report.flows[0].finish > off.report.flows[per_ring].finish);
+    assert_eq!(
+        on.report.flows[per_ring..4 * per_ring],
+        off.report.flows[per_ring..4 * per_ring]
+    );
+    assert_eq!(on.report.flows, off.report.flows);
+}
+
+#[test]
+fn a_join_the_mirrors_lack_breaks_them_within_bounds() {
+    // A flow released at a fixed time (no dependencies) onto ring 0's NIC during the first
+    // step joins ring 0's recording as a timed join; the other rings have no such flow, so
+    // they stop mirroring at that instant.
+    let (g, mut fs) = rings_on_every_rail(16_000_000);
+    let mut late = flow(0, 8, 2_000_000);
+    late.delay = us(60);
+    fs.flows.push(late);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_mirror(base.clone()), &g, &fs);
+    assert!(on.stats.memo_mirrored >= 3, "{:?}", on.stats);
+    assert_eq!(on.stats.memo_mirror_breaks, 3, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "a join only the leader has");
+}

@@ -213,6 +213,11 @@ pub struct AccelConfig {
     /// links whose simulation is already in the cache is looked up instead of simulated
     /// (see the `memo` module). Default true.
     pub memoize: bool,
+    /// Mirroring (with `memoize`): isomorphic groups that start at the same instant on
+    /// disjoint idle links, such as the data-parallel rings of every pipeline stage and
+    /// tensor rank, are simulated once; the others finish each flow when the simulated
+    /// group's matching flow finishes (see the `memo` module). Default true.
+    pub mirror: bool,
     /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
     /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow
     /// delivers ~115 packets per sample, so packet quantisation moves a sample by under 1%
@@ -251,6 +256,7 @@ impl AccelConfig {
             fast_forward: false,
             partitioning: false,
             memoize: false,
+            mirror: false,
             ..AccelConfig::default()
         }
     }
@@ -262,6 +268,7 @@ impl Default for AccelConfig {
             fast_forward: true,
             partitioning: true,
             memoize: true,
+            mirror: true,
             sample_interval: Picos::from_micros(10),
             window: 20,
             theta: 0.05,

@@ -16,6 +16,8 @@ use std::collections::VecDeque;
 
 /// "No link" (a packet at a host has no ingress link).
 pub(super) const NO_LINK: u32 = u32::MAX;
+/// Smallest ledger length worth compacting.
+const LEDGER_MIN_CAP: usize = 4096;
 
 /// What can happen. Every payload is an index into one of the engine's arenas, so an
 /// event is 8 bytes and scheduling one allocates nothing.
@@ -154,6 +156,64 @@ pub(super) struct FlowState {
     pub delivered: u64,
 }
 
+/// What of a flow's state evolves as it runs (everything but its identity, route, size
+/// and release): what a broken mirror takes over from its leader.
+#[derive(Debug, Clone)]
+pub(super) struct FlowDynamics {
+    snd_nxt: u64,
+    snd_una: u64,
+    high: u64,
+    ready_at: Picos,
+    rp: ReactionPoint,
+    rto_pending: bool,
+    last_progress: Picos,
+    retries: u32,
+    dead: bool,
+    sender_done: bool,
+    rcv_nxt: u64,
+    nack_trigger: u64,
+    last_cnp: Option<Picos>,
+    delivered: u64,
+}
+
+impl FlowState {
+    pub fn dynamics(&self) -> FlowDynamics {
+        FlowDynamics {
+            snd_nxt: self.snd_nxt,
+            snd_una: self.snd_una,
+            high: self.high,
+            ready_at: self.ready_at,
+            rp: self.rp.clone(),
+            rto_pending: self.rto_pending,
+            last_progress: self.last_progress,
+            retries: self.retries,
+            dead: self.dead,
+            sender_done: self.sender_done,
+            rcv_nxt: self.rcv_nxt,
+            nack_trigger: self.nack_trigger,
+            last_cnp: self.last_cnp,
+            delivered: self.delivered,
+        }
+    }
+
+    pub fn set_dynamics(&mut self, d: FlowDynamics) {
+        self.snd_nxt = d.snd_nxt;
+        self.snd_una = d.snd_una;
+        self.high = d.high;
+        self.ready_at = d.ready_at;
+        self.rp = d.rp;
+        self.rto_pending = d.rto_pending;
+        self.last_progress = d.last_progress;
+        self.retries = d.retries;
+        self.dead = d.dead;
+        self.sender_done = d.sender_done;
+        self.rcv_nxt = d.rcv_nxt;
+        self.nack_trigger = d.nack_trigger;
+        self.last_cnp = d.last_cnp;
+        self.delivered = d.delivered;
+    }
+}
+
 /// The whole simulation.
 #[derive(Debug)]
 pub(super) struct Engine<'a> {
@@ -192,6 +252,8 @@ pub(super) struct Engine<'a> {
     /// With partitioning: every event a jump may have to move (all but releases and
     /// samples), as scheduled; compacted to the pending ones at each fast-forward sample.
     pub ledger: Option<Vec<(EventKey, Picos, Ev)>>,
+    /// Ledger length that triggers a compaction in [`Engine::sched`].
+    ledger_cap: usize,
     /// Memoization state (`accel.memoize` only).
     pub memo: Option<Memo<'a>>,
     // Report counters.
@@ -384,7 +446,11 @@ impl<'a> Engine<'a> {
                 cfg.accel.partitioning,
             )
         });
-        let ledger = (cfg.accel.fast_forward && cfg.accel.partitioning).then(Vec::new);
+        // Partitioned jumps postpone a partition's events and broken mirrors copy their
+        // leader's, so both need the ledger of pending events.
+        let ledger = ((cfg.accel.fast_forward && cfg.accel.partitioning)
+            || (cfg.accel.memoize && cfg.accel.mirror))
+            .then(Vec::new);
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);
             for (f, slot) in pending_rel.iter().enumerate() {
@@ -407,7 +473,6 @@ impl<'a> Engine<'a> {
             paths,
             pkts: Vec::new(),
             free: Vec::new(),
-            rng: Rng::seed_from_u64(cfg.seed),
             trace,
             samples: Vec::new(),
             trace_pending,
@@ -416,7 +481,9 @@ impl<'a> Engine<'a> {
             data_packets: 0,
             ff,
             live: vec![0; flows.flows.len()],
+            rng: Rng::seed_from_u64(cfg.seed),
             ledger,
+            ledger_cap: LEDGER_MIN_CAP,
             memo,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
@@ -564,6 +631,13 @@ impl<'a> Engine<'a> {
     pub fn sched(&mut self, at: Picos, ev: Ev) -> EventKey {
         let key = self.q.schedule(at, ev);
         if let Some(l) = self.ledger.as_mut() {
+            // Fast-forward samples compact the ledger; without them (mirrors alone) it is
+            // compacted when it has doubled, amortised O(1) per event.
+            if l.len() >= self.ledger_cap {
+                let q = &self.q;
+                l.retain(|e| q.contains(e.0));
+                self.ledger_cap = (2 * l.len()).max(LEDGER_MIN_CAP);
+            }
             l.push((key, at, ev));
         }
         key

@@ -84,6 +84,39 @@
 //!   approximation: its queues start empty and its DCQCN state at line rate). The abort is
 //!   counted in [`super::PacketStats::memo_aborts`] so a report says when this happened.
 //!
+//! ## Mirrors (`accel.mirror`)
+//!
+//! Training traffic is also symmetric in space: the data-parallel rings of every pipeline
+//! stage and tensor rank, the same activation send on every rail, start at the same instant
+//! as isomorphic groups on disjoint links. The cache cannot help the first time (the
+//! entry is only stored when the recording ends), so without more every copy would be
+//! simulated. When a group released at this instant has the certificate of a group already
+//! being recorded from this same instant, it becomes a *mirror* of that *leader*: none of
+//! its packets is simulated, and each of its flows finishes exactly when the leader's flow
+//! of the same certificate position finishes. Joins are mirrored too: the leader's join
+//! is released first (equal events at equal times are processed in scheduling order, and
+//! the leader's completions come first), and the mirror's matching flow is taken only if
+//! its recorded words (in-episode dependencies, delay, size, path under the episode's
+//! naming, new links' attributes) and its release time equal the leader's.
+//!
+//! A mirror is *broken* (simulated after all) when its groups stop being alike: a release
+//! touches its links or its leader's, or one of them has a join the other has not by the
+//! end of the instant (counted in `memo_mirror_breaks`). Until then the mirror was isolated
+//! and isomorphic to its leader, so its true state is the leader's carried through the
+//! isomorphism, and that is what it gets: this is the rollback of a mirror, exact rather
+//! than estimated. Each unfinished flow takes its leader flow's sender, receiver and DCQCN
+//! state; every pending event of the leader's flows and links (arrivals, port releases,
+//! PFC frames, wake-ups, timers) is copied onto the mirror's, in scheduling order; packets
+//! queued at the leader's ports are copied into the mirror's queues in order (data packets
+//! re-enter their switch, which redoes buffer and PFC accounting); and each host port
+//! serves its queue pairs in the leader port's round-robin order. The engine keeps its
+//! ledger of pending events whenever mirrors are on, to find what to copy. Tests check
+//! that mirrors broken by an intrusion on their leader finish exactly as in the reference.
+//! Two things stay approximate: ECN marking draws come from one random stream, so where
+//! marking is probabilistic a run that simulates fewer packets draws other numbers (as
+//! with hits and jumps), and a switch buffer pool shared by a leader and its mirror held
+//! only the leader's packets.
+//!
 //! ## The cache
 //!
 //! [`MemoCache`] lives across runs when the caller keeps one (the `orrery netsim --memo-cache`
@@ -92,7 +125,7 @@
 //! atomically; a corrupt or foreign file is reported and ignored, never trusted.
 
 use super::config::PacketConfig;
-use super::engine::{Engine, Ev};
+use super::engine::{Engine, Ev, Kind, Packet, NO_LINK};
 use crate::flows::FlowSet;
 use orrery_des::{EventKey, EventQueue};
 use orrery_units::Picos;
@@ -399,6 +432,16 @@ struct Episode {
     node_names: HashMap<u32, u64>,
     joins: Vec<u64>,
     new_links: Vec<u64>,
+    /// Where each join's words start in `joins` and its link records in `new_links`, so
+    /// a mirror can compare its own joins.
+    join_at: Vec<(usize, usize)>,
+    /// A live mirror: the recording episode it mirrors (`NONE` otherwise).
+    leader: u32,
+    /// Whether the episode started as a mirror (its skipped events are estimated at the
+    /// run's events per packet, as it never had a recording of its own).
+    mirror: bool,
+    /// A recording episode's live mirrors.
+    followers: Vec<u32>,
 }
 
 /// Per-run memoization state (`accel.memoize` only).
@@ -432,6 +475,11 @@ pub(super) struct Memo<'a> {
     /// The flows whose release is scheduled, per link they will use (short lists: a flow
     /// is in them from the scheduling of its release to the release).
     pending_on: Vec<Vec<u32>>,
+    /// `accel.mirror`.
+    mirror_on: bool,
+    /// Joins of leaders (episode, index in its flows) whose mirrors must have matched
+    /// them by the decision event of this instant.
+    mirror_checks: Vec<(u32, usize)>,
 }
 
 impl<'a> Memo<'a> {
@@ -470,6 +518,8 @@ impl<'a> Memo<'a> {
             finish_at: vec![None; flows],
             owned: 0,
             link_mark: vec![NONE; links],
+            mirror_on: cfg.accel.mirror,
+            mirror_checks: Vec::new(),
         }
     }
 }
@@ -504,24 +554,30 @@ impl Engine<'_> {
     /// release is checked against live episodes on its links.
     pub(super) fn memo_on_release(&mut self, f: u32) -> bool {
         let links = self.links_of(f);
-        if let Some((id, memoized)) = self.memo_join_target(f, &links) {
+        if let Some(target) = self.memo_join_target(f, &links) {
             if let Some(m) = self.memo.as_mut() {
                 for &l in &links {
                     m.users[l as usize] += 1;
                 }
                 m.idle[f as usize] = false;
             }
-            if memoized {
-                self.memo_own_join(id, f);
-                return true;
-            }
-            self.memo_record_join(id, f, &links);
-            return false;
+            return match target {
+                JoinTarget::Memoized(id) => {
+                    self.memo_own_join(id, f);
+                    true
+                }
+                JoinTarget::Recording(id) => {
+                    self.memo_record_join(id, f, &links);
+                    false
+                }
+                JoinTarget::Mirror(id) => self.memo_mirror_join(id, f, &links),
+            };
         }
         let Some(m) = self.memo.as_mut() else {
             return false;
         };
         let mut abort = Vec::new();
+        let mut led = Vec::new();
         for &l in &links {
             let id = m.link_episode[l as usize];
             if id == NONE {
@@ -533,6 +589,9 @@ impl Engine<'_> {
                     abort.push(id);
                 }
             } else {
+                if !ep.intruded && !ep.followers.is_empty() {
+                    led.push(id);
+                }
                 ep.intruded = true;
             }
         }
@@ -556,6 +615,9 @@ impl Engine<'_> {
         }
         for id in abort {
             self.memo_abort(id);
+        }
+        for id in led {
+            self.memo_break_followers(id);
         }
         deferred
     }
@@ -585,6 +647,8 @@ impl Engine<'_> {
         };
         m.decide_pending = false;
         let deferred = std::mem::take(&mut m.deferred);
+        let checks = std::mem::take(&mut m.mirror_checks);
+        self.memo_check_mirrors(checks);
         // Group by shared links: each link remembers the first group that used it.
         let mut link_lists = Vec::with_capacity(deferred.len());
         for &f in &deferred {
@@ -651,6 +715,7 @@ impl Engine<'_> {
                 }
             }
         }
+        let mut leaders = Vec::new();
         for (members, ok) in groups.values().zip(clean) {
             let flows: Vec<u32> = members.iter().map(|&i| deferred[i]).collect();
             if !ok {
@@ -659,13 +724,14 @@ impl Engine<'_> {
                 }
                 continue;
             }
-            self.memo_start_group(&flows);
+            self.memo_start_group(&flows, &mut leaders);
         }
     }
 
     /// Starts an isolated group: from the cache if it is there and would not be intruded by
-    /// its own dependents, else simulated and recorded.
-    fn memo_start_group(&mut self, flows: &[u32]) {
+    /// its own dependents; else as a mirror of an isomorphic group recorded from this same
+    /// instant (`leaders`: certificate and episode of each); else simulated and recorded.
+    fn memo_start_group(&mut self, flows: &[u32], leaders: &mut Vec<(Vec<u64>, u32)>) {
         let (order, cert, link_order, node_order) = self.certificate(flows);
         self.stats.memo_lookups += 1;
         let entries: Vec<Entry> = self
@@ -689,15 +755,32 @@ impl Engine<'_> {
             }
             self.stats.memo_declined += 1;
         }
-        let id = self.memo_begin_episode(order, cert, false, 0.0, 0);
-        if let Some(ep) = self
+        let leader = self
             .memo
-            .as_mut()
-            .and_then(|m| m.episodes.get_mut(id as usize))
-        {
+            .as_ref()
+            .filter(|m| m.mirror_on)
+            .and_then(|_| leaders.iter().find(|(c, _)| *c == cert))
+            .map(|&(_, id)| id);
+        let id = self.memo_begin_episode(order, cert.clone(), leader.is_some(), 0.0, 0);
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
+        if let Some(ep) = m.episodes.get_mut(id as usize) {
             ep.link_names = (0u64..).zip(&link_order).map(|(k, &l)| (l, k)).collect();
             ep.node_names = (0u64..).zip(&node_order).map(|(k, &n)| (n, k)).collect();
+            if let Some(leader) = leader {
+                ep.leader = leader;
+                ep.mirror = true;
+            }
         }
+        if let Some(leader) = leader {
+            if let Some(l) = m.episodes.get_mut(leader as usize) {
+                l.followers.push(id);
+            }
+            self.stats.memo_mirrored += 1;
+            return;
+        }
+        leaders.push((cert, id));
         for &f in flows {
             self.start_qp(f);
         }
@@ -743,6 +826,10 @@ impl Engine<'_> {
             node_names: HashMap::new(),
             joins: Vec::new(),
             new_links: Vec::new(),
+            join_at: Vec::new(),
+            leader: NONE,
+            mirror: false,
+            followers: Vec::new(),
         });
         id
     }
@@ -1030,33 +1117,33 @@ impl Engine<'_> {
     /// expected join of a memoized episode, or every dependency of `f` is in a recording
     /// (unspoiled) episode or finished before it started and every link of `f` is idle or
     /// the episode's.
-    fn memo_join_target(&self, f: u32, links: &[u32]) -> Option<(u32, bool)> {
+    fn memo_join_target(&self, f: u32, links: &[u32]) -> Option<JoinTarget> {
         let m = self.memo.as_ref()?;
         // An expected join of a memoized episode was marked when the hit was verified.
         let own = m.flow_episode[f as usize];
         if let Some(ep) = m.episodes.get(own as usize) {
-            if ep.hit && ep.left > 0 {
-                return Some((own, true));
+            if ep.hit && !ep.mirror && ep.left > 0 {
+                return Some(JoinTarget::Memoized(own));
             }
         }
         let deps = m.deps_of(f);
-        let live_recording = |e: u32| {
+        let joinable = |e: u32| {
             e != NONE
-                && m.episodes
-                    .get(e as usize)
-                    .is_some_and(|ep| ep.left > 0 && !ep.hit && !ep.intruded)
+                && m.episodes.get(e as usize).is_some_and(|ep| {
+                    ep.left > 0 && ((!ep.hit && !ep.intruded) || ep.leader != NONE)
+                })
         };
         // The episode of a dependency (a dependent join), else of a link (a timed join:
         // a release fixed before the episode started that lands on its links).
         let id = deps
             .iter()
             .map(|&d| m.flow_episode[d as usize])
-            .find(|&e| live_recording(e))
+            .find(|&e| joinable(e))
             .or_else(|| {
                 links
                     .iter()
                     .map(|&l| m.link_episode[l as usize])
-                    .find(|&e| live_recording(e))
+                    .find(|&e| joinable(e))
             })?;
         let ep = &m.episodes[id as usize];
         for &d in deps {
@@ -1067,37 +1154,95 @@ impl Engine<'_> {
                 }
             }
         }
-        links
+        let free = links
             .iter()
-            .all(|&l| m.users[l as usize] == 0 || m.link_episode[l as usize] == id)
-            .then_some((id, false))
+            .all(|&l| m.users[l as usize] == 0 || m.link_episode[l as usize] == id);
+        free.then_some(if ep.leader != NONE {
+            JoinTarget::Mirror(id)
+        } else {
+            JoinTarget::Recording(id)
+        })
     }
 
     /// Flow `f` joins recording episode `id`: it is simulated as usual, and the episode
-    /// records its in-episode dependencies, size, delay and path (naming new links).
+    /// records its in-episode dependencies, size, delay and path (naming new links). Its
+    /// mirrors must match it by this instant's decision event.
     fn memo_record_join(&mut self, id: u32, f: u32, links: &[u32]) {
-        let attrs: Vec<(u32, u32, [u64; 5])> = links
-            .iter()
-            .map(|&l| {
-                let p = &self.ports[l as usize];
-                (p.from, p.to, link_attrs(p))
-            })
-            .collect();
-        let (delay, npkts, last) = {
-            let fl = &self.flows[f as usize];
-            (fl.delay.0, fl.npkts, u64::from(fl.last_payload))
+        let Some(words) = self.join_words(id, f, links) else {
+            return;
         };
-        let now = Picos(self.now.0 + self.offset.0);
+        self.memo_add_join(id, f, links, words);
+        let now = self.now;
         let Some(m) = self.memo.as_mut() else {
             return;
         };
-        let deps = &m.deps[m.deps_at[f as usize] as usize..m.deps_at[f as usize + 1] as usize];
-        let mut inside: Vec<u64> = deps
+        let Some(ep) = m.episodes.get(id as usize) else {
+            return;
+        };
+        if !ep.followers.is_empty() {
+            m.mirror_checks.push((id, ep.flows.len() - 1));
+            if !m.decide_pending {
+                m.decide_pending = true;
+                self.q.schedule(now, Ev::MemoDecide);
+            }
+        }
+    }
+
+    /// What episode `id` records of flow `f` joining it now (see [`Entry::shape`]) under
+    /// the episode's naming: the join's words, the records of the links it names first,
+    /// and those links and nodes in naming order. Read-only; [`Engine::memo_add_join`]
+    /// commits it.
+    fn join_words(&self, id: u32, f: u32, links: &[u32]) -> Option<JoinWords> {
+        let m = self.memo.as_ref()?;
+        let ep = m.episodes.get(id as usize)?;
+        let fl = &self.flows[f as usize];
+        let now = self.now.0 + self.offset.0;
+        let mut inside: Vec<u64> = m
+            .deps_of(f)
             .iter()
             .filter(|&&d| m.flow_episode[d as usize] == id)
             .map(|&d| u64::from(m.index[d as usize]))
             .collect();
         inside.sort_unstable();
+        let mut jw = JoinWords::default();
+        if inside.is_empty() {
+            // Timed: released at a fixed offset from the episode's start.
+            jw.words
+                .extend([JOIN_TIMED, now.saturating_sub(ep.start.0)]);
+        } else {
+            jw.words.extend([JOIN_DEPENDENT, inside.len() as u64]);
+            jw.words.extend(&inside);
+            jw.words.push(fl.delay.0);
+        }
+        jw.words
+            .extend([fl.npkts, u64::from(fl.last_payload), links.len() as u64]);
+        for &l in links {
+            let name = match ep.link_names.get(&l) {
+                Some(&n) => n,
+                None => match jw.new_links.iter().position(|&x| x == l) {
+                    Some(i) => (ep.link_names.len() + i) as u64,
+                    None => {
+                        let p = &self.ports[l as usize];
+                        let from = jw.node_name(&ep.node_names, p.from);
+                        let to = jw.node_name(&ep.node_names, p.to);
+                        jw.records.extend([from, to]);
+                        jw.records.extend(link_attrs(p));
+                        jw.new_links.push(l);
+                        (ep.link_names.len() + jw.new_links.len() - 1) as u64
+                    }
+                },
+            };
+            jw.words.push(name);
+        }
+        Some(jw)
+    }
+
+    /// Adds flow `f` to episode `id` as its next join, with the words [`Engine::join_words`]
+    /// gave, and claims its links for the episode.
+    fn memo_add_join(&mut self, id: u32, f: u32, links: &[u32], jw: JoinWords) {
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
         let Some(ep) = m.episodes.get_mut(id as usize) else {
             return;
         };
@@ -1105,30 +1250,384 @@ impl Engine<'_> {
         m.flow_episode[f as usize] = id;
         ep.flows.push(f);
         ep.left += 1;
-        if inside.is_empty() {
-            // Timed: released at a fixed offset from the episode's start.
-            ep.joins
-                .extend([JOIN_TIMED, now.0.saturating_sub(ep.start.0)]);
-        } else {
-            ep.joins.extend([JOIN_DEPENDENT, inside.len() as u64]);
-            ep.joins.extend(&inside);
-            ep.joins.push(delay);
+        ep.join_at.push((ep.joins.len(), ep.new_links.len()));
+        ep.joins.extend(jw.words);
+        ep.new_links.extend(jw.records);
+        for l in jw.new_links {
+            let k = ep.link_names.len() as u64;
+            ep.link_names.insert(l, k);
         }
-        ep.joins.extend([npkts, last, links.len() as u64]);
-        for (&l, (from, to, a)) in links.iter().zip(attrs) {
-            let next = ep.link_names.len() as u64;
-            let name = *ep.link_names.entry(l).or_insert(next);
-            if name == next {
-                let mut node = |n: u32| {
-                    let k = ep.node_names.len() as u64;
-                    *ep.node_names.entry(n).or_insert(k)
-                };
-                let (a0, a1) = (node(from), node(to));
-                ep.new_links.extend([a0, a1]);
-                ep.new_links.extend(a);
-            }
-            ep.joins.push(name);
+        for n in jw.new_nodes {
+            let k = ep.node_names.len() as u64;
+            ep.node_names.insert(n, k);
+        }
+        for &l in links {
             m.link_episode[l as usize] = id;
+        }
+    }
+
+    /// Flow `f`, released now, would join mirror `id`: it is taken if its leader's next
+    /// join, released at this same instant, has the same words and new links (it then
+    /// finishes when that flow does). Otherwise the two groups are no longer alike: the
+    /// mirror is broken and `f` is simulated. Returns whether `f` was taken.
+    fn memo_mirror_join(&mut self, id: u32, f: u32, links: &[u32]) -> bool {
+        let Some(jw) = self.join_words(id, f, links) else {
+            return false;
+        };
+        let matched = self.memo.as_ref().and_then(|m| {
+            let ep = m.episodes.get(id as usize)?;
+            let leader = m.episodes.get(ep.leader as usize)?;
+            let j = ep.flows.len().checked_sub(ep.initial)?;
+            let h = *leader.flows.get(leader.initial + j)?;
+            let (w, r) = *leader.join_at.get(j)?;
+            let (w_end, r_end) = leader
+                .join_at
+                .get(j + 1)
+                .copied()
+                .unwrap_or((leader.joins.len(), leader.new_links.len()));
+            let alike = leader.joins.get(w..w_end)? == jw.words.as_slice()
+                && leader.new_links.get(r..r_end)? == jw.records.as_slice()
+                && self.flows[h as usize].start == self.flows[f as usize].start;
+            alike.then_some(h)
+        });
+        let Some(h) = matched else {
+            self.memo_break_mirror(id);
+            return false;
+        };
+        self.memo_add_join(id, f, links, jw);
+        if self.flows[h as usize].finish.is_some() {
+            self.memo_mirror_finish(f);
+        }
+        true
+    }
+
+    /// Flow `f` of a mirror finishes now, as its leader's matching flow just did.
+    fn memo_mirror_finish(&mut self, f: u32) {
+        let now = self.now;
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
+        if m.finish_at[f as usize].is_some() || self.flows[f as usize].finish.is_some() {
+            return;
+        }
+        let key = self.q.schedule(now, Ev::MemoFinish(f));
+        m.finish_at[f as usize] = Some((now, key));
+        m.owned += 1;
+    }
+
+    /// Mirror `id` stops mirroring. Up to now it was isolated and isomorphic to its leader,
+    /// so its exact state is the leader's carried over through the isomorphism: each
+    /// unfinished flow takes its leader flow's sender, receiver and DCQCN state and timers,
+    /// and every packet of the leader flow in flight or queued is copied onto the mirror's
+    /// links with the same pending times (ports busy, paused or waking likewise), with
+    /// switch buffer accounting redone as the copies enter their queues
+    /// ([`Engine::memo_clone_mirror`]; the engine keeps its event ledger whenever mirrors
+    /// are on). Counted in [`super::PacketStats::memo_mirror_breaks`].
+    fn memo_break_mirror(&mut self, id: u32) {
+        let per_packet = self.run_events_per_packet();
+        let Some(m) = self.memo.as_mut() else {
+            return;
+        };
+        let Some(ep) = m.episodes.get_mut(id as usize) else {
+            return;
+        };
+        let leader = ep.leader;
+        if leader == NONE {
+            return;
+        }
+        ep.leader = NONE;
+        ep.hit = false;
+        ep.intruded = true;
+        ep.cert = Vec::new();
+        let flows = ep.flows.clone();
+        let by_name: HashMap<u64, u32> = ep.link_names.iter().map(|(&l, &k)| (k, l)).collect();
+        let Some(l) = m.episodes.get_mut(leader as usize) else {
+            return;
+        };
+        l.followers.retain(|&x| x != id);
+        let leader_flows = l.flows.clone();
+        // The isomorphism on links: leader link to the mirror link of the same name.
+        let phi: HashMap<u32, u32> = l
+            .link_names
+            .iter()
+            .filter_map(|(&ll, k)| by_name.get(k).map(|&fl| (ll, fl)))
+            .collect();
+        self.stats.memo_mirror_breaks += 1;
+        let mut pairs = Vec::new();
+        for (k, g) in flows.into_iter().enumerate() {
+            let scheduled = self
+                .memo
+                .as_ref()
+                .is_some_and(|m| m.finish_at[g as usize].is_some());
+            if scheduled || self.flows[g as usize].finish.is_some() {
+                continue;
+            }
+            // Every flow of a live mirror has its leader's flow at the same index.
+            let Some(&h) = leader_flows.get(k) else {
+                self.start_qp(g);
+                continue;
+            };
+            pairs.push((h, g));
+            let credited = self.flows[h as usize].rcv_nxt;
+            self.stats.memo_skipped_events += (credited as f64 * per_packet).round() as u64;
+        }
+        if !pairs.is_empty() {
+            self.memo_clone_mirror(&pairs, &phi);
+        }
+    }
+
+    /// Gives the mirror's flows the state of their leader flows (`pairs`: leader flow,
+    /// mirror flow; see [`Engine::memo_break_mirror`]); `phi` maps the leader's links to the
+    /// mirror's. Pending events are copied in the order they were scheduled, so events at
+    /// equal times keep their order.
+    fn memo_clone_mirror(&mut self, pairs: &[(u32, u32)], phi: &HashMap<u32, u32>) {
+        let map = |l: u32| {
+            if l == NO_LINK {
+                Some(NO_LINK)
+            } else {
+                phi.get(&l).copied()
+            }
+        };
+        let flow_map: HashMap<u32, u32> = pairs.iter().copied().collect();
+        // Delivered packets are credited as a hit's are (bytes, links, ACKs); packets in
+        // flight are accounted as their copies are made.
+        for &(h, g) in pairs {
+            let delivered = self.flows[h as usize].rcv_nxt;
+            self.memo_credit(g, delivered);
+            let state = self.flows[h as usize].dynamics();
+            self.flows[g as usize].set_dynamics(state);
+        }
+        let mut links: Vec<u32> = Vec::new();
+        let mut seen = HashSet::new();
+        for &(h, _) in pairs {
+            for l in self.flow_links(h) {
+                if seen.insert(l) && phi.contains_key(&l) {
+                    links.push(l);
+                }
+            }
+        }
+        for &l in &links {
+            let (busy, paused) = (self.ports[l as usize].busy, self.ports[l as usize].paused);
+            let p = &mut self.ports[phi[&l] as usize];
+            p.busy |= busy;
+            p.paused |= paused;
+        }
+        let pending: Vec<(Picos, Ev)> = self
+            .ledger
+            .as_ref()
+            .map(|l| {
+                l.iter()
+                    .filter(|e| self.q.contains(e.0))
+                    .map(|e| (e.1, e.2))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let on = |l: &u32| seen.contains(l);
+        for (t, ev) in pending {
+            let copy = match ev {
+                Ev::PortFree(l) if on(&l) => Ev::PortFree(phi[&l]),
+                Ev::Pause(l) if on(&l) => Ev::Pause(phi[&l]),
+                Ev::Resume(l) if on(&l) => Ev::Resume(phi[&l]),
+                Ev::PortWake(l) if on(&l) => {
+                    let ml = phi[&l];
+                    let key = self.sched(t, Ev::PortWake(ml));
+                    self.ports[ml as usize].wake = Some((t, key));
+                    continue;
+                }
+                Ev::Rto(f) => match flow_map.get(&f) {
+                    Some(&g) => Ev::Rto(g),
+                    None => continue,
+                },
+                Ev::RpDecrease(f) => match flow_map.get(&f) {
+                    Some(&g) => Ev::RpDecrease(g),
+                    None => continue,
+                },
+                Ev::RpIncrease(f) => match flow_map.get(&f) {
+                    Some(&g) => Ev::RpIncrease(g),
+                    None => continue,
+                },
+                Ev::Arrive(p) => {
+                    let pk = self.pkts[p as usize];
+                    let Some(&g) = flow_map.get(&pk.flow) else {
+                        continue;
+                    };
+                    let (Some(link), Some(in_link)) = (map(pk.link), map(pk.in_link)) else {
+                        continue;
+                    };
+                    let copy = self.alloc(Packet {
+                        flow: g,
+                        link,
+                        in_link,
+                        ..pk
+                    });
+                    self.memo_account_copy(&pk, g, true);
+                    Ev::Arrive(copy)
+                }
+                _ => continue,
+            };
+            self.sched(t, copy);
+        }
+        // Packets queued at ports, in queue order: control frames join the mapped control
+        // queue; data at a switch re-enters the mapped switch as if it had just arrived
+        // over the mapped ingress link (buffer and PFC accounting redone).
+        for &l in &links {
+            let ml = phi[&l];
+            let mine = |q: &std::collections::VecDeque<u32>| -> Vec<u32> {
+                q.iter()
+                    .copied()
+                    .filter(|&p| flow_map.contains_key(&self.pkts[p as usize].flow))
+                    .collect()
+            };
+            let (ctrl, data) = (
+                mine(&self.ports[l as usize].ctrl),
+                mine(&self.ports[l as usize].data),
+            );
+            for p in ctrl {
+                let pk = self.pkts[p as usize];
+                let copy = self.alloc(Packet {
+                    flow: flow_map[&pk.flow],
+                    link: ml,
+                    in_link: map(pk.in_link).unwrap_or(NO_LINK),
+                    ..pk
+                });
+                self.memo_account_copy(&pk, flow_map[&pk.flow], false);
+                self.ports[ml as usize].ctrl.push_back(copy);
+            }
+            for p in data {
+                let pk = self.pkts[p as usize];
+                let Some(in_link) = map(pk.in_link).filter(|&x| x != NO_LINK) else {
+                    continue;
+                };
+                let g = flow_map[&pk.flow];
+                let copy = self.alloc(Packet {
+                    flow: g,
+                    link: in_link,
+                    in_link: NO_LINK,
+                    hop: pk.hop.saturating_sub(1),
+                    ..pk
+                });
+                self.memo_account_copy(&pk, g, false);
+                self.switch_arrive(copy);
+            }
+        }
+        // Queue pairs: each mirror host port lists the mirror's flows after its own earlier
+        // (finished) queue pairs, in its leader port's order, and serves next the one its
+        // leader port serves next, so a queue pair started later is served where it would
+        // have been.
+        for &l in &links {
+            if self.ports[l as usize].from_switch {
+                continue;
+            }
+            let ml = phi[&l];
+            let (qps, rr) = (
+                self.ports[l as usize].qps.clone(),
+                self.ports[l as usize].rr,
+            );
+            let n = qps.len();
+            let next = (0..n).find_map(|k| flow_map.get(&qps[(rr + k) % n]).copied());
+            let port = &mut self.ports[ml as usize];
+            port.qps
+                .extend(qps.iter().filter_map(|f| flow_map.get(f).copied()));
+            if let Some(g) = next {
+                port.rr = port.qps.iter().position(|&x| x == g).unwrap_or(0);
+            }
+        }
+        for &(_, g) in pairs {
+            self.ff_on_release(g);
+        }
+        for &l in &links {
+            self.try_send(phi[&l]);
+        }
+    }
+
+    /// Accounts a copy of packet `pk` made for mirror flow `g` as the original was
+    /// accounted: a data packet was sent and carried over every hop of its path before its
+    /// current one, and over the current one too when it is on the wire (`on_wire`) rather
+    /// than queued for it; an ACK in flight is counted when it arrives, so the ACKs
+    /// credited with the delivered packets must not include it.
+    fn memo_account_copy(&mut self, pk: &Packet, g: u32, on_wire: bool) {
+        match pk.kind {
+            Kind::Data => {
+                self.bytes_sent += u64::from(pk.payload);
+                let (start, _) = self.flows[g as usize].fwd;
+                for hop in 0..pk.hop + u32::from(on_wire) {
+                    let l = self.paths[(start + hop) as usize];
+                    self.link_bytes[l as usize] += u64::from(pk.payload);
+                }
+            }
+            Kind::Ack => self.stats.acks = self.stats.acks.saturating_sub(1),
+            Kind::Nack | Kind::Cnp => {}
+        }
+    }
+
+    /// Leader flow `f` finished: the matching flow of each of its mirrors finishes now too;
+    /// a mirror without one is broken.
+    fn memo_mirror_leader_finish(&mut self, f: u32) {
+        let Some(m) = self.memo.as_ref() else {
+            return;
+        };
+        let id = m.flow_episode[f as usize];
+        let Some(ep) = m.episodes.get(id as usize) else {
+            return;
+        };
+        if ep.followers.is_empty() {
+            return;
+        }
+        let k = m.index[f as usize] as usize;
+        let pairs: Vec<(u32, Option<u32>)> = ep
+            .followers
+            .iter()
+            .map(|&b| (b, m.episodes[b as usize].flows.get(k).copied()))
+            .collect();
+        for (b, g) in pairs {
+            match g {
+                Some(g) => self.memo_mirror_finish(g),
+                None => self.memo_break_mirror(b),
+            }
+        }
+    }
+
+    /// Breaks every mirror of leader `id` (it was intruded, so they no longer match it).
+    fn memo_break_followers(&mut self, id: u32) {
+        let followers = self
+            .memo
+            .as_ref()
+            .and_then(|m| m.episodes.get(id as usize))
+            .map(|e| e.followers.clone())
+            .unwrap_or_default();
+        for b in followers {
+            self.memo_break_mirror(b);
+        }
+    }
+
+    /// The decision event's check of this instant's leader joins: a mirror that did not
+    /// match one (its own counterpart was not released with it) is broken.
+    fn memo_check_mirrors(&mut self, checks: Vec<(u32, usize)>) {
+        for (leader, at) in checks {
+            let unmatched: Vec<u32> = self
+                .memo
+                .as_ref()
+                .and_then(|m| m.episodes.get(leader as usize).map(|l| (m, l)))
+                .map(|(m, l)| {
+                    l.followers
+                        .iter()
+                        .copied()
+                        .filter(|&b| m.episodes[b as usize].flows.len() <= at)
+                        .collect()
+                })
+                .unwrap_or_default();
+            for b in unmatched {
+                self.memo_break_mirror(b);
+            }
+        }
+    }
+
+    /// Events per simulated data packet so far (the skipped-events estimate's rate).
+    fn run_events_per_packet(&self) -> f64 {
+        if self.data_packets > 0 {
+            self.events as f64 / self.data_packets as f64
+        } else {
+            0.0
         }
     }
 
@@ -1157,14 +1656,17 @@ impl Engine<'_> {
 
     /// A memoized flow reaches its stored completion: account its bytes and finish it.
     pub(super) fn memo_finish(&mut self, f: u32) {
+        let run_rate = self.run_events_per_packet();
         let per_packet = match self.memo.as_mut() {
             Some(m) => {
                 m.finish_at[f as usize] = None;
                 m.owned -= 1;
                 let id = m.flow_episode[f as usize];
-                m.episodes
-                    .get(id as usize)
-                    .map_or(0.0, |e| e.events_per_packet)
+                match m.episodes.get(id as usize) {
+                    Some(e) if e.mirror => run_rate,
+                    Some(e) => e.events_per_packet,
+                    None => 0.0,
+                }
             }
             None => return,
         };
@@ -1215,6 +1717,15 @@ impl Engine<'_> {
     /// A release touched the links of memoized episode `id`: its unfinished flows become
     /// real queue pairs at the progress their stored completion implies (linear in time).
     fn memo_abort(&mut self, id: u32) {
+        if self
+            .memo
+            .as_ref()
+            .and_then(|m| m.episodes.get(id as usize))
+            .is_some_and(|e| e.leader != NONE)
+        {
+            self.memo_break_mirror(id);
+            return;
+        }
         let now = self.now;
         let Some(m) = self.memo.as_mut() else {
             return;
@@ -1250,11 +1761,8 @@ impl Engine<'_> {
 
     /// Bookkeeping when flow `f` finishes: its episode may be complete (and stored).
     pub(super) fn memo_on_finish(&mut self, f: u32) {
-        let per_packet = if self.data_packets > 0 {
-            self.events as f64 / self.data_packets as f64
-        } else {
-            0.0
-        };
+        let per_packet = self.run_events_per_packet();
+        self.memo_mirror_leader_finish(f);
         let mut store = None;
         if let Some(m) = self.memo.as_mut() {
             let id = m.flow_episode[f as usize];
@@ -1447,6 +1955,44 @@ impl Naming {
         self.links.extend(links);
         self.node_set.extend(&nodes);
         self.nodes.extend(nodes);
+    }
+}
+
+/// The live episode a released flow joins (see [`Engine::memo_join_target`]).
+#[derive(Debug, Clone, Copy)]
+enum JoinTarget {
+    /// An expected join of a memoized episode (a hit).
+    Memoized(u32),
+    /// A recording episode.
+    Recording(u32),
+    /// A mirror, which takes the flow only if its leader has the same join.
+    Mirror(u32),
+}
+
+/// A join as an episode records it (see [`Engine::join_words`]).
+#[derive(Debug, Default)]
+struct JoinWords {
+    words: Vec<u64>,
+    /// `(from node, to node, link attributes..)` of each link the join names first.
+    records: Vec<u64>,
+    new_links: Vec<u32>,
+    new_nodes: Vec<u32>,
+}
+
+impl JoinWords {
+    /// The name of `node`: the episode's, else the next new one.
+    fn node_name(&mut self, named: &HashMap<u32, u64>, node: u32) -> u64 {
+        if let Some(&k) = named.get(&node) {
+            return k;
+        }
+        let i = match self.new_nodes.iter().position(|&x| x == node) {
+            Some(i) => i,
+            None => {
+                self.new_nodes.push(node);
+                self.new_nodes.len() - 1
+            }
+        };
+        (named.len() + i) as u64
     }
 }
 

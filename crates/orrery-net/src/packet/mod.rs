@@ -307,6 +307,12 @@ pub struct PacketStats {
     /// simulated episodes not stored because another flow intruded.
     pub memo_declined: u64,
     pub memo_spoiled: u64,
+    /// Groups that mirrored an isomorphic group started at the same instant instead of
+    /// being simulated (`accel.mirror`), and mirrors that had to be simulated after all
+    /// because the two stopped being alike (an intrusion on either, or a join one of them
+    /// did not have); a broken mirror takes over its leader's exact state.
+    pub memo_mirrored: u64,
+    pub memo_mirror_breaks: u64,
     /// Data packets memoized episodes did not simulate (their bytes are in the report), and
     /// the events that saves (estimated as for fast-forwarding).
     pub memo_skipped_packets: u64,
