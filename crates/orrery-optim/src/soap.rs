@@ -38,6 +38,16 @@
 //! - The initial eigendecomposition is always computed inline, even in asynchronous mode: the
 //!   first call updates nothing, so there is nothing to overlap it with.
 //!
+//! Step size compared with AdamW (a property of the algorithm, not of this implementation):
+//! Adam normalises every coordinate it works in. AdamW works in the original coordinates, each
+//! of which carries a share of a low-rank gradient, so each moves by about `lr`. SOAP works in
+//! the eigenbasis, where such a gradient sits in a few coordinates and the rest carry mostly
+//! noise, whose normalised first moment is small. So at the same learning rate SOAP's early
+//! updates are much smaller than AdamW's, and the better the basis tracks the gradients the
+//! smaller they are (freezing the first basis makes SOAP behave much like Adam). SOAP
+//! usually wants a larger learning rate than AdamW in short runs. The published comparisons
+//! tune each optimizer's rate separately.
+//!
 //! Asynchronous refresh ([`RefreshMode::Async`]): at a refresh step the statistics and current
 //! basis are snapshotted and sent to a worker; at most one refresh per parameter is in flight
 //! (a refresh due while the previous one is unfinished first waits for it). The new basis is

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::noise;
+use common::{noise, step_one};
 use orrery_optim::{Optimizer, Param, RefreshMode, Soap, SoapConfig, Tier, TierConfig};
 use proptest::prelude::*;
 
@@ -186,16 +186,7 @@ fn corrupted_spill_file_is_reported_by_the_step() {
     });
     let mut x = noise(1, 12);
     let g = noise(2, 12);
-    opt.step(
-        0.01,
-        &mut [Param {
-            name: "w",
-            shape: &[3, 4],
-            value: &mut x,
-            grad: &g,
-        }],
-    )
-    .unwrap();
+    step_one(&mut opt, 0.01, &[3, 4], &mut x, &g);
     let key = Soap::state_key("w", "v");
     assert_eq!(opt.store().tier_of(&key), Some(Tier::Disk));
     let path = opt.store().spill_path(&key).unwrap().to_owned();
@@ -470,4 +461,75 @@ fn shampoo_async_resume_with_roots_in_flight_is_bit_exact() {
         x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     );
+}
+
+/// The wait of each call of an optimizer on one `n`×`n` matrix with fresh gradients.
+fn waits(opt: &mut dyn Optimizer, n: usize, calls: u64) -> Vec<f64> {
+    let mut x = noise(1, n * n);
+    (0..calls)
+        .map(|c| {
+            let g = noise(500 + c, n * n);
+            opt.step(
+                0.01,
+                &mut [Param {
+                    name: "w",
+                    shape: &[n, n],
+                    value: &mut x,
+                    grad: &g,
+                }],
+            )
+            .unwrap()
+            .wait_seconds
+        })
+        .collect()
+}
+
+#[test]
+fn a_step_that_blocks_on_a_refresh_reports_its_wait() {
+    // Staleness 0 makes every refresh due at the very step that requests it, so that step
+    // must block until a worker has done one power iteration and a QR of a 96×96 statistic:
+    // its wait has to be counted. Steps without a refresh in flight block on nothing and
+    // report exactly zero; so does the synchronous optimizer, which never waits for a worker
+    // (its refresh time is part of the step, not a wait). Only "> 0" is asserted about the
+    // clock.
+    let (n, freq) = (96, 3);
+    let sync = SoapConfig {
+        precondition_frequency: freq,
+        ..SoapConfig::default()
+    };
+    let asy = SoapConfig {
+        refresh: RefreshMode::Async {
+            workers: 1,
+            staleness: 0,
+            apply_at_deadline: false,
+        },
+        ..sync.clone()
+    };
+    let w = waits(&mut Soap::new(asy), n, 10);
+    // Call 0 builds the preconditioner; call c is SOAP step c, which refreshes when
+    // c % freq == 0.
+    for (c, &wait) in w.iter().enumerate() {
+        if c > 0 && (c as u64).is_multiple_of(freq) {
+            assert!(
+                wait > 0.0,
+                "call {c} blocked on its refresh but reported {wait}"
+            );
+        } else {
+            assert_eq!(wait, 0.0, "call {c} had nothing to wait for");
+        }
+    }
+    assert!(waits(&mut Soap::new(sync), n, 10).iter().all(|&w| w == 0.0));
+
+    // Shampoo's inverse roots go through the same machinery.
+    let shampoo = orrery_optim::ShampooConfig {
+        precondition_frequency: freq,
+        refresh: RefreshMode::Async {
+            workers: 1,
+            staleness: 0,
+            apply_at_deadline: false,
+        },
+        ..orrery_optim::ShampooConfig::default()
+    };
+    let w = waits(&mut orrery_optim::Shampoo::new(shampoo), n, 10);
+    assert!(w.iter().any(|&x| x > 0.0), "{w:?}");
 }

@@ -5,7 +5,7 @@ mod common;
 
 use common::lockstep::lockstep;
 
-use common::{noise, RefShampoo};
+use common::{noise, step_one, RefShampoo};
 use orrery_optim::{Optimizer, Param, Shampoo, ShampooConfig};
 
 fn compare(shape: &[usize], bdim: usize, freq: u64, shampoo_beta: f32, steps: u64, tol: f64) {
@@ -96,16 +96,7 @@ fn shampoo_state_round_trips_bit_exactly() {
     let mut x = noise(5, 12);
     for s in 0..3 {
         let g = noise(300 + s, 12);
-        a.step(
-            0.01,
-            &mut [Param {
-                name: "w",
-                shape: &[3, 4],
-                value: &mut x,
-                grad: &g,
-            }],
-        )
-        .unwrap();
+        step_one(&mut a, 0.01, &[3, 4], &mut x, &g);
     }
     let bytes = a.save_state();
     let mut b = Shampoo::new(cfg);
@@ -113,26 +104,8 @@ fn shampoo_state_round_trips_bit_exactly() {
     let mut y = x.clone();
     for s in 3..6 {
         let g = noise(300 + s, 12);
-        a.step(
-            0.01,
-            &mut [Param {
-                name: "w",
-                shape: &[3, 4],
-                value: &mut x,
-                grad: &g,
-            }],
-        )
-        .unwrap();
-        b.step(
-            0.01,
-            &mut [Param {
-                name: "w",
-                shape: &[3, 4],
-                value: &mut y,
-                grad: &g,
-            }],
-        )
-        .unwrap();
+        step_one(&mut a, 0.01, &[3, 4], &mut x, &g);
+        step_one(&mut b, 0.01, &[3, 4], &mut y, &g);
     }
     assert_eq!(
         x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),

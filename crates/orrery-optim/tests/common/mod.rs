@@ -10,6 +10,26 @@
 
 pub mod lockstep;
 
+/// One step of `opt` on a single parameter `w` of `shape`.
+pub fn step_one<O: orrery_optim::Optimizer + ?Sized>(
+    opt: &mut O,
+    lr: f32,
+    shape: &[usize],
+    value: &mut [f32],
+    grad: &[f32],
+) {
+    opt.step(
+        lr,
+        &mut [orrery_optim::Param {
+            name: "w",
+            shape,
+            value,
+            grad,
+        }],
+    )
+    .unwrap();
+}
+
 pub type M = Vec<f64>;
 
 pub fn matmul(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> M {
