@@ -31,6 +31,11 @@
 //!   (in refresh periods; at most one refresh per parameter is in flight); staleness 0 is
 //!   bit-identical to the synchronous optimizer. [`StepReport::wait_seconds`] says how long a
 //!   step waited. Saved state includes refreshes in flight (as their inputs).
+//! - *Split refreshes* ([`SplitRefresh`]): on data-parallel ranks, which hold identical state,
+//!   each SOAP basis refresh is computed by one owner rank and the new basis reaches the others
+//!   through [`Optimizer::step_shared`]'s [`RankGroup`] (one all-gather per step), only when it
+//!   changed by more than a threshold or has been kept too often. Threshold 0 is bit-identical
+//!   to every rank refreshing everything; [`StepReport`] counts bases sent and kept.
 //! - *Tiered state* ([`tiers`]): each of SOAP's state tensors is placed on the device, in host
 //!   memory or on disk by its access pattern under per-tier byte budgets; spilled tensors are
 //!   checksummed files written atomically, and a corrupt one is an error
@@ -49,8 +54,9 @@
 //! # What this crate does not do
 //!
 //! It does not compute gradients, clip them or schedule the learning rate (the trainer does);
-//! it does not talk to other ranks (refresh sharding across data-parallel ranks belongs to the
-//! trainer's communicator layer); it does not use a GPU — on the CPU the "device" tier is RAM
+//! it does not connect to other ranks (it decides what a split refresh sends, and the caller's
+//! [`RankGroup`] carries it); it splits only SOAP's refreshes (Shampoo's inverse roots are
+//! still computed on every rank) and does not shard optimizer state; it does not use a GPU — on the CPU the "device" tier is RAM
 //! accounted separately; it does not migrate tensors between tiers after placement; and only
 //! SOAP's state is tiered (Shampoo and AdamW keep theirs resident).
 
@@ -67,7 +73,8 @@ pub mod tiers;
 pub use adamw::{AdamW, AdamWConfig};
 pub use shampoo::{block_ranges, Shampoo, ShampooConfig};
 pub use soap::{
-    refresh_basis, rotate, rotate_back, RefreshMode, Soap, SoapConfig, SOAP_DEFAULT_LR,
+    assign_owners, basis_change, refresh_basis, rotate, rotate_back, RefreshMode, Soap, SoapConfig,
+    SplitRefresh, SOAP_DEFAULT_LR,
 };
 pub use tiers::{Tier, TierConfig, TierUsage};
 
@@ -86,6 +93,15 @@ pub struct Param<'a> {
 pub struct StepReport {
     /// Wall time the step spent waiting for preconditioner work, in seconds.
     pub wait_seconds: f64,
+    /// Split refreshes ([`SplitRefresh`]): refreshed bases that their owners sent and every
+    /// rank installed this step.
+    pub bases_sent: u64,
+    /// Split refreshes: refreshes whose owner kept the old basis (changed too little) and sent
+    /// only that decision.
+    pub bases_kept: u64,
+    /// Split refreshes: refreshes this rank computed as their owner (the other ranks' share
+    /// of the work it did not do is `bases_sent + bases_kept - bases_computed`).
+    pub bases_computed: u64,
 }
 
 /// Errors of an optimizer step or of restoring optimizer state.
@@ -101,6 +117,38 @@ pub enum OptimError {
     /// Spilled state could not be read or written, or was corrupt.
     #[error(transparent)]
     Spill(#[from] tiers::TierError),
+    /// Exchanging refreshed bases with the other ranks failed, or what arrived was not a
+    /// valid exchange message.
+    #[error("basis exchange: {0}")]
+    Exchange(String),
+}
+
+/// The data-parallel group as an optimizer sees it: its rank, the number of ranks, and one
+/// collective. Every rank of the group calls [`Optimizer::step_shared`] with identical
+/// parameters and gradients, so every rank reaches the same collectives in the same order. The
+/// trainer implements it over its communicator; this crate never opens a connection itself.
+pub trait RankGroup {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Every rank's bytes, indexed by rank, on every rank.
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, String>;
+}
+
+/// A group of one rank (the identity collective), for single-rank callers and tests.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SoloGroup;
+
+impl RankGroup for SoloGroup {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+        Ok(vec![mine.to_vec()])
+    }
 }
 
 /// An optimizer over named `f32` parameters. `lr` is this step's learning rate (the caller owns
@@ -116,6 +164,20 @@ pub trait Optimizer: Send {
     /// not break other implementations.
     fn state_usage(&self) -> TierUsage {
         TierUsage::default()
+    }
+
+    /// [`Optimizer::step`] on one rank of a data-parallel group whose ranks all hold the same
+    /// parameters, gradients and state. An optimizer may split work across the group here (SOAP
+    /// with [`SoapConfig::split`]); the default, and SOAP without a split, is `step`, which
+    /// uses no collective.
+    fn step_shared(
+        &mut self,
+        lr: f32,
+        params: &mut [Param<'_>],
+        group: &mut dyn RankGroup,
+    ) -> Result<StepReport, OptimError> {
+        let _ = group;
+        self.step(lr, params)
     }
 }
 

@@ -56,14 +56,32 @@
 //! `staleness * precondition_frequency` steps after it was requested, waiting if needed. With
 //! `staleness = 0` it is installed at exactly the point where the synchronous optimizer
 //! installs it, from the same inputs through the same code, so results are bit-identical.
+//!
+//! Split refreshes ([`SplitRefresh`], through [`Optimizer::step_shared`]): data-parallel ranks
+//! hold identical gradients and state, so refreshing every basis on every rank repeats the same
+//! work `world` times. With a split, each refresh is computed only by its parameter's owner
+//! ([`assign_owners`]: the rotated parameters in the order given, weighted by the cube of
+//! their rotated sides, largest first to the least-loaded rank). At the end of the step every
+//! rank's decisions travel in one all-gather, and every rank applies all of them in rank order:
+//! install this basis, or keep the one in use. Installing at the end of the step instead of at
+//! the parameter's own update changes nothing, because a new basis is first used at the
+//! parameter's next step; so with threshold 0 (always send) a split run is bit-identical to an
+//! unsplit one. With a positive threshold the owner keeps the basis in use when
+//! [`basis_change`] (eigenvalue-weighted misalignment of each new basis vector with the one it
+//! descends from) is at most the threshold, unless it has already been kept over `max_kept`
+//! consecutive refreshes; a kept refresh costs the others only its decision. The decision is
+//! the owner's and every rank applies it, so no rank can diverge; the count of consecutive
+//! keeps is part of the saved state (format `ORSOAP02`; `ORSOAP01` state is still read, with
+//! no keeps). The initial eigendecomposition is not split (every rank computes it, from the
+//! same gradient, on the first call), and a split needs [`RefreshMode::Sync`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::linalg::{self, LinalgError};
 use crate::runtime::{Inflight, WorkerPool};
 use crate::state::{Reader, Writer};
 use crate::tiers::{Access, TierConfig, TierUsage, TieredStore};
-use crate::{check_param, OptimError, Optimizer, Param, StepReport};
+use crate::{check_param, OptimError, Optimizer, Param, RankGroup, StepReport};
 
 /// The published default learning rate (the caller passes the learning rate to each step).
 pub const SOAP_DEFAULT_LR: f32 = 3e-3;
@@ -104,6 +122,30 @@ pub struct SoapConfig {
     pub refresh: RefreshMode,
     /// Tier budgets for the state; `None` (default) keeps everything on the device.
     pub tiers: Option<TierConfig>,
+    /// Split basis refreshes across the data-parallel ranks of
+    /// [`Optimizer::step_shared`]; `None` (default): every rank refreshes every basis. Needs
+    /// [`RefreshMode::Sync`]. Plain [`Optimizer::step`] ignores it (a group of one).
+    pub split: Option<SplitRefresh>,
+}
+
+/// How [`Soap`] shares basis refreshes among data-parallel ranks (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SplitRefresh {
+    /// The owner keeps the old basis when [`basis_change`] is at most this; 0 (or less) sends
+    /// every refreshed basis, which is bit-identical to every rank refreshing everything.
+    pub threshold: f32,
+    /// The owner sends a refreshed basis, however small the change, once the basis in use has
+    /// been kept over this many consecutive refreshes (0: always send).
+    pub max_kept: u64,
+}
+
+impl Default for SplitRefresh {
+    fn default() -> Self {
+        Self {
+            threshold: 0.0,
+            max_kept: 4,
+        }
+    }
 }
 
 impl Default for SoapConfig {
@@ -117,6 +159,7 @@ impl Default for SoapConfig {
             max_precond_dim: 10_000,
             refresh: RefreshMode::Sync,
             tiers: None,
+            split: None,
         }
     }
 }
@@ -133,11 +176,18 @@ pub(crate) struct RefreshJob {
     cols: usize,
 }
 
+/// One side of a refresh: the order of the old basis' columns and the new basis.
+type NewSide = (Vec<usize>, Vec<f32>);
+
 /// Per side: the permutation applied to the old basis' columns and the new basis.
 #[derive(Debug, Clone)]
 pub(crate) struct RefreshResult {
-    left: Option<(Vec<usize>, Vec<f32>)>,
-    right: Option<(Vec<usize>, Vec<f32>)>,
+    left: Option<NewSide>,
+    right: Option<NewSide>,
+    /// Per side, the estimated eigenvalue of each new column (the weights of
+    /// [`basis_change`]). Only the rank that computed the refresh has them; they are not
+    /// sent, and installing a basis does not read them.
+    eig: (Vec<f64>, Vec<f64>),
 }
 
 type RefreshOutcome = Result<RefreshResult, LinalgError>;
@@ -152,11 +202,12 @@ pub fn refresh_basis(
     q: &[f32],
     n: usize,
 ) -> Result<(Vec<usize>, Vec<f32>), LinalgError> {
-    refresh_side(stat, q, n)
+    refresh_side(stat, q, n).map(|(side, _)| side)
 }
 
 /// One power iteration + QR for one side (see the module docs).
-fn refresh_side(stat: &[f32], q: &[f32], n: usize) -> Result<(Vec<usize>, Vec<f32>), LinalgError> {
+/// Also returns the estimated eigenvalues in the new column order.
+fn refresh_side(stat: &[f32], q: &[f32], n: usize) -> Result<(NewSide, Vec<f64>), LinalgError> {
     let q64: Vec<f64> = q.iter().map(|&x| f64::from(x)).collect();
     let sq = linalg::matmul_f32_f64(stat, &q64, n); // L Q
                                                     // λ̂_c = q_cᵀ L q_c, the Rayleigh quotient of each current basis vector.
@@ -174,19 +225,193 @@ fn refresh_side(stat: &[f32], q: &[f32], n: usize) -> Result<(Vec<usize>, Vec<f3
         }
     }
     let qn = linalg::qr_q(&power, n)?;
-    Ok((perm, linalg::to_f32(&qn)))
+    let sorted = perm.iter().map(|&c| est[c]).collect();
+    Ok(((perm, linalg::to_f32(&qn)), sorted))
 }
 
 pub(crate) fn compute_refresh(job: &RefreshJob) -> RefreshOutcome {
-    let left = match &job.left {
-        Some((l, q)) => Some(refresh_side(l, q, job.rows)?),
-        None => None,
+    let side = |snap: &Option<SideSnapshot>, n: usize| match snap {
+        Some((s, q)) => refresh_side(s, q, n).map(|(side, eig)| (Some(side), eig)),
+        None => Ok((None, Vec::new())),
     };
-    let right = match &job.right {
-        Some((r, q)) => Some(refresh_side(r, q, job.cols)?),
-        None => None,
-    };
-    Ok(RefreshResult { left, right })
+    let (left, left_eig) = side(&job.left, job.rows)?;
+    let (right, right_eig) = side(&job.right, job.cols)?;
+    Ok(RefreshResult {
+        left,
+        right,
+        eig: (left_eig, right_eig),
+    })
+}
+
+/// Which rank refreshes each item: `costs[i]` is item `i`'s work, and the result is each
+/// item's owner in `0..world`. Largest items first (ties by index), each to the rank with the
+/// least work so far (ties to the lower rank) — the classic longest-processing-time rule, whose
+/// busiest rank has at most 4/3 of the optimal makespan. It is a pure function of its inputs,
+/// so every rank computes the same assignment without talking to the others.
+pub fn assign_owners(costs: &[u64], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&a, &b| costs[b].cmp(&costs[a]).then(a.cmp(&b)));
+    let mut load = vec![0u64; world];
+    let mut owner = vec![0usize; costs.len()];
+    for i in order {
+        let mut best = 0;
+        for r in 1..world {
+            if load[r] < load[best] {
+                best = r;
+            }
+        }
+        owner[i] = best;
+        load[best] = load[best].saturating_add(costs[i]);
+    }
+    owner
+}
+
+/// How far a refresh moved a basis: `1 − Σ_c w_c |⟨q_old[:, perm[c]], q_new[:, c]⟩| / Σ_c w_c`,
+/// in `[0, 1]`, for `n×n` row-major bases whose columns are basis vectors, the column order
+/// `perm` that [`refresh_basis`] returned, and a weight `w_c ≥ 0` per new column (negative
+/// weights count as 0; empty `weights`, or weights summing to 0, weigh every column equally).
+/// SOAP weighs each column by its estimated eigenvalue.
+///
+/// Why this measure: SOAP's moments are per coordinate of the basis, so what matters is
+/// whether each basis vector moved, not whether the spanned space did (a full basis always
+/// spans everything, so a subspace distance would be zero). Each new column is compared with
+/// the old column it descends from; the absolute value ignores the sign flips QR may
+/// introduce; and the value is unchanged when both bases are rotated by the same orthogonal
+/// matrix. Weighting by eigenvalue makes the directions that carry the gradients' energy
+/// decide: in a side larger than the gradients' rank most eigenvalues are (nearly) zero, their
+/// eigenvectors turn arbitrarily from one refresh to the next, and the moments in those
+/// coordinates are (nearly) zero, so keeping them loses nothing. A pure reordering of the
+/// columns measures 0: keeping the old basis then loses nothing but the new order.
+pub fn basis_change(old: &[f32], perm: &[usize], new: &[f32], n: usize, weights: &[f64]) -> f64 {
+    let w = |c: usize| weights.get(c).map_or(1.0, |&x| x.max(0.0));
+    let total: f64 = (0..n.min(perm.len())).map(w).sum();
+    let uniform = weights.is_empty() || total <= 0.0 || !total.is_finite();
+    let (mut aligned, mut sum_w) = (0.0f64, 0.0f64);
+    for (c, &src) in perm.iter().enumerate().take(n) {
+        let dot: f64 = (0..n)
+            .map(|i| f64::from(old[i * n + src]) * f64::from(new[i * n + c]))
+            .sum();
+        let wc = if uniform { 1.0 } else { w(c) };
+        aligned += wc * dot.abs();
+        sum_w += wc;
+    }
+    if sum_w <= 0.0 {
+        return 0.0;
+    }
+    (1.0 - aligned / sum_w).clamp(0.0, 1.0)
+}
+
+/// The rows and columns a parameter of this shape is viewed as, and which sides are rotated.
+fn sides(shape: &[usize], max_dim: usize) -> (usize, usize, bool, bool) {
+    let n: usize = shape.iter().product();
+    if shape.len() >= 2 {
+        let (rows, cols) = (shape[0], shape[1..].iter().product());
+        (rows, cols, rows <= max_dim, cols <= max_dim)
+    } else {
+        (1, n, false, false)
+    }
+}
+
+/// What the owner of a refresh decided, as sent to every rank.
+#[derive(Debug)]
+enum Decision {
+    /// Install this refreshed basis.
+    Send(RefreshResult),
+    /// Keep the basis in use: the refresh changed it too little.
+    Keep,
+    /// The refresh failed on the owner; every rank reports this error.
+    Failed(String),
+}
+
+/// The split refresh of the step in progress: the parameters this rank refreshes and what it
+/// decided for each refresh that fell due.
+#[derive(Debug, Default)]
+struct SplitStep {
+    owned: BTreeSet<String>,
+    decisions: Vec<(String, Decision)>,
+}
+
+const SPLIT_TAG: &[u8; 8] = b"ORSPLIT1";
+
+fn encode_decisions(decisions: &[(String, Decision)]) -> Vec<u8> {
+    let mut w = Writer::new(SPLIT_TAG);
+    w.u64(decisions.len() as u64);
+    for (name, d) in decisions {
+        w.str(name);
+        match d {
+            Decision::Keep => w.u8(0),
+            Decision::Send(res) => {
+                w.u8(1);
+                for side in [&res.left, &res.right] {
+                    match side {
+                        None => w.u8(0),
+                        Some((perm, q)) => {
+                            w.u8(1);
+                            w.usizes(perm);
+                            w.f32s(q);
+                        }
+                    }
+                }
+            }
+            Decision::Failed(msg) => {
+                w.u8(2);
+                w.str(msg);
+            }
+        }
+    }
+    w.finish()
+}
+
+fn decode_decisions(bytes: &[u8]) -> Result<Vec<(String, Decision)>, OptimError> {
+    let mut r = Reader::new(bytes, SPLIT_TAG)?;
+    let n = r.len()?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.str()?;
+        let d = match r.u8()? {
+            0 => Decision::Keep,
+            1 => {
+                let mut side = || -> Result<Option<NewSide>, OptimError> {
+                    Ok(match r.u8()? {
+                        0 => None,
+                        _ => Some((r.usizes()?, r.f32s()?)),
+                    })
+                };
+                let left = side()?;
+                let right = side()?;
+                Decision::Send(RefreshResult {
+                    left,
+                    right,
+                    eig: (Vec::new(), Vec::new()),
+                })
+            }
+            2 => Decision::Failed(r.str()?),
+            x => {
+                return Err(OptimError::Exchange(format!(
+                    "parameter `{name}`: invalid decision {x}"
+                )))
+            }
+        };
+        out.push((name, d));
+    }
+    r.end()?;
+    Ok(out)
+}
+
+/// Checks that a received side (permutation and basis) fits a side of size `n`.
+fn check_side(side: &Option<NewSide>, on: bool, n: usize) -> bool {
+    match side {
+        None => !on,
+        Some((perm, q)) => {
+            let mut seen = vec![false; n];
+            on && perm.len() == n
+                && q.len() == n * n
+                && perm
+                    .iter()
+                    .all(|&i| i < n && !std::mem::replace(&mut seen[i], true))
+        }
+    }
 }
 
 /// `Q_Lᵀ G Q_R` (identity on a side without a basis).
@@ -231,6 +456,37 @@ pub fn rotate_back(
         x = o;
     }
     x
+}
+
+/// The owner's choice for a finished refresh: send it when splitting has no threshold, when
+/// the basis in use has been kept as often as allowed, or when either side moved by more than
+/// the threshold ([`basis_change`]); otherwise keep the basis in use.
+fn decide(
+    res: RefreshResult,
+    t: &Tensors,
+    kept: u64,
+    cfg: &SoapConfig,
+    rows: usize,
+    cols: usize,
+) -> Decision {
+    let Some(split) = cfg.split else {
+        return Decision::Send(res);
+    };
+    if split.threshold <= 0.0 || kept >= split.max_kept {
+        return Decision::Send(res);
+    }
+    let change =
+        |side: &Option<NewSide>, old: &Option<Vec<f32>>, eig: &[f64], n: usize| match (side, old) {
+            (Some((perm, q)), Some(old)) => basis_change(old, perm, q, n, eig),
+            _ => 0.0,
+        };
+    let moved =
+        change(&res.left, &t.ql, &res.eig.0, rows).max(change(&res.right, &t.qr, &res.eig.1, cols));
+    if moved > f64::from(split.threshold) {
+        Decision::Send(res)
+    } else {
+        Decision::Keep
+    }
 }
 
 /// The state tensors of one parameter while it is being updated.
@@ -284,6 +540,8 @@ struct SoapParam {
     /// Adam steps taken (the reference's `state["step"]`).
     step: u64,
     pending: Option<Pending>,
+    /// Split refreshes: consecutive refreshes over which the basis in use was kept.
+    kept: u64,
 }
 
 fn key(name: &str, part: &str) -> String {
@@ -299,9 +557,13 @@ pub struct Soap {
     params: BTreeMap<String, SoapParam>,
     store: TieredStore,
     pool: Option<WorkerPool>,
+    /// Set only inside a split [`Optimizer::step_shared`].
+    split_step: Option<SplitStep>,
 }
 
-const SOAP_TAG: &[u8; 8] = b"ORSOAP01";
+/// State written before split refreshes existed (no `kept` counters); still read.
+const SOAP_TAG_V1: &[u8; 8] = b"ORSOAP01";
+const SOAP_TAG: &[u8; 8] = b"ORSOAP02";
 const SOAP_ERR_TAG: &[u8; 8] = b"ORSOAPER";
 
 impl Soap {
@@ -316,6 +578,7 @@ impl Soap {
             params: BTreeMap::new(),
             store,
             pool,
+            split_step: None,
         }
     }
 
@@ -409,6 +672,7 @@ impl Soap {
                 right,
                 step: 0,
                 pending: None,
+                kept: 0,
             },
         );
         Ok(left || right)
@@ -583,10 +847,23 @@ impl Soap {
                 rows,
                 cols,
             };
-            match &self.pool {
-                None => t.install(compute_refresh(&job)?, rows, cols),
-                Some(pool) => {
-                    st.pending = Some(Pending::submit(pool, step, job, compute_refresh));
+            if let Some(split) = &mut self.split_step {
+                // Split: only the owner refreshes, and nobody installs until every owner's
+                // decision has arrived (`step_shared`). Installing later in the step changes
+                // nothing, because a parameter's new basis is first used at its next step.
+                if split.owned.contains(p.name) {
+                    let d = match compute_refresh(&job) {
+                        Ok(res) => decide(res, t, st.kept, cfg, rows, cols),
+                        Err(e) => Decision::Failed(e.to_string()),
+                    };
+                    split.decisions.push((p.name.to_owned(), d));
+                }
+            } else {
+                match &self.pool {
+                    None => t.install(compute_refresh(&job)?, rows, cols),
+                    Some(pool) => {
+                        st.pending = Some(Pending::submit(pool, step, job, compute_refresh));
+                    }
                 }
             }
         }
@@ -634,6 +911,7 @@ impl Soap {
             w.usizes(&st.shape);
             w.u8(u8::from(st.left) | (u8::from(st.right) << 1));
             w.u64(st.step);
+            w.u64(st.kept);
             w.f32s(&self.store.read(&key(name, "m"))?);
             w.f32s(&self.store.read(&key(name, "v"))?);
             if st.left {
@@ -674,7 +952,7 @@ struct Loaded {
     tensors: Vec<(&'static str, Vec<f32>, Access)>,
 }
 
-fn read_param(r: &mut Reader<'_>) -> Result<Loaded, OptimError> {
+fn read_param(r: &mut Reader<'_>, has_kept: bool) -> Result<Loaded, OptimError> {
     let bad = |m: String| OptimError::BadState(m);
     let name = r.str()?;
     let shape = r.usizes()?;
@@ -692,6 +970,7 @@ fn read_param(r: &mut Reader<'_>) -> Result<Loaded, OptimError> {
         (1, n)
     };
     let step = r.u64()?;
+    let kept = if has_kept { r.u64()? } else { 0 };
     let mut tensors = Vec::new();
     let mut expect = |r: &mut Reader<'_>, part: &'static str, len: usize, acc: Access| {
         let x = r.f32s()?;
@@ -752,6 +1031,7 @@ fn read_param(r: &mut Reader<'_>) -> Result<Loaded, OptimError> {
         right,
         step,
         pending,
+        kept,
     };
     Ok(Loaded {
         name,
@@ -781,6 +1061,103 @@ impl Optimizer for Soap {
         Ok(report)
     }
 
+    fn step_shared(
+        &mut self,
+        lr: f32,
+        params: &mut [Param<'_>],
+        group: &mut dyn RankGroup,
+    ) -> Result<StepReport, OptimError> {
+        if self.config.split.is_none() {
+            return self.step(lr, params);
+        }
+        if self.config.refresh != RefreshMode::Sync {
+            return Err(OptimError::Exchange(
+                "split refreshes need synchronous refreshes (RefreshMode::Sync)".into(),
+            ));
+        }
+        // Owners are assigned over the rotated parameters in the order given, weighted by the
+        // cubic cost of their decompositions; every rank passes the same parameters, so every
+        // rank computes the same owners.
+        let max_dim = self.config.max_precond_dim;
+        let mut rotated = Vec::new();
+        let mut costs = Vec::new();
+        for p in params.iter() {
+            let (rows, cols, left, right) = sides(p.shape, max_dim);
+            if (left || right) && !p.value.is_empty() {
+                let cube = |n: usize, on: bool| if on { (n as u64).saturating_pow(3) } else { 0 };
+                rotated.push(p.name.to_owned());
+                costs.push(cube(rows, left).saturating_add(cube(cols, right)));
+            }
+        }
+        let (rank, world) = (group.rank(), group.world_size());
+        let owners = assign_owners(&costs, world);
+        let owned = rotated
+            .into_iter()
+            .zip(owners)
+            .filter(|&(_, o)| o == rank)
+            .map(|(n, _)| n)
+            .collect();
+        self.split_step = Some(SplitStep {
+            owned,
+            decisions: Vec::new(),
+        });
+        let stepped = self.step(lr, params);
+        let split = self.split_step.take().unwrap_or_default();
+        let mut report = stepped?;
+        report.bases_computed = split.decisions.len() as u64;
+        let all = group
+            .all_gather_bytes(&encode_decisions(&split.decisions))
+            .map_err(OptimError::Exchange)?;
+        if all.len() != world {
+            return Err(OptimError::Exchange(format!(
+                "{} messages from a group of {world}",
+                all.len()
+            )));
+        }
+        // Every rank applies every owner's decisions in rank order, so all ranks make the
+        // same changes to their (identical) state.
+        let mut failure = None;
+        for bytes in &all {
+            for (name, d) in decode_decisions(bytes)? {
+                let Some(st) = self.params.get_mut(&name) else {
+                    return Err(OptimError::Exchange(format!(
+                        "a decision for unknown parameter `{name}`"
+                    )));
+                };
+                match d {
+                    Decision::Keep => {
+                        st.kept += 1;
+                        report.bases_kept += 1;
+                    }
+                    Decision::Send(res) => {
+                        st.kept = 0;
+                        let (rows, cols, left, right) = (st.rows, st.cols, st.left, st.right);
+                        if !check_side(&res.left, left, rows)
+                            || !check_side(&res.right, right, cols)
+                        {
+                            return Err(OptimError::Exchange(format!(
+                                "parameter `{name}`: a received basis has the wrong size"
+                            )));
+                        }
+                        let mut t = self.take(&name, left, right)?;
+                        t.install(res, rows, cols);
+                        self.put(&name, t)?;
+                        report.bases_sent += 1;
+                    }
+                    Decision::Failed(msg) => {
+                        failure.get_or_insert(OptimError::Exchange(format!(
+                            "parameter `{name}`: the owner's refresh failed: {msg}"
+                        )));
+                    }
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
     /// Refresh snapshots in flight are not counted.
     fn state_usage(&self) -> TierUsage {
         self.store.usage()
@@ -807,11 +1184,12 @@ impl Optimizer for Soap {
                 "the state could not be saved: {msg}"
             )));
         }
-        let mut r = Reader::new(bytes, SOAP_TAG)?;
+        let v1 = bytes.get(..8) == Some(SOAP_TAG_V1.as_slice());
+        let mut r = Reader::new(bytes, if v1 { SOAP_TAG_V1 } else { SOAP_TAG })?;
         let n = r.len()?;
         let mut loaded = Vec::new();
         for _ in 0..n {
-            loaded.push(read_param(&mut r)?);
+            loaded.push(read_param(&mut r, !v1)?);
         }
         r.end()?;
         // Everything parsed: only now replace the current state.
@@ -825,5 +1203,83 @@ impl Optimizer for Soap {
             self.params.insert(l.name, l.param);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn every_item_has_one_owner_and_the_work_is_balanced() {
+        let costs: Vec<u64> = (0..23u64).map(|i| (i * 37 % 11 + 1).pow(3)).collect();
+        for world in 1..=6 {
+            let owners = assign_owners(&costs, world);
+            assert_eq!(owners.len(), costs.len());
+            assert!(owners.iter().all(|&o| o < world));
+            let mut load = vec![0u64; world];
+            for (&o, &c) in owners.iter().zip(&costs) {
+                load[o] += c;
+            }
+            let (max, min) = (load.iter().max().unwrap(), load.iter().min().unwrap());
+            // Greedy assignment to the least-loaded rank: the spread is at most one item.
+            assert!(max - min <= *costs.iter().max().unwrap(), "{load:?}");
+            assert_eq!(owners, assign_owners(&costs, world), "deterministic");
+        }
+        assert_eq!(assign_owners(&[5, 5, 5], 0), vec![0, 0, 0], "world 0 is 1");
+        assert_eq!(assign_owners(&[1, 9, 4], 5), vec![2, 0, 1], "largest first");
+        assert!(assign_owners(&[], 3).is_empty());
+    }
+
+    /// A rotation by `angle` in the plane of columns 0 and 1 of the 3×3 identity.
+    fn turned(angle: f64) -> Vec<f32> {
+        let (c, s) = (angle.cos() as f32, angle.sin() as f32);
+        vec![c, -s, 0.0, s, c, 0.0, 0.0, 0.0, 1.0]
+    }
+
+    #[test]
+    fn the_change_measure_ignores_signs_order_and_common_rotations() {
+        let id = turned(0.0);
+        let perm = [0, 1, 2];
+        assert_eq!(basis_change(&id, &perm, &id, 3, &[]), 0.0);
+        let flipped = [-1.0f32, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, -1.0];
+        assert_eq!(basis_change(&id, &perm, &flipped, 3, &[]), 0.0, "signs");
+        // Columns reordered, with the permutation that says so.
+        let swapped = [0.0f32, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0];
+        assert_eq!(
+            basis_change(&id, &[1, 0, 2], &swapped, 3, &[]),
+            0.0,
+            "order"
+        );
+        // Two of three vectors turn by 60°: each keeps |cos| = 1/2 of its alignment.
+        let a = std::f64::consts::FRAC_PI_3;
+        let d = basis_change(&id, &perm, &turned(a), 3, &[]);
+        assert!((d - (1.0 - (0.5 + 0.5 + 1.0) / 3.0)).abs() < 1e-6, "{d}");
+        // The same change seen after rotating both bases is the same change.
+        let u = turned(0.7);
+        let mul = |x: &[f32], y: &[f32]| {
+            let mut o = vec![0.0f32; 9];
+            crate::linalg::matmul(x, y, &mut o, 3, 3, 3);
+            o
+        };
+        let d2 = basis_change(&mul(&u, &id), &perm, &mul(&u, &turned(a)), 3, &[]);
+        assert!((d - d2).abs() < 1e-6, "{d} vs {d2}");
+        // Weighted by eigenvalue: a turn confined to directions of no energy is no change.
+        assert_eq!(
+            basis_change(&id, &perm, &turned(a), 3, &[0.0, 0.0, 2.0]),
+            0.0
+        );
+        let w = basis_change(&id, &perm, &turned(a), 3, &[1.0, 1.0, 0.0]);
+        assert!((w - 0.5).abs() < 1e-6, "{w}");
+        // A turn by 90° replaces the vectors entirely.
+        let q = basis_change(
+            &id,
+            &perm,
+            &turned(std::f64::consts::FRAC_PI_2),
+            3,
+            &[1.0, 1.0, 0.0],
+        );
+        assert!((q - 1.0).abs() < 1e-6, "{q}");
     }
 }

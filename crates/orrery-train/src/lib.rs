@@ -36,9 +36,14 @@
 //! read from a caller-supplied [`Clock`]. The same configuration and seed give bit-identical
 //! losses and weights.
 //!
+//! Split preconditioner refreshes: every optimizer step hands the optimizer the communicator
+//! (as an `orrery_optim::RankGroup`), so that SOAP built with a split
+//! ([`make_optimizer_split`]) can have each basis refreshed by one owner rank and sent to the
+//! others in one all-gather per step; threshold 0 is bit-identical to no split
+//! (`tests/split_refresh.rs`), and [`Trainer::bases_sent_and_kept`] counts the exchange.
+//!
 //! What this crate does not do: it does not print (progress goes to a [`TrainObserver`]); it
-//! does not shard optimizer state or preconditioner work across ranks (that is
-//! `orrery-optim`'s runtime); it has no tensor/pipeline parallelism, mixed precision, dropout,
+//! does not shard optimizer state across ranks, nor split Shampoo's preconditioner work; it has no tensor/pipeline parallelism, mixed precision, dropout,
 //! KV cache or sampling/generation; and it does not make the CPU fast — it is a faithful,
 //! reproducible reference trainer.
 
@@ -145,6 +150,20 @@ pub fn make_optimizer_with(
     config: &TrainConfig,
     runtime: &OptimizerRuntime,
 ) -> Result<Box<dyn Optimizer>, TrainError> {
+    make_optimizer_split(config, runtime, None)
+}
+
+/// [`make_optimizer_with`], and with `split` set, SOAP shares its basis refreshes across the
+/// data-parallel ranks: each rank refreshes the parameters it owns and sends the new bases
+/// (only those that changed by more than `split.threshold`, or that the `max_kept` bound
+/// forces) to the others at the refresh step. With threshold 0 the run is bit-identical to
+/// one without a split. A split needs soap with synchronous refreshes; anything else is a
+/// configuration error naming `optimizer.name`.
+pub fn make_optimizer_split(
+    config: &TrainConfig,
+    runtime: &OptimizerRuntime,
+    split: Option<orrery_optim::SplitRefresh>,
+) -> Result<Box<dyn Optimizer>, TrainError> {
     let o = &config.optimizer;
     let refuse = |message: String| {
         Err(TrainError::Config(ConfigErrors {
@@ -164,6 +183,12 @@ pub fn make_optimizer_with(
     if o.name != "soap" && runtime.tiers.is_some() {
         return refuse(format!("tiered optimizer state needs soap, not {}", o.name));
     }
+    if split.is_some() && o.name != "soap" {
+        return refuse(format!("split refreshes need soap, not {}", o.name));
+    }
+    if split.is_some() && !matches!(runtime.refresh, orrery_optim::RefreshMode::Sync) {
+        return refuse("split refreshes need synchronous refreshes".into());
+    }
     match o.name.as_str() {
         "adamw" => Ok(Box::new(orrery_optim::AdamW::new(
             orrery_optim::AdamWConfig {
@@ -179,6 +204,7 @@ pub fn make_optimizer_with(
                 weight_decay: o.weight_decay,
                 refresh: runtime.refresh,
                 tiers: runtime.tiers.clone(),
+                split,
                 ..Default::default()
             },
         ))),

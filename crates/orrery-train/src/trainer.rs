@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use orrery_optim::{OptimError, Optimizer};
+use orrery_optim::{OptimError, Optimizer, RankGroup};
 use thiserror::Error;
 
 use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointMeta};
@@ -150,6 +150,8 @@ pub struct Trainer<B: AutodiffBackend> {
     step: u64,
     tokens_seen: u64,
     history: Vec<StepMetrics>,
+    /// Split refreshes since this trainer was made: bases sent, bases kept.
+    bases: (u64, u64),
     aux: Aux<B>,
     aux_eval: Aux<B::InnerBackend>,
 }
@@ -204,6 +206,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             step: 0,
             tokens_seen: 0,
             history: Vec::new(),
+            bases: (0, 0),
             aux,
             aux_eval,
         })
@@ -287,6 +290,13 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// Split preconditioner refreshes (`SoapConfig::split`) since this trainer was made (not
+    /// carried over a resume): how many refreshed bases their owners sent, and how many
+    /// refreshes kept the old basis because it changed too little. `(0, 0)` without a split.
+    pub fn bases_sent_and_kept(&self) -> (u64, u64) {
+        self.bases
     }
 
     fn comm_err(&self, source: CommError) -> TrainError {
@@ -384,9 +394,14 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         let grads = &self.grads;
         let optimizer = &mut self.optimizer;
-        let report = self
-            .store
-            .with_optim_params(grads, |params| optimizer.step(lr as f32, params))?;
+        // The optimizer gets the communicator too, so that it can share preconditioner
+        // refreshes across the ranks; optimizers that do not split anything ignore it.
+        let mut group = CommGroup(self.comm.as_mut());
+        let report = self.store.with_optim_params(grads, |params| {
+            optimizer.step_shared(lr as f32, params, &mut group)
+        })?;
+        self.bases.0 += report.bases_sent;
+        self.bases.1 += report.bases_kept;
         let t1 = clock.now_seconds();
 
         self.step += 1;
@@ -533,6 +548,24 @@ impl<B: AutodiffBackend> Trainer<B> {
             num_params: self.store.numel(),
             history: self.history.clone(),
         }
+    }
+}
+
+/// The trainer's communicator as the optimizer's [`RankGroup`].
+struct CommGroup<'a>(&'a mut dyn Communicator);
+
+impl RankGroup for CommGroup<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+        let rank = self.0.rank();
+        self.0
+            .all_gather_bytes(mine)
+            .map_err(|e| format!("rank {rank}: {e}"))
     }
 }
 
