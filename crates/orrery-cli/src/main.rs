@@ -18,6 +18,7 @@ macro_rules! outln {
 }
 
 mod bench_accel;
+mod bench_train;
 mod netsim;
 mod report;
 mod train;
@@ -60,7 +61,8 @@ enum Command {
     Replay(ReplayArgs),
     /// List the built-in jobs, models and GPUs.
     Presets,
-    /// Time the predictor on built-in scenarios and print medians and ratios.
+    /// Time the predictor on built-in scenarios and print medians and ratios (--accel: the
+    /// packet model against its reference; --train: the optimizers on real training runs).
     Bench {
         /// Repetitions per scenario (the median is reported).
         #[arg(long, default_value_t = 5)]
@@ -82,6 +84,9 @@ enum Command {
         /// larger ones show the speedup estimated from events.
         #[arg(long, default_value_t = 128)]
         reference_max_gpus: u32,
+        /// `--train` and its options: the optimizers compared on real training runs.
+        #[command(flatten)]
+        train: bench_train::BenchTrainArgs,
     },
 }
 
@@ -204,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
             print_presets();
             Ok(())
         }
+        Command::Bench { train, .. } if train.enabled => bench_train::run_train_bench(&train),
         Command::Bench {
             accel: true,
             ring_mib,

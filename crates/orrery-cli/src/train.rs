@@ -6,10 +6,10 @@
 
 use crate::{bad, progress_bar};
 use anyhow::Result;
-use orrery_optim::{RefreshMode, TierConfig};
+use orrery_optim::{RefreshMode, SplitRefresh, TierConfig};
 use orrery_train::{
-    make_optimizer_with, train_with, OptimizerRuntime, RunOptions, StepMetrics, TrainConfig,
-    TrainError, TrainObserver,
+    make_optimizer_split, make_optimizer_with, train_with, OptimizerRuntime, RunOptions,
+    StepMetrics, TrainConfig, TrainError, TrainObserver,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,6 +32,15 @@ pub struct TrainArgs {
     /// With --async: refresh worker threads.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// SOAP with several ranks: each preconditioner refresh runs on one owner rank, which
+    /// sends the new basis to the others (synchronous refresh only).
+    #[arg(long)]
+    split_refresh: bool,
+    /// With --split-refresh: the owner keeps the old basis when it moved by at most this
+    /// (eigenvalue-weighted misalignment, 0 to 1; 0 sends every refresh, bit-identical to
+    /// every rank refreshing everything).
+    #[arg(long, default_value_t = 0.0)]
+    basis_threshold: f32,
     /// SOAP: bytes of optimizer state allowed on the device (e.g. 64MiB); the rest goes to
     /// host memory, then to disk.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
@@ -188,6 +197,10 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
             args.host_budget.unwrap_or(u64::MAX),
         )
     });
+    let split = args.split_refresh.then(|| SplitRefresh {
+        threshold: args.basis_threshold,
+        ..SplitRefresh::default()
+    });
     let spill_root = args.out.join("spill");
     // Threads number their optimizers from 0; an MPI process builds one optimizer, for its own
     // rank, so several processes on one host never share a spill folder.
@@ -206,7 +219,10 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
                     spill_dir: spill_dir(&spill_root, rank),
                 }),
             };
-            make_optimizer_with(c, &runtime)
+            match split {
+                Some(split) => make_optimizer_split(c, &runtime, Some(split)),
+                None => make_optimizer_with(c, &runtime),
+            }
         }),
         ..RunOptions::default()
     };

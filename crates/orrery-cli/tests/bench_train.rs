@@ -1,0 +1,168 @@
+//! `orrery bench --train` on a tiny model: the report's structure and fields, in JSON and as a
+//! table, and its refusal of bad input. Timings are printed by the benchmark, never asserted.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::orrery;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// `orrery bench --train` on the fixture with `steps`, evaluating every 2 steps, and `extra`.
+fn bench(config: &Path, corpus: &Path, steps: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
+        "bench",
+        "--train",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        corpus.to_str().unwrap(),
+        "--steps",
+        steps,
+        "--eval-every",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    orrery(&args)
+}
+
+/// A folder with a tiny configuration and a small corpus of its own, so the test neither
+/// depends on the Shakespeare download nor pays for tokenizing it.
+fn fixture(name: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!(
+        "orrery-bench-train-test-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("tiny.toml");
+    std::fs::write(
+        &config,
+        "batch_size = 4\nwarmup_steps = 1\neval_batches = 1\n[model]\ncontext = 16\n\
+         d_model = 16\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\nd_ff = 32\n",
+    )
+    .unwrap();
+    let corpus = dir.join("corpus.txt");
+    let line = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n";
+    std::fs::write(&corpus, line.repeat(60)).unwrap();
+    (config, corpus)
+}
+
+#[test]
+fn json_report_has_every_optimizer_seed_and_the_tiered_run() {
+    let (config, corpus) = fixture("json");
+    let (code, stdout, stderr) = bench(&config, &corpus, "6", &["--seeds", "0,1", "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let r: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(r["corpus"]["source"], corpus.to_str().unwrap());
+    assert!(r["corpus"]["train_tokens"].as_u64().unwrap() > 0);
+    assert!(r["params"].as_u64().unwrap() > 0);
+    assert_eq!(r["steps"], 6);
+    assert_eq!(r["eval_every"], 2);
+    assert_eq!(r["seeds"], serde_json::json!([0, 1]));
+    let names: Vec<&str> = r["optimizers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["adamw", "soap", "soap-async", "shampoo"]);
+    for o in r["optimizers"].as_array().unwrap() {
+        let m = &o["medians"];
+        for field in [
+            "final_val_loss",
+            "step_ms_median",
+            "step_ms_p99",
+            "step_ms_max",
+            "spikes",
+            "step_time_ratio",
+            "optimizer_ms_median",
+            "optimizer_wait_s",
+            "state_device_bytes",
+        ] {
+            assert!(m[field].is_number(), "{} medians.{field}: {m}", o["name"]);
+        }
+        for field in ["steps_to_target", "steps_ratio", "seconds_to_target"] {
+            assert!(m.get(field).is_some(), "{} medians.{field}", o["name"]);
+        }
+        let seeds = o["seeds"].as_array().unwrap();
+        assert_eq!(seeds.len(), 2);
+        for (s, want) in seeds.iter().zip([0, 1]) {
+            assert_eq!(s["seed"], want);
+            // Evaluations at steps 2, 4 and 6.
+            let steps: Vec<u64> = s["val_curve"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p[0].as_u64().unwrap())
+                .collect();
+            assert_eq!(steps, [2, 4, 6]);
+            assert!(s["target_val_loss"].is_number());
+            assert!(s["state_bytes"]["device"].as_u64().unwrap() > 0, "{s}");
+            if o["name"] == "adamw" {
+                // AdamW is the reference: it reaches its own final loss, at ratio 1.
+                assert_eq!(s["target_val_loss"], s["final_val_loss"]);
+                assert_eq!(s["steps_ratio"], 1.0);
+                assert_eq!(s["step_time_ratio"], 1.0);
+            }
+        }
+    }
+    // SOAP with a device budget below its state still trains, spills, and gives the resident
+    // run's bits.
+    let t = &r["tiering"];
+    assert_eq!(t["steps"], 6);
+    assert!(t["final_val_loss"].is_number());
+    assert!(t["state_bytes"]["device"].as_u64() <= t["device_budget"].as_u64());
+    assert!(t["device_budget"].as_u64() < t["untiered_device_bytes"].as_u64());
+    assert!(t["state_bytes"]["disk"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["matches_resident"], true);
+    let _ = std::fs::remove_dir_all(config.parent().unwrap());
+}
+
+#[test]
+fn table_names_the_corpus_and_every_row() {
+    let (config, corpus) = fixture("table");
+    let (code, stdout, stderr) = bench(
+        &config,
+        &corpus,
+        "4",
+        &["--seeds", "3", "--optimizers", "adamw,soap-async"],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains(&format!("corpus: {}", corpus.display())),
+        "{stdout}"
+    );
+    for needle in [
+        "optimizer",
+        "\nadamw ",
+        "\nsoap-async ",
+        "tiered SOAP (seed 3)",
+    ] {
+        assert!(stdout.contains(needle), "{needle}: {stdout}");
+    }
+    assert!(!stdout.contains("\nshampoo "), "{stdout}");
+    let _ = std::fs::remove_dir_all(config.parent().unwrap());
+}
+
+#[test]
+fn bad_options_exit_with_status_2() {
+    for (args, needle) in [
+        (&["bench", "--train", "--optimizers", "soap"][..], "adamw"),
+        (&["bench", "--train", "--seeds", "1,1"][..], "twice"),
+        (&["bench", "--train", "--eval-every", "0"][..], "eval-every"),
+        (&["bench", "--train", "--steps", "0"][..], "steps"),
+        (&["bench", "--train", "--optimizers", "lion"][..], "lion"),
+        (&["bench", "--train", "--accel"][..], "--accel"),
+        (&["bench", "--steps", "5"][..], "--train"),
+        (
+            &["bench", "--train", "--data", "/nonexistent/corpus"][..],
+            "/nonexistent/corpus",
+        ),
+    ] {
+        let (code, _, stderr) = orrery(args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
