@@ -619,7 +619,7 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
             c.optimizer.name = v.optimizer_name().to_string();
             let runtime = OptimizerRuntime {
                 refresh: v.refresh(),
-                tiers: None,
+                ..OptimizerRuntime::default()
             };
             let run = train_once(&c, runtime, &bar, format!("{} seed {seed}", v.label()));
             let run = match run {
@@ -716,6 +716,7 @@ fn tiered_run(
             host_budget,
             spill_dir: root.clone(),
         }),
+        ..OptimizerRuntime::default()
     };
     let run = train_once(&c, runtime, bar, format!("soap tiered seed {seed}"));
     // The optimizer deletes its spill files when dropped; the folder is the benchmark's own.

@@ -8,8 +8,8 @@ use crate::{bad, progress_bar};
 use anyhow::Result;
 use orrery_optim::{RefreshMode, SplitRefresh, TierConfig};
 use orrery_train::{
-    make_optimizer_split, make_optimizer_with, train_with, OptimizerRuntime, RunOptions,
-    StepMetrics, TrainConfig, TrainError, TrainObserver,
+    make_optimizer_with, train_with, OptimizerRuntime, RunOptions, StepMetrics, TrainConfig,
+    TrainError, TrainObserver,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -218,11 +218,9 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
                     host_budget,
                     spill_dir: spill_dir(&spill_root, rank),
                 }),
+                split,
             };
-            match split {
-                Some(split) => make_optimizer_split(c, &runtime, Some(split)),
-                None => make_optimizer_with(c, &runtime),
-            }
+            make_optimizer_with(c, &runtime)
         }),
         ..RunOptions::default()
     };

@@ -38,7 +38,7 @@
 //!
 //! Split preconditioner refreshes: every optimizer step hands the optimizer the communicator
 //! (as an `orrery_optim::RankGroup`), so that SOAP built with a split
-//! ([`make_optimizer_split`]) can have each basis refreshed by one owner rank and sent to the
+//! ([`OptimizerRuntime::split`]) can have each basis refreshed by one owner rank and sent to the
 //! others in one all-gather per step; threshold 0 is bit-identical to no split
 //! (`tests/split_refresh.rs`), and [`Trainer::bases_sent_and_kept`] counts the exchange.
 //!
@@ -122,11 +122,16 @@ impl Optimizer for Sgd {
 }
 
 /// How the second-order optimizers run, beyond their hyper-parameters: synchronous or
-/// asynchronous preconditioner refreshes, and (SOAP) tier budgets for the state.
+/// asynchronous preconditioner refreshes, (SOAP) tier budgets for the state, and (SOAP)
+/// basis refreshes split across the data-parallel ranks: each rank refreshes the parameters
+/// it owns and sends the new bases (only those that changed by more than `split.threshold`,
+/// or that the `max_kept` bound forces) to the others. With threshold 0 a split run is
+/// bit-identical to one without.
 #[derive(Debug, Clone)]
 pub struct OptimizerRuntime {
     pub refresh: orrery_optim::RefreshMode,
     pub tiers: Option<orrery_optim::TierConfig>,
+    pub split: Option<orrery_optim::SplitRefresh>,
 }
 
 impl Default for OptimizerRuntime {
@@ -134,6 +139,7 @@ impl Default for OptimizerRuntime {
         Self {
             refresh: orrery_optim::RefreshMode::Sync,
             tiers: None,
+            split: None,
         }
     }
 }
@@ -144,27 +150,15 @@ pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainE
     make_optimizer_with(config, &OptimizerRuntime::default())
 }
 
-/// [`make_optimizer`] with the runtime's options. Tiers apply to SOAP only; asking for them
-/// with another optimizer is a configuration error naming `optimizer.name`.
+/// [`make_optimizer`] with the runtime's options. Tiers and splits apply to SOAP only, and a
+/// split needs synchronous refreshes; anything else is a configuration error naming
+/// `optimizer.name`.
 pub fn make_optimizer_with(
     config: &TrainConfig,
     runtime: &OptimizerRuntime,
 ) -> Result<Box<dyn Optimizer>, TrainError> {
-    make_optimizer_split(config, runtime, None)
-}
-
-/// [`make_optimizer_with`], and with `split` set, SOAP shares its basis refreshes across the
-/// data-parallel ranks: each rank refreshes the parameters it owns and sends the new bases
-/// (only those that changed by more than `split.threshold`, or that the `max_kept` bound
-/// forces) to the others at the refresh step. With threshold 0 the run is bit-identical to
-/// one without a split. A split needs soap with synchronous refreshes; anything else is a
-/// configuration error naming `optimizer.name`.
-pub fn make_optimizer_split(
-    config: &TrainConfig,
-    runtime: &OptimizerRuntime,
-    split: Option<orrery_optim::SplitRefresh>,
-) -> Result<Box<dyn Optimizer>, TrainError> {
     let o = &config.optimizer;
+    let split = runtime.split;
     let refuse = |message: String| {
         Err(TrainError::Config(ConfigErrors {
             problems: vec![ConfigProblem {

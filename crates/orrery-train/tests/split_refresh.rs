@@ -10,8 +10,8 @@ mod common;
 use common::{bits, tiny};
 use orrery_optim::{Soap, SoapConfig, SplitRefresh};
 use orrery_train::{
-    load_corpus, make_optimizer_split, CpuBackend, FixedClock, NullObserver, OptimizerRuntime,
-    ThreadComm, TrainConfig, TrainSummary, Trainer,
+    load_corpus, CpuBackend, FixedClock, NullObserver, ThreadComm, TrainConfig, TrainSummary,
+    Trainer,
 };
 
 fn soap_config() -> TrainConfig {
@@ -116,24 +116,4 @@ fn a_positive_threshold_keeps_some_bases_and_still_trains() {
     let first = a.summary.history[0].loss;
     let last = a.summary.final_loss.unwrap();
     assert!(last < first, "the loss decreases: {first} -> {last}");
-}
-
-#[test]
-fn a_split_is_refused_where_it_does_not_apply() {
-    let mut config = TrainConfig::default();
-    let split = Some(SplitRefresh::default());
-    config.optimizer.name = "adamw".into();
-    assert!(make_optimizer_split(&config, &OptimizerRuntime::default(), split).is_err());
-    config.optimizer.name = "soap".into();
-    assert!(make_optimizer_split(&config, &OptimizerRuntime::default(), split).is_ok());
-    let asynchronous = OptimizerRuntime {
-        refresh: orrery_optim::RefreshMode::Async {
-            workers: 1,
-            staleness: 1,
-            apply_at_deadline: true,
-        },
-        tiers: None,
-    };
-    assert!(make_optimizer_split(&config, &asynchronous, split).is_err());
-    assert!(make_optimizer_split(&config, &asynchronous, None).is_ok());
 }

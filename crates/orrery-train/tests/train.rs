@@ -159,7 +159,7 @@ fn optimizer_runtime_options_are_refused_where_they_do_not_apply() {
             staleness: 1,
             apply_at_deadline: true,
         },
-        tiers: None,
+        ..OptimizerRuntime::default()
     };
     let tiered = OptimizerRuntime {
         tiers: Some(orrery_optim::TierConfig {
@@ -169,13 +169,26 @@ fn optimizer_runtime_options_are_refused_where_they_do_not_apply() {
         }),
         ..OptimizerRuntime::default()
     };
+    let split = OptimizerRuntime {
+        split: Some(orrery_optim::SplitRefresh::default()),
+        ..OptimizerRuntime::default()
+    };
+    // A split needs synchronous refreshes.
+    let split_async = OptimizerRuntime {
+        split: split.split,
+        ..asynchronous.clone()
+    };
     config.optimizer.name = "adamw".into();
     assert!(make_optimizer_with(&config, &asynchronous).is_err());
     assert!(make_optimizer_with(&config, &tiered).is_err());
+    assert!(make_optimizer_with(&config, &split).is_err());
     config.optimizer.name = "shampoo".into();
     assert!(make_optimizer_with(&config, &asynchronous).is_ok());
     assert!(make_optimizer_with(&config, &tiered).is_err());
+    assert!(make_optimizer_with(&config, &split).is_err());
     config.optimizer.name = "soap".into();
     assert!(make_optimizer_with(&config, &asynchronous).is_ok());
     assert!(make_optimizer_with(&config, &tiered).is_ok());
+    assert!(make_optimizer_with(&config, &split).is_ok());
+    assert!(make_optimizer_with(&config, &split_async).is_err());
 }
