@@ -7,12 +7,9 @@
 
 mod common;
 
-use common::{bits, tiny};
+use common::{bits, run_threads_with, tiny};
 use orrery_optim::{Soap, SoapConfig, SplitRefresh};
-use orrery_train::{
-    load_corpus, CpuBackend, FixedClock, NullObserver, ThreadComm, TrainConfig, TrainSummary,
-    Trainer,
-};
+use orrery_train::{TrainConfig, TrainSummary};
 
 fn soap_config() -> TrainConfig {
     let mut config = tiny();
@@ -32,37 +29,22 @@ struct Rank {
 
 /// Trains `config` on `world` threads with SOAP refreshing every 2 steps.
 fn run(config: &TrainConfig, world: usize, split: Option<SplitRefresh>) -> Vec<Rank> {
-    let corpus = load_corpus(config).unwrap();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(world)
-            .into_iter()
-            .map(|comm| {
-                let corpus = corpus.clone();
-                s.spawn(move || {
-                    let soap = Soap::new(SoapConfig {
-                        precondition_frequency: 2,
-                        split,
-                        ..SoapConfig::default()
-                    });
-                    let mut t = Trainer::<CpuBackend>::new(
-                        config.clone(),
-                        corpus,
-                        Box::new(soap),
-                        Box::new(comm),
-                        Default::default(),
-                    )
-                    .unwrap();
-                    let summary = t.run(&FixedClock, &mut NullObserver).unwrap();
-                    Rank {
-                        summary,
-                        weights: t.params().flat().to_vec(),
-                        bases: t.bases_sent_and_kept(),
-                    }
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    run_threads_with(
+        config,
+        world,
+        || {
+            Box::new(Soap::new(SoapConfig {
+                precondition_frequency: 2,
+                split,
+                ..SoapConfig::default()
+            }))
+        },
+        |t, summary| Rank {
+            summary,
+            weights: t.params().flat().to_vec(),
+            bases: t.bases_sent_and_kept(),
+        },
+    )
 }
 
 fn losses(s: &TrainSummary) -> Vec<u32> {

@@ -64,7 +64,24 @@ pub fn run_single(config: &TrainConfig) -> (TrainSummary, Vec<f32>) {
 
 /// Runs `config` on `world` in-process ranks; returns every rank's summary and final weights.
 pub fn run_threads(config: &TrainConfig, world: usize) -> Vec<(TrainSummary, Vec<f32>)> {
+    run_threads_with(
+        config,
+        world,
+        || make_optimizer(config).unwrap(),
+        |t, s| (s, t.params().flat().to_vec()),
+    )
+}
+
+/// Runs `config` on `world` in-process ranks, each with the optimizer `make` builds; returns
+/// what `finish` takes from each rank's trainer and summary after the run.
+pub fn run_threads_with<T: Send>(
+    config: &TrainConfig,
+    world: usize,
+    make: impl Fn() -> Box<dyn orrery_optim::Optimizer> + Sync,
+    finish: impl Fn(&Trainer<CpuBackend>, TrainSummary) -> T + Sync,
+) -> Vec<T> {
     let corpus = load_corpus(config).unwrap();
+    let (make, finish) = (&make, &finish);
     std::thread::scope(|s| {
         let handles: Vec<_> = ThreadComm::group(world)
             .into_iter()
@@ -74,13 +91,13 @@ pub fn run_threads(config: &TrainConfig, world: usize) -> Vec<(TrainSummary, Vec
                     let mut t = Trainer::<CpuBackend>::new(
                         config.clone(),
                         corpus,
-                        make_optimizer(config).unwrap(),
+                        make(),
                         Box::new(comm),
                         Default::default(),
                     )
                     .unwrap();
-                    let s = t.run(&FixedClock, &mut NullObserver).unwrap();
-                    (s, t.params().flat().to_vec())
+                    let summary = t.run(&FixedClock, &mut NullObserver).unwrap();
+                    finish(&t, summary)
                 })
             })
             .collect();
