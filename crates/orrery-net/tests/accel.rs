@@ -113,27 +113,35 @@ fn long_incast(bytes: u64) -> (NetGraph, FlowSet) {
     (g, fs)
 }
 
-/// An 8-rank ring all-reduce on two rail-optimised hosts of four GPUs.
-fn ring_all_reduce(bytes: u64) -> (NetGraph, FlowSet) {
+/// A rail-optimised fabric of `hosts` hosts of four GPUs.
+fn four_gpu_hosts(hosts: usize) -> NetGraph {
     let spec = RailOptimizedSpec {
         gpus_per_host: 4,
-        ..RailOptimizedSpec::dgx_h100(2)
+        ..RailOptimizedSpec::dgx_h100(hosts)
     };
-    let g = NetGraph::rail_optimized(&spec).unwrap();
-    let mut fs = FlowSet::default();
-    let ranks: Vec<u32> = (0..8).collect();
+    NetGraph::rail_optimized(&spec).unwrap()
+}
+
+/// Adds a one-channel ring all-reduce of `bytes` over `ranks` (four GPUs per host).
+fn add_ring(fs: &mut FlowSet, name: &str, ranks: &[u32], bytes: u64) {
     collective_flows(
-        &mut fs,
-        "ring",
+        fs,
+        name,
         CollectiveKind::AllReduce,
         FlowAlgorithm::Ring { channels: 1 },
-        &ranks,
+        ranks,
         Bytes(bytes),
         4,
         Picos::from_nanos(2000),
     )
     .unwrap();
-    (g, fs)
+}
+
+/// An 8-rank ring all-reduce on two rail-optimised hosts of four GPUs.
+fn ring_all_reduce(bytes: u64) -> (NetGraph, FlowSet) {
+    let mut fs = FlowSet::default();
+    add_ring(&mut fs, "ring", &(0..8).collect::<Vec<u32>>(), bytes);
+    (four_gpu_hosts(2), fs)
 }
 
 /// Many short flows between random-looking pairs, staggered.
@@ -537,11 +545,7 @@ fn with_memo(mut c: PacketConfig) -> PacketConfig {
 /// hosts, each round released `gap` after every flow of the previous one finished: the
 /// dispatch of one MoE layer after another, with compute in between.
 fn repeated_all_to_all(reps: usize, bytes: u64, gap: Picos) -> (NetGraph, FlowSet) {
-    let spec = RailOptimizedSpec {
-        gpus_per_host: 4,
-        ..RailOptimizedSpec::dgx_h100(2)
-    };
-    let g = NetGraph::rail_optimized(&spec).unwrap();
+    let g = four_gpu_hosts(2);
     let mut fs = FlowSet::default();
     let ranks: Vec<u32> = (0..8).collect();
     let mut prev: Option<std::ops::Range<usize>> = None;
@@ -719,27 +723,12 @@ fn with_mirror(mut c: PacketConfig) -> PacketConfig {
 /// isomorphic, start together and share no link (the data-parallel groups of four pipeline
 /// stages or tensor ranks).
 fn rings_on_every_rail(bytes: u64) -> (NetGraph, FlowSet) {
-    let spec = RailOptimizedSpec {
-        gpus_per_host: 4,
-        ..RailOptimizedSpec::dgx_h100(4)
-    };
-    let g = NetGraph::rail_optimized(&spec).unwrap();
     let mut fs = FlowSet::default();
     for rail in 0..4u32 {
         let ranks: Vec<u32> = (0..4).map(|h| h * 4 + rail).collect();
-        collective_flows(
-            &mut fs,
-            &format!("ring{rail}"),
-            CollectiveKind::AllReduce,
-            FlowAlgorithm::Ring { channels: 1 },
-            &ranks,
-            Bytes(bytes),
-            4,
-            Picos::from_nanos(2000),
-        )
-        .unwrap();
+        add_ring(&mut fs, &format!("ring{rail}"), &ranks, bytes);
     }
-    (g, fs)
+    (four_gpu_hosts(4), fs)
 }
 
 /// Adds a flow from `src` to `dst` that starts about 40 us into the rings' first step,
