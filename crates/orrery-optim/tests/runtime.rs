@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{noise, step_one};
+use common::{noise, shaped_params, step_one};
 use orrery_optim::{Optimizer, Param, RefreshMode, Soap, SoapConfig, Tier, TierConfig};
 use proptest::prelude::*;
 
@@ -33,17 +33,7 @@ fn run(cfg: SoapConfig, steps: u64, seed: u64) -> (Vec<Vec<u32>>, f64, Soap) {
             .enumerate()
             .map(|(i, (_, s))| noise(seed * 1000 + t * 10 + i as u64, s.iter().product()))
             .collect();
-        let mut params: Vec<Param<'_>> = SHAPES
-            .iter()
-            .zip(xs.iter_mut())
-            .zip(&gs)
-            .map(|(((name, shape), x), g)| Param {
-                name,
-                shape,
-                value: x,
-                grad: g,
-            })
-            .collect();
+        let mut params = shaped_params(&SHAPES, &mut xs, &gs);
         wait += opt.step(0.01, &mut params).unwrap().wait_seconds;
     }
     (
@@ -353,17 +343,7 @@ fn run_shampoo(cfg: orrery_optim::ShampooConfig, steps: u64, seed: u64) -> Vec<V
             .enumerate()
             .map(|(i, (_, s))| noise(seed * 1000 + t * 10 + i as u64, s.iter().product()))
             .collect();
-        let mut params: Vec<Param<'_>> = SHAPES
-            .iter()
-            .zip(xs.iter_mut())
-            .zip(&gs)
-            .map(|(((name, shape), x), g)| Param {
-                name,
-                shape,
-                value: x,
-                grad: g,
-            })
-            .collect();
+        let mut params = shaped_params(&SHAPES, &mut xs, &gs);
         opt.step(0.01, &mut params).unwrap();
     }
     xs.iter()

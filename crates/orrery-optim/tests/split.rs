@@ -8,10 +8,8 @@ mod common;
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use common::noise;
-use orrery_optim::{
-    Optimizer, Param, RankGroup, Soap, SoapConfig, SoloGroup, SplitRefresh, TierConfig,
-};
+use common::{noise, shaped_params};
+use orrery_optim::{Optimizer, RankGroup, Soap, SoapConfig, SoloGroup, SplitRefresh, TierConfig};
 
 /// Three rotated matrices of different sizes (one side of `wide` is above `max_precond_dim`),
 /// a bias, and an empty tensor.
@@ -99,17 +97,7 @@ fn steps(
                 base.iter().zip(wiggle).map(|(b, w)| b + 0.2 * w).collect()
             })
             .collect();
-        let mut params: Vec<Param<'_>> = SHAPES
-            .iter()
-            .zip(xs.iter_mut())
-            .zip(&gs)
-            .map(|(((name, shape), x), g)| Param {
-                name,
-                shape,
-                value: x,
-                grad: g,
-            })
-            .collect();
+        let mut params = shaped_params(&SHAPES, xs, &gs);
         let r = opt.step_shared(0.01, &mut params, group).unwrap();
         sent += r.bases_sent;
         kept += r.bases_kept;

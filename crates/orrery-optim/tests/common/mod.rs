@@ -10,6 +10,25 @@
 
 pub mod lockstep;
 
+/// Parameters named and shaped by `shapes`, with values `xs` and gradients `gs` (in order).
+pub fn shaped_params<'a>(
+    shapes: &'a [(&'a str, &'a [usize])],
+    xs: &'a mut [Vec<f32>],
+    gs: &'a [Vec<f32>],
+) -> Vec<orrery_optim::Param<'a>> {
+    shapes
+        .iter()
+        .zip(xs.iter_mut())
+        .zip(gs)
+        .map(|(((name, shape), x), g)| orrery_optim::Param {
+            name,
+            shape,
+            value: x,
+            grad: g,
+        })
+        .collect()
+}
+
 /// One step of `opt` on a single parameter `w` of `shape`.
 pub fn step_one<O: orrery_optim::Optimizer + ?Sized>(
     opt: &mut O,
