@@ -4,7 +4,8 @@
 //! Each scenario runs with every acceleration on (the default) and, where the reference is
 //! affordable (`--reference-max-gpus`), with all of it off. The table shows wall times and
 //! their ratio, processed events, the events acceleration skipped (estimated from skipped
-//! packets), the memo hit rate, the groups mirrored and the errors the issue bounds: mean
+//! packets), the memo hit rate, the groups mirrored, the flows periodic extrapolation
+//! finished without simulating them, and the errors the issue bounds: mean
 //! and p99 of the per-flow completion-time errors, and the error of the whole run's and of
 //! each collective's completion. Where the reference was not run, the speedup shown is the
 //! event ratio `(processed + skipped) / processed`, marked "est".
@@ -150,7 +151,7 @@ pub fn run_accel_bench(
         "orrery bench --accel: accelerated packet model (fast-forward + partitioning + memo) vs the packet-by-packet reference\n"
     );
     outln!(
-        "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
+        "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "scenario",
         "GPUs",
         "flows",
@@ -161,6 +162,7 @@ pub fn run_accel_bench(
         "events",
         "memo%",
         "mirror",
+        "virtual",
         "meanFCT%",
         "p99FCT%",
         "end%",
@@ -171,11 +173,12 @@ pub fn run_accel_bench(
         let skipped = fast.stats.total_skipped_events();
         let memo = 100.0 * fast.stats.memo_hit_rate();
         let mirrored = fast.stats.memo_mirrored;
+        let virtual_flows = fast.stats.periodic_flows;
         let line = if s.gpus <= reference_max_gpus {
             let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
             let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
             format!(
-                "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+                "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
                 t_ref,
                 t_fast,
                 t_ref / t_fast,
@@ -183,6 +186,7 @@ pub fn run_accel_bench(
                 fast.report.events,
                 memo,
                 mirrored,
+                virtual_flows,
                 100.0 * e.mean_fct,
                 100.0 * e.p99_fct,
                 100.0 * e.end,
@@ -191,7 +195,7 @@ pub fn run_accel_bench(
         } else {
             let est = (fast.report.events + skipped) as f64 / fast.report.events.max(1) as f64;
             format!(
-                "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8}",
+                "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
                 "-",
                 t_fast,
                 est,
@@ -199,6 +203,7 @@ pub fn run_accel_bench(
                 fast.report.events,
                 memo,
                 mirrored,
+                virtual_flows,
                 "-",
                 "-",
                 "-",

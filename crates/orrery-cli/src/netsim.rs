@@ -51,6 +51,10 @@ pub struct NetsimArgs {
     /// of one per kind, the others mirroring it (`accel.mirror = false`).
     #[arg(long)]
     no_mirror: bool,
+    /// Packet model: simulate every step of collectives whose chains have settled into a
+    /// periodic regime instead of extrapolating them (`accel.periodic = false`).
+    #[arg(long)]
+    no_periodic: bool,
     /// Packet model: the packet-by-packet reference, every acceleration off.
     #[arg(long)]
     reference: bool,
@@ -294,6 +298,11 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
+            "periodic: {} collectives extrapolated ({} ended by an intruder), {} flows virtual, ~{} events skipped",
+            p.periodic_starts, p.periodic_aborts, p.periodic_flows, p.periodic_skipped_events
+        );
+        let _ = writeln!(
+            out,
             "events processed {}, ~{} skipped in all",
             s.events,
             p.total_skipped_events()
@@ -415,6 +424,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             a.partitioning &= !(args.no_partitioning || args.reference);
             a.memoize &= !(args.no_memo || args.reference);
             a.mirror &= !(args.no_mirror || args.reference);
+            a.periodic &= !(args.no_periodic || args.reference);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),

@@ -10,7 +10,7 @@
 mod common;
 
 use common::{flow, flow_set, gbps, run, us};
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
+use orrery_net::flows::{collective_flows, CollectiveInfo, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
@@ -823,4 +823,95 @@ fn a_join_the_mirrors_lack_breaks_them_within_bounds() {
     assert!(on.stats.memo_mirrored >= 3, "{:?}", on.stats);
     assert_eq!(on.stats.memo_mirror_breaks, 3, "{:?}", on.stats);
     check_bounds(&base, &off, &on, &fs, "a join only the leader has");
+}
+
+// ---- Periodic extrapolation ------------------------------------------------------------
+
+fn with_periodic(mut c: PacketConfig) -> PacketConfig {
+    c.accel.memoize = true;
+    c.accel.periodic = true;
+    c
+}
+
+/// A one-channel ring all-reduce of `bytes` over 16 GPUs on four rail-optimised hosts of
+/// four: 30 steps, every rank's chain to its successor settles into the same completion
+/// time after a few steps.
+fn long_ring(bytes: u64) -> (NetGraph, FlowSet) {
+    let mut fs = FlowSet::default();
+    add_ring(&mut fs, "ring16", &(0..16).collect::<Vec<u32>>(), bytes);
+    (four_gpu_hosts(4), fs)
+}
+
+#[test]
+fn a_periodic_ring_is_extrapolated_within_bounds() {
+    let (g, fs) = long_ring(4_000_000);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let memo = run(with_memo(base.clone()), &g, &fs);
+    let on = run(with_periodic(base.clone()), &g, &fs);
+    assert_eq!(memo.stats.periodic_flows, 0);
+    assert_eq!(on.stats.periodic_starts, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
+    // Most of the 480 flows are extrapolated, and the run processes a fraction of the
+    // events of the reference and of memoization alone.
+    assert!(
+        on.stats.periodic_flows * 2 > fs.flows.len() as u64,
+        "{:?}",
+        on.stats
+    );
+    assert!(on.report.events * 3 < off.report.events, "{:?}", on.stats);
+    assert!(on.report.events * 2 < memo.report.events, "{:?}", on.stats);
+    assert!(on.stats.periodic_skipped_events > 0);
+    check_bounds(&base, &off, &on, &fs, "periodic ring");
+    // Same input, same output.
+    let again = run(with_periodic(base.clone()), &g, &fs);
+    assert_eq!(again.report, on.report);
+}
+
+#[test]
+fn a_flow_intruding_on_a_periodic_ring_ends_the_extrapolation_within_bounds() {
+    // Late in the ring (80% of its reference length), while it is periodic, a 20 MB flow
+    // starts on the path of the ring's chain from rank 3 to rank 4 and shares it for
+    // several steps: the ring's next flows are simulated against it until its chains
+    // settle again.
+    let (g, mut fs) = long_ring(4_000_000);
+    let base = PacketConfig::reference();
+    let plain = run(base.clone(), &g, &fs);
+    let mut late = flow(3, 4, 20_000_000);
+    late.delay = Picos(plain.report.end.0 / 5 * 4);
+    late.collective = fs.collectives.len() as u32;
+    fs.collectives.push(CollectiveInfo {
+        name: "late".to_string(),
+        kind: None,
+        ranks: vec![3, 4],
+        bytes: Bytes(1_000_000),
+    });
+    fs.flows.push(late);
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_periodic(base.clone()), &g, &fs);
+    assert!(on.stats.periodic_starts >= 1, "{:?}", on.stats);
+    assert_eq!(on.stats.periodic_aborts, 1, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "intruded periodic ring");
+    // The intruder itself is simulated against the ring's packets (all but the virtual
+    // flows already in progress when it came).
+    let last = fs.flows.len() - 1;
+    let fct = |r: &PacketRun| r.report.flows[last].finish.0 - r.report.flows[last].start.0;
+    let err = fct(&on).abs_diff(fct(&off)) as f64 / fct(&off) as f64;
+    assert!(err < 0.05, "intruder FCT error {err}");
+}
+
+#[test]
+fn traffic_without_chains_is_never_extrapolated() {
+    for (name, (g, fs)) in [
+        ("short flows", short_flows()),
+        ("incast burst", incast_burst()),
+        (
+            "all-to-all rounds",
+            repeated_all_to_all(4, 1_000_000, us(30)),
+        ),
+    ] {
+        let on = run(PacketConfig::default(), &g, &fs);
+        assert_eq!(on.stats.periodic_starts, 0, "{name}: {:?}", on.stats);
+        assert_eq!(on.stats.periodic_flows, 0, "{name}");
+    }
 }

@@ -5,6 +5,7 @@ use super::accel::FastForward;
 use super::config::{EcnThresholds, PacketConfig};
 use super::dcqcn::ReactionPoint;
 use super::memo::{Memo, MemoCache};
+use super::periodic::Periodic;
 use super::{PacketRun, PacketStats, Sample, TraceRequest};
 use crate::flow_model::{connection_numbers, flow_hash};
 use crate::flows::FlowSet;
@@ -256,6 +257,8 @@ pub(super) struct Engine<'a> {
     ledger_cap: usize,
     /// Memoization state (`accel.memoize` only).
     pub memo: Option<Memo<'a>>,
+    /// Periodic extrapolation state (`accel.periodic` with `accel.memoize`).
+    pub periodic: Option<Periodic>,
     // Report counters.
     pub link_bytes: Vec<u64>,
     pub pfc_pauses: Vec<u64>,
@@ -451,6 +454,14 @@ impl<'a> Engine<'a> {
         let ledger = ((cfg.accel.fast_forward && cfg.accel.partitioning)
             || (cfg.accel.memoize && cfg.accel.mirror))
             .then(Vec::new);
+        let periodic = (cfg.accel.memoize && cfg.accel.periodic).then(|| {
+            Periodic::new(
+                flows,
+                n_links,
+                cfg.accel.period_window,
+                cfg.accel.period_theta,
+            )
+        });
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);
             for (f, slot) in pending_rel.iter().enumerate() {
@@ -485,6 +496,7 @@ impl<'a> Engine<'a> {
             ledger,
             ledger_cap: LEDGER_MIN_CAP,
             memo,
+            periodic,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -746,6 +758,7 @@ impl<'a> Engine<'a> {
         if self.memo.is_some() {
             self.memo_on_finish(f);
             self.memo_maybe_idle(f);
+            self.periodic_on_finish(f);
         }
         let (a, b) = (
             self.dependents_at[f as usize] as usize,

@@ -537,6 +537,24 @@ impl Memo<'_> {
         }
     }
 
+    /// Flow `f`, released now and not simulated, uses `links` until it finishes.
+    pub(super) fn take_links(&mut self, f: u32, links: &[u32]) {
+        for &l in links {
+            self.users[l as usize] += 1;
+        }
+        self.idle[f as usize] = false;
+    }
+
+    /// Whether flow `f` uses no link (not released yet, or finished and drained).
+    pub(super) fn is_idle(&self, f: u32) -> bool {
+        self.idle[f as usize]
+    }
+
+    /// Flows using link `l` (active, draining, deferred or memoized).
+    pub(super) fn users_of(&self, l: u32) -> u32 {
+        self.users[l as usize]
+    }
+
     fn deps_of(&self, f: u32) -> &[u32] {
         &self.deps[self.deps_at[f as usize] as usize..self.deps_at[f as usize + 1] as usize]
     }
@@ -553,6 +571,9 @@ impl Engine<'_> {
     /// the caller starts it now. A join of a recording episode is recorded; any other
     /// release is checked against live episodes on its links.
     pub(super) fn memo_on_release(&mut self, f: u32) -> bool {
+        if self.periodic_on_release(f) {
+            return true; // virtual: its collective is periodic
+        }
         let links = self.links_of(f);
         if let Some(target) = self.memo_join_target(f, &links) {
             if let Some(m) = self.memo.as_mut() {
@@ -1587,6 +1608,41 @@ impl Engine<'_> {
         }
     }
 
+    /// The unfinished flows `flows` of a collective going periodic (see the `periodic`
+    /// module) leave their live episodes' care: a mirror is broken (it takes its leader's
+    /// exact state), a recording is marked intruded (its joins will not be simulated) and
+    /// its mirrors broken; a memoized episode keeps its stored times.
+    pub(super) fn memo_settle_episodes(&mut self, flows: &[u32]) {
+        let Some(m) = self.memo.as_ref() else {
+            return;
+        };
+        let mut ids: Vec<u32> = flows
+            .iter()
+            .map(|&f| m.flow_episode[f as usize])
+            .filter(|&id| id != NONE)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            let Some(ep) = self
+                .memo
+                .as_mut()
+                .and_then(|m| m.episodes.get_mut(id as usize))
+            else {
+                continue;
+            };
+            if ep.left == 0 || (ep.hit && ep.leader == NONE) {
+                continue;
+            }
+            if ep.leader != NONE {
+                self.memo_break_mirror(id);
+            } else {
+                ep.intruded = true;
+                self.memo_break_followers(id);
+            }
+        }
+    }
+
     /// Breaks every mirror of leader `id` (it was intruded, so they no longer match it).
     fn memo_break_followers(&mut self, id: u32) {
         let followers = self
@@ -1623,7 +1679,7 @@ impl Engine<'_> {
     }
 
     /// Events per simulated data packet so far (the skipped-events estimate's rate).
-    fn run_events_per_packet(&self) -> f64 {
+    pub(super) fn run_events_per_packet(&self) -> f64 {
         if self.data_packets > 0 {
             self.events as f64 / self.data_packets as f64
         } else {
@@ -1654,15 +1710,18 @@ impl Engine<'_> {
         m.owned += 1;
     }
 
-    /// A memoized flow reaches its stored completion: account its bytes and finish it.
+    /// A memoized or virtual flow reaches its scheduled completion: account its bytes and
+    /// finish it.
     pub(super) fn memo_finish(&mut self, f: u32) {
         let run_rate = self.run_events_per_packet();
+        let periodic = self.periodic.as_ref().is_some_and(|p| p.is_virtual(f));
         let per_packet = match self.memo.as_mut() {
             Some(m) => {
                 m.finish_at[f as usize] = None;
                 m.owned -= 1;
                 let id = m.flow_episode[f as usize];
                 match m.episodes.get(id as usize) {
+                    _ if periodic => run_rate,
                     Some(e) if e.mirror => run_rate,
                     Some(e) => e.events_per_packet,
                     None => 0.0,
@@ -1674,16 +1733,30 @@ impl Engine<'_> {
             let fl = &self.flows[f as usize];
             (fl.npkts, fl.snd_nxt)
         };
-        self.memo_credit(f, npkts - from);
-        self.stats.memo_skipped_events += ((npkts - from) as f64 * per_packet).round() as u64;
+        let packets = npkts - from;
+        self.credit_packets(f, packets);
+        let events = (packets as f64 * per_packet).round() as u64;
+        if periodic {
+            self.stats.periodic_skipped_packets += packets;
+            self.stats.periodic_skipped_events += events;
+        } else {
+            self.stats.memo_skipped_packets += packets;
+            self.stats.memo_skipped_events += events;
+        }
         let fl = &mut self.flows[f as usize];
         fl.sender_done = true;
         self.finish_flow(f);
     }
 
+    /// [`Engine::credit_packets`], counted as skipped by memoization.
+    pub(super) fn memo_credit(&mut self, f: u32, packets: u64) {
+        self.credit_packets(f, packets);
+        self.stats.memo_skipped_packets += packets;
+    }
+
     /// Moves flow `f` to packet `to` (from its current position) without simulating:
     /// sequence numbers, byte counters of the flow, the run and its data path, its ACKs.
-    fn memo_credit(&mut self, f: u32, packets: u64) {
+    pub(super) fn credit_packets(&mut self, f: u32, packets: u64) {
         let mtu = u64::from(self.cfg.mtu_payload);
         let ack_every = u64::from(self.cfg.ack_every).max(1);
         let fl = &mut self.flows[f as usize];
@@ -1707,7 +1780,6 @@ impl Engine<'_> {
         self.bytes_sent += bytes;
         self.bytes_delivered += bytes;
         self.stats.acks += acks;
-        self.stats.memo_skipped_packets += packets;
         let (start, len) = fl.fwd;
         for h in start..start + len {
             self.link_bytes[self.paths[h as usize] as usize] += bytes;

@@ -162,9 +162,9 @@
 //!
 //! ## Acceleration
 //!
-//! All three mechanisms are on by default; [`PacketConfig::reference`] turns them off
+//! Every mechanism is on by default; [`PacketConfig::reference`] turns them off
 //! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
-//! `--no-memo` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
+//! `--no-memo`, `--no-mirror`, `--no-periodic` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
 //! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
 //! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
@@ -182,8 +182,11 @@
 //! events postponed, its queues frozen), stopping at any release that touches it.
 //! `accel.memoize` looks up isolated episodes (a group of flows released together onto
 //! idle links, with the flows that join it) in a [`MemoCache`] instead of simulating them
-//! again; see the `memo` module. The designs, bounds and defaults are in the `accel` and
-//! `memo` modules and [`AccelConfig`]; `tests/accel.rs` is the equivalence harness.
+//! again; see the `memo` module. `accel.periodic` finishes the flows of a collective whose
+//! chains (a ring rank's flows to its successor, step after step) all repeat the same
+//! completion time after that time, without packets; see the `periodic` module. The
+//! designs, bounds and defaults are in the `accel`, `memo` and `periodic` modules and
+//! [`AccelConfig`]; `tests/accel.rs` is the equivalence harness.
 //!
 //! ## What is not modelled
 //!
@@ -211,6 +214,7 @@ pub mod dcqcn;
 mod engine;
 mod host;
 mod memo;
+mod periodic;
 mod switch;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
@@ -317,6 +321,15 @@ pub struct PacketStats {
     /// the events that saves (estimated as for fast-forwarding).
     pub memo_skipped_packets: u64,
     pub memo_skipped_events: u64,
+    /// Collectives that went periodic (`accel.periodic`), flows they finished virtually
+    /// instead of simulating, and extrapolations ended by an intruding flow.
+    pub periodic_starts: u64,
+    pub periodic_flows: u64,
+    pub periodic_aborts: u64,
+    /// Data packets virtual flows did not simulate (their bytes are in the report), and the
+    /// events that saves (estimated as for fast-forwarding).
+    pub periodic_skipped_packets: u64,
+    pub periodic_skipped_events: u64,
 }
 
 impl PacketStats {
@@ -332,7 +345,7 @@ impl PacketStats {
 
     /// Events skipped by every mechanism (estimated).
     pub fn total_skipped_events(&self) -> u64 {
-        self.skipped_events + self.memo_skipped_events
+        self.skipped_events + self.memo_skipped_events + self.periodic_skipped_events
     }
 }
 
