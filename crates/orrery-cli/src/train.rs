@@ -8,9 +8,11 @@ use crate::{bad, progress_bar};
 use anyhow::Result;
 use orrery_optim::{RefreshMode, SplitRefresh, TierConfig};
 use orrery_train::{
-    make_optimizer_with, train_with, OptimizerRuntime, RunOptions, StepMetrics, TrainConfig,
-    TrainError, TrainObserver,
+    make_optimizer_with, train_with, OptimizerRuntime, OptimizerSummary, RunOptions, StepMetrics,
+    TrainConfig, TrainError, TrainObserver, TrainSummary,
 };
+use orrery_units::Bytes;
+use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -32,13 +34,15 @@ pub struct TrainArgs {
     /// With --async: refresh worker threads.
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// SOAP with several ranks: each preconditioner refresh runs on one owner rank, which
-    /// sends the new basis to the others (synchronous refresh only).
+    /// SOAP/Shampoo with several ranks: each preconditioner refresh (a SOAP basis, a Shampoo
+    /// block's inverse roots) runs on one owner rank, which sends the result to the others
+    /// (synchronous refresh only).
     #[arg(long)]
     split_refresh: bool,
-    /// With --split-refresh: the owner keeps the old basis when it moved by at most this
-    /// (eigenvalue-weighted misalignment, 0 to 1; 0 sends every refresh, bit-identical to
-    /// every rank refreshing everything).
+    /// With --split-refresh: the owner keeps the preconditioner in use when it moved by at
+    /// most this (SOAP: eigenvalue-weighted misalignment of the basis, 0 to 1; Shampoo:
+    /// distance of the roots scaled to unit norm, 0 to 1.41); 0 sends every refresh,
+    /// bit-identical to every rank refreshing everything.
     #[arg(long, default_value_t = 0.0)]
     basis_threshold: f32,
     /// SOAP: bytes of optimizer state allowed on the device (e.g. 64MiB); the rest goes to
@@ -68,7 +72,9 @@ pub struct TrainArgs {
     /// A text file or folder of .txt files to train on (overrides `data.path`).
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
-    /// Print every step's metrics as a JSON line instead of a progress bar.
+    /// Print every step's metrics as a JSON line instead of a progress bar, and the final
+    /// report as one JSON object (on stderr, as the text report is, so that stdout holds only
+    /// the steps).
     #[arg(long)]
     json: bool,
 }
@@ -255,22 +261,76 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         return Ok(());
     }
     let secs = start.elapsed().as_secs_f64();
-    eprintln!(
-        "{} steps of {} ({} parameters): final loss {}, validation loss {}, {:.1} s, {:.0} tokens/s; metrics, loss curve and checkpoint in {}",
-        summary.steps,
-        name,
-        summary.num_params,
-        summary
-            .final_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}")),
-        summary
-            .final_val_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}")),
-        secs,
-        summary.tokens_seen as f64 / secs.max(1e-9),
-        args.out.display()
-    );
+    let report = FinalReport::new(&summary, &name, secs, &args.out);
+    if args.json {
+        eprintln!("{}", serde_json::to_string(&report)?);
+    } else {
+        eprintln!("{}", report.text());
+    }
     Ok(())
+}
+
+/// What `orrery train` reports when a run ends (rank 0's view; the optimizer's counts are the
+/// same on every rank).
+#[derive(Debug, Serialize)]
+struct FinalReport<'a> {
+    steps: u64,
+    optimizer: &'a str,
+    parameters: usize,
+    final_loss: Option<f32>,
+    final_val_loss: Option<f32>,
+    seconds: f64,
+    tokens_per_s: f64,
+    out: String,
+    /// Peak state bytes per tier, refreshes, refresh wait, bases sent and kept.
+    optimizer_state: OptimizerSummary,
+}
+
+impl<'a> FinalReport<'a> {
+    fn new(summary: &TrainSummary, optimizer: &'a str, seconds: f64, out: &Path) -> Self {
+        Self {
+            steps: summary.steps,
+            optimizer,
+            parameters: summary.num_params,
+            final_loss: summary.final_loss,
+            final_val_loss: summary.final_val_loss,
+            seconds,
+            tokens_per_s: summary.tokens_seen as f64 / seconds.max(1e-9),
+            out: out.display().to_string(),
+            optimizer_state: summary.optimizer,
+        }
+    }
+
+    /// Two lines: the run, then the optimizer (with the split's exchange when there was one).
+    fn text(&self) -> String {
+        let loss = |l: Option<f32>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
+        let o = &self.optimizer_state;
+        let split = if o.bases_sent + o.bases_kept > 0 {
+            format!(
+                "; split refresh: {} sent, {} kept",
+                o.bases_sent, o.bases_kept
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "{} steps of {} ({} parameters): final loss {}, validation loss {}, {:.1} s, {:.0} tokens/s; metrics, loss curve and checkpoint in {}\n\
+             optimizer state at most {} on the device, {} in host memory, {} on disk; {} preconditioner refreshes, {:.1} ms waiting for them{split}",
+            self.steps,
+            self.optimizer,
+            self.parameters,
+            loss(self.final_loss),
+            loss(self.final_val_loss),
+            self.seconds,
+            self.tokens_per_s,
+            self.out,
+            Bytes(o.peak_device_bytes),
+            Bytes(o.peak_host_bytes),
+            Bytes(o.peak_disk_bytes),
+            o.refreshes,
+            o.refresh_wait_seconds * 1e3,
+        )
+    }
 }
 
 fn spill_dir(root: &Path, rank: usize) -> PathBuf {
@@ -375,8 +435,9 @@ mod mpi_rank {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_bytes, run_train, TrainArgs};
+    use super::{parse_bytes, run_train, FinalReport, TrainArgs};
     use clap::Parser;
+    use orrery_train::{OptimizerSummary, TrainSummary};
 
     #[derive(clap::Parser)]
     struct Cli {
@@ -411,5 +472,57 @@ mod tests {
         assert_eq!(parse_bytes("1.5KiB"), Ok(1536));
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("12XB").is_err());
+    }
+
+    /// The final report carries the optimizer's figures, as text and as JSON, and names the
+    /// split's exchange only when there was one.
+    #[test]
+    fn the_final_report_shows_the_optimizer() {
+        let mut summary = TrainSummary {
+            steps: 12,
+            final_loss: Some(2.5),
+            final_val_loss: None,
+            tokens_seen: 1200,
+            num_params: 1000,
+            history: Vec::new(),
+            optimizer: OptimizerSummary {
+                peak_device_bytes: 3 << 20,
+                peak_host_bytes: 2048,
+                peak_disk_bytes: 0,
+                refreshes: 40,
+                refresh_wait_seconds: 0.25,
+                bases_sent: 0,
+                bases_kept: 0,
+            },
+        };
+        let out = std::path::Path::new("out/x");
+        let text = FinalReport::new(&summary, "soap", 2.0, out).text();
+        assert!(
+            text.contains("12 steps of soap (1000 parameters)"),
+            "{text}"
+        );
+        assert!(text.contains("600 tokens/s"), "{text}");
+        assert!(
+            text.contains("3.00 MiB on the device, 2.00 KiB in host memory, 0 B on disk"),
+            "{text}"
+        );
+        assert!(
+            text.contains("40 preconditioner refreshes, 250.0 ms waiting"),
+            "{text}"
+        );
+        assert!(!text.contains("split"), "{text}");
+        summary.optimizer.bases_sent = 30;
+        summary.optimizer.bases_kept = 10;
+        let report = FinalReport::new(&summary, "soap", 2.0, out);
+        assert!(
+            report.text().contains("split refresh: 30 sent, 10 kept"),
+            "{}",
+            report.text()
+        );
+        let json: serde_json::Value = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["optimizer_state"]["refreshes"], 40);
+        assert_eq!(json["optimizer_state"]["bases_kept"], 10);
+        assert_eq!(json["optimizer_state"]["peak_host_bytes"], 2048);
+        assert_eq!(json["final_val_loss"], serde_json::Value::Null);
     }
 }

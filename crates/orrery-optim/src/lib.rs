@@ -32,10 +32,12 @@
 //!   bit-identical to the synchronous optimizer. [`StepReport::wait_seconds`] says how long a
 //!   step waited. Saved state includes refreshes in flight (as their inputs).
 //! - *Split refreshes* ([`SplitRefresh`]): on data-parallel ranks, which hold identical state,
-//!   each SOAP basis refresh is computed by one owner rank and the new basis reaches the others
-//!   through [`Optimizer::step_shared`]'s [`RankGroup`] (one all-gather per step), only when it
-//!   changed by more than a threshold or has been kept too often. Threshold 0 is bit-identical
-//!   to every rank refreshing everything; [`StepReport`] counts bases sent and kept.
+//!   each refresh — a SOAP parameter's basis, a Shampoo block's inverse roots — is computed by
+//!   one owner rank ([`assign_owners`]), and the result reaches the others through
+//!   [`Optimizer::step_shared`]'s [`RankGroup`] (one all-gather per step), only when it changed
+//!   by more than a threshold ([`basis_change`], [`root_change`]) or has been kept too often.
+//!   Threshold 0 is bit-identical to every rank refreshing everything; [`StepReport`] counts
+//!   the refreshes that fell due and those sent and kept.
 //! - *Tiered state* ([`tiers`]): each of SOAP's state tensors is placed on the device, in host
 //!   memory or on disk by its access pattern under per-tier byte budgets; spilled tensors are
 //!   checksummed files written atomically, and a corrupt one is an error
@@ -55,8 +57,10 @@
 //!
 //! It does not compute gradients, clip them or schedule the learning rate (the trainer does);
 //! it does not connect to other ranks (it decides what a split refresh sends, and the caller's
-//! [`RankGroup`] carries it); it splits only SOAP's refreshes (Shampoo's inverse roots are
-//! still computed on every rank) and does not shard optimizer state; it does not use a GPU — on the CPU the "device" tier is RAM
+//! [`RankGroup`] carries it); it does not split asynchronous refreshes (a split needs
+//! [`RefreshMode::Sync`]) nor SOAP's initial eigendecomposition (every rank computes it on a
+//! parameter's first call), and it does not shard optimizer state (every rank of a split
+//! still holds all of it); it does not use a GPU — on the CPU the "device" tier is RAM
 //! accounted separately; it does not migrate tensors between tiers after placement; and only
 //! SOAP's state is tiered (Shampoo and AdamW keep theirs resident).
 
@@ -67,15 +71,17 @@ pub mod linalg;
 mod runtime;
 mod shampoo;
 mod soap;
+mod split;
 mod state;
 pub mod tiers;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use shampoo::{block_ranges, Shampoo, ShampooConfig};
+pub use shampoo::{block_ranges, root_change, Shampoo, ShampooConfig};
 pub use soap::{
-    assign_owners, basis_change, refresh_basis, rotate, rotate_back, RefreshMode, Soap, SoapConfig,
-    SplitRefresh, SOAP_DEFAULT_LR,
+    basis_change, refresh_basis, rotate, rotate_back, RefreshMode, Soap, SoapConfig,
+    SOAP_DEFAULT_LR,
 };
+pub use split::{assign_owners, SplitRefresh};
 pub use tiers::{Tier, TierConfig, TierUsage};
 
 /// One parameter tensor handed to an optimizer step: its stable name (used to key state and
@@ -93,11 +99,16 @@ pub struct Param<'a> {
 pub struct StepReport {
     /// Wall time the step spent waiting for preconditioner work, in seconds.
     pub wait_seconds: f64,
-    /// Split refreshes ([`SplitRefresh`]): refreshed bases that their owners sent and every
-    /// rank installed this step.
+    /// Periodic preconditioner refreshes that fell due this step, whoever computes them: one
+    /// per rotated parameter for SOAP (its basis; the initial eigendecomposition on a
+    /// parameter's first call is not counted), one per block for Shampoo (its inverse roots).
+    /// Every rank of a split counts all of them, so there they are `bases_sent + bases_kept`.
+    pub refreshes: u64,
+    /// Split refreshes ([`SplitRefresh`]): refreshed preconditioners (SOAP bases, Shampoo
+    /// blocks' inverse roots) that their owners sent and every rank installed this step.
     pub bases_sent: u64,
-    /// Split refreshes: refreshes whose owner kept the old basis (changed too little) and sent
-    /// only that decision.
+    /// Split refreshes: refreshes whose owner kept the preconditioner in use (changed too
+    /// little) and sent only that decision.
     pub bases_kept: u64,
     /// Split refreshes: refreshes this rank computed as their owner (the other ranks' share
     /// of the work it did not do is `bases_sent + bases_kept - bases_computed`).
@@ -168,8 +179,8 @@ pub trait Optimizer: Send {
 
     /// [`Optimizer::step`] on one rank of a data-parallel group whose ranks all hold the same
     /// parameters, gradients and state. An optimizer may split work across the group here (SOAP
-    /// with [`SoapConfig::split`]); the default, and SOAP without a split, is `step`, which
-    /// uses no collective.
+    /// with [`SoapConfig::split`], Shampoo with [`ShampooConfig::split`]); the default, and
+    /// either without a split, is `step`, which uses no collective.
     fn step_shared(
         &mut self,
         lr: f32,

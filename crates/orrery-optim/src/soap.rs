@@ -60,7 +60,7 @@
 //! Split refreshes ([`SplitRefresh`], through [`Optimizer::step_shared`]): data-parallel ranks
 //! hold identical gradients and state, so refreshing every basis on every rank repeats the same
 //! work `world` times. With a split, each refresh is computed only by its parameter's owner
-//! ([`assign_owners`]: the rotated parameters in the order given, weighted by the cube of
+//! ([`crate::assign_owners`]: the rotated parameters in the order given, weighted by the cube of
 //! their rotated sides, largest first to the least-loaded rank). At the end of the step every
 //! rank's decisions travel in one all-gather, and every rank applies all of them in rank order:
 //! install this basis, or keep the one in use. Installing at the end of the step instead of at
@@ -79,6 +79,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::linalg::{self, LinalgError};
 use crate::runtime::{Inflight, WorkerPool};
+use crate::split::{self, side_cost, Decision, Key, Payload, SplitRefresh};
 use crate::state::{Reader, Writer};
 use crate::tiers::{Access, TierConfig, TierUsage, TieredStore};
 use crate::{check_param, OptimError, Optimizer, Param, RankGroup, StepReport};
@@ -126,26 +127,6 @@ pub struct SoapConfig {
     /// [`Optimizer::step_shared`]; `None` (default): every rank refreshes every basis. Needs
     /// [`RefreshMode::Sync`]. Plain [`Optimizer::step`] ignores it (a group of one).
     pub split: Option<SplitRefresh>,
-}
-
-/// How [`Soap`] shares basis refreshes among data-parallel ranks (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SplitRefresh {
-    /// The owner keeps the old basis when [`basis_change`] is at most this; 0 (or less) sends
-    /// every refreshed basis, which is bit-identical to every rank refreshing everything.
-    pub threshold: f32,
-    /// The owner sends a refreshed basis, however small the change, once the basis in use has
-    /// been kept over this many consecutive refreshes (0: always send).
-    pub max_kept: u64,
-}
-
-impl Default for SplitRefresh {
-    fn default() -> Self {
-        Self {
-            threshold: 0.0,
-            max_kept: 4,
-        }
-    }
 }
 
 impl Default for SoapConfig {
@@ -243,30 +224,6 @@ pub(crate) fn compute_refresh(job: &RefreshJob) -> RefreshOutcome {
     })
 }
 
-/// Which rank refreshes each item: `costs[i]` is item `i`'s work, and the result is each
-/// item's owner in `0..world`. Largest items first (ties by index), each to the rank with the
-/// least work so far (ties to the lower rank) — the classic longest-processing-time rule, whose
-/// busiest rank has at most 4/3 of the optimal makespan. It is a pure function of its inputs,
-/// so every rank computes the same assignment without talking to the others.
-pub fn assign_owners(costs: &[u64], world: usize) -> Vec<usize> {
-    let world = world.max(1);
-    let mut order: Vec<usize> = (0..costs.len()).collect();
-    order.sort_by(|&a, &b| costs[b].cmp(&costs[a]).then(a.cmp(&b)));
-    let mut load = vec![0u64; world];
-    let mut owner = vec![0usize; costs.len()];
-    for i in order {
-        let mut best = 0;
-        for r in 1..world {
-            if load[r] < load[best] {
-                best = r;
-            }
-        }
-        owner[i] = best;
-        load[best] = load[best].saturating_add(costs[i]);
-    }
-    owner
-}
-
 /// How far a refresh moved a basis: `1 − Σ_c w_c |⟨q_old[:, perm[c]], q_new[:, c]⟩| / Σ_c w_c`,
 /// in `[0, 1]`, for `n×n` row-major bases whose columns are basis vectors, the column order
 /// `perm` that [`refresh_basis`] returned, and a weight `w_c ≥ 0` per new column (negative
@@ -313,90 +270,45 @@ fn sides(shape: &[usize], max_dim: usize) -> (usize, usize, bool, bool) {
     }
 }
 
-/// What the owner of a refresh decided, as sent to every rank.
-#[derive(Debug)]
-enum Decision {
-    /// Install this refreshed basis.
-    Send(RefreshResult),
-    /// Keep the basis in use: the refresh changed it too little.
-    Keep,
-    /// The refresh failed on the owner; every rank reports this error.
-    Failed(String),
-}
-
 /// The split refresh of the step in progress: the parameters this rank refreshes and what it
 /// decided for each refresh that fell due.
 #[derive(Debug, Default)]
 struct SplitStep {
-    owned: BTreeSet<String>,
-    decisions: Vec<(String, Decision)>,
+    owned: BTreeSet<Key>,
+    decisions: Vec<(Key, Decision<RefreshResult>)>,
 }
 
-const SPLIT_TAG: &[u8; 8] = b"ORSPLIT1";
-
-fn encode_decisions(decisions: &[(String, Decision)]) -> Vec<u8> {
-    let mut w = Writer::new(SPLIT_TAG);
-    w.u64(decisions.len() as u64);
-    for (name, d) in decisions {
-        w.str(name);
-        match d {
-            Decision::Keep => w.u8(0),
-            Decision::Send(res) => {
-                w.u8(1);
-                for side in [&res.left, &res.right] {
-                    match side {
-                        None => w.u8(0),
-                        Some((perm, q)) => {
-                            w.u8(1);
-                            w.usizes(perm);
-                            w.f32s(q);
-                        }
-                    }
+/// A refreshed basis on the wire: per side, the column order and the basis. The eigenvalue
+/// estimates stay with the owner (only its decision reads them).
+impl Payload for RefreshResult {
+    fn write(&self, w: &mut Writer) {
+        for side in [&self.left, &self.right] {
+            match side {
+                None => w.u8(0),
+                Some((perm, q)) => {
+                    w.u8(1);
+                    w.usizes(perm);
+                    w.f32s(q);
                 }
-            }
-            Decision::Failed(msg) => {
-                w.u8(2);
-                w.str(msg);
             }
         }
     }
-    w.finish()
-}
 
-fn decode_decisions(bytes: &[u8]) -> Result<Vec<(String, Decision)>, OptimError> {
-    let mut r = Reader::new(bytes, SPLIT_TAG)?;
-    let n = r.len()?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let name = r.str()?;
-        let d = match r.u8()? {
-            0 => Decision::Keep,
-            1 => {
-                let mut side = || -> Result<Option<NewSide>, OptimError> {
-                    Ok(match r.u8()? {
-                        0 => None,
-                        _ => Some((r.usizes()?, r.f32s()?)),
-                    })
-                };
-                let left = side()?;
-                let right = side()?;
-                Decision::Send(RefreshResult {
-                    left,
-                    right,
-                    eig: (Vec::new(), Vec::new()),
-                })
-            }
-            2 => Decision::Failed(r.str()?),
-            x => {
-                return Err(OptimError::Exchange(format!(
-                    "parameter `{name}`: invalid decision {x}"
-                )))
-            }
+    fn read(r: &mut Reader<'_>) -> Result<Self, OptimError> {
+        let mut side = || -> Result<Option<NewSide>, OptimError> {
+            Ok(match r.u8()? {
+                0 => None,
+                _ => Some((r.usizes()?, r.f32s()?)),
+            })
         };
-        out.push((name, d));
+        let left = side()?;
+        let right = side()?;
+        Ok(RefreshResult {
+            left,
+            right,
+            eig: (Vec::new(), Vec::new()),
+        })
     }
-    r.end()?;
-    Ok(out)
 }
 
 /// Checks that a received side (permutation and basis) fits a side of size `n`.
@@ -458,31 +370,25 @@ pub fn rotate_back(
     x
 }
 
-/// The owner's choice for a finished refresh: send it when splitting has no threshold, when
-/// the basis in use has been kept as often as allowed, or when either side moved by more than
-/// the threshold ([`basis_change`]); otherwise keep the basis in use.
+/// The owner's choice for a finished refresh ([`split::should_send`]): the change is the
+/// larger of the two sides' [`basis_change`].
 fn decide(
     res: RefreshResult,
     t: &Tensors,
     kept: u64,
-    cfg: &SoapConfig,
+    split: SplitRefresh,
     rows: usize,
     cols: usize,
-) -> Decision {
-    let Some(split) = cfg.split else {
-        return Decision::Send(res);
-    };
-    if split.threshold <= 0.0 || kept >= split.max_kept {
-        return Decision::Send(res);
-    }
+) -> Decision<RefreshResult> {
     let change =
         |side: &Option<NewSide>, old: &Option<Vec<f32>>, eig: &[f64], n: usize| match (side, old) {
             (Some((perm, q)), Some(old)) => basis_change(old, perm, q, n, eig),
             _ => 0.0,
         };
-    let moved =
-        change(&res.left, &t.ql, &res.eig.0, rows).max(change(&res.right, &t.qr, &res.eig.1, cols));
-    if moved > f64::from(split.threshold) {
+    let send = split::should_send(split, kept, || {
+        change(&res.left, &t.ql, &res.eig.0, rows).max(change(&res.right, &t.qr, &res.eig.1, cols))
+    });
+    if send {
         Decision::Send(res)
     } else {
         Decision::Keep
@@ -559,6 +465,8 @@ pub struct Soap {
     pool: Option<WorkerPool>,
     /// Set only inside a split [`Optimizer::step_shared`].
     split_step: Option<SplitStep>,
+    /// Refreshes that fell due in the step in progress ([`StepReport::refreshes`]).
+    refreshes_due: u64,
 }
 
 /// State written before split refreshes existed (no `kept` counters); still read.
@@ -579,6 +487,7 @@ impl Soap {
             store,
             pool,
             split_step: None,
+            refreshes_due: 0,
         }
     }
 
@@ -836,6 +745,7 @@ impl Soap {
             )));
         };
         if (left || right) && step % freq == 0 {
+            self.refreshes_due += 1;
             if let Some(prev) = st.pending.take() {
                 let (res, w) = prev.wait();
                 wait += w;
@@ -847,16 +757,17 @@ impl Soap {
                 rows,
                 cols,
             };
-            if let Some(split) = &mut self.split_step {
+            if let (Some(split), Some(rule)) = (&mut self.split_step, cfg.split) {
                 // Split: only the owner refreshes, and nobody installs until every owner's
                 // decision has arrived (`step_shared`). Installing later in the step changes
                 // nothing, because a parameter's new basis is first used at its next step.
-                if split.owned.contains(p.name) {
+                let key = (p.name.to_owned(), 0);
+                if split.owned.contains(&key) {
                     let d = match compute_refresh(&job) {
-                        Ok(res) => decide(res, t, st.kept, cfg, rows, cols),
+                        Ok(res) => decide(res, t, st.kept, rule, rows, cols),
                         Err(e) => Decision::Failed(e.to_string()),
                     };
-                    split.decisions.push((p.name.to_owned(), d));
+                    split.decisions.push((key, d));
                 }
             } else {
                 match &self.pool {
@@ -1046,6 +957,7 @@ impl Optimizer for Soap {
             check_param(p)?;
         }
         let mut report = StepReport::default();
+        self.refreshes_due = 0;
         for i in 0..params.len() {
             // Start reading the next parameter's spilled state while this one is computed.
             if let Some(next) = params.get(i + 1).map(|p| p.name) {
@@ -1058,6 +970,7 @@ impl Optimizer for Soap {
             }
             report.wait_seconds += self.step_param(lr, p)?;
         }
+        report.refreshes = self.refreshes_due;
         Ok(report)
     }
 
@@ -1079,83 +992,49 @@ impl Optimizer for Soap {
         // cubic cost of their decompositions; every rank passes the same parameters, so every
         // rank computes the same owners.
         let max_dim = self.config.max_precond_dim;
-        let mut rotated = Vec::new();
-        let mut costs = Vec::new();
-        for p in params.iter() {
-            let (rows, cols, left, right) = sides(p.shape, max_dim);
-            if (left || right) && !p.value.is_empty() {
-                let cube = |n: usize, on: bool| if on { (n as u64).saturating_pow(3) } else { 0 };
-                rotated.push(p.name.to_owned());
-                costs.push(cube(rows, left).saturating_add(cube(cols, right)));
-            }
-        }
-        let (rank, world) = (group.rank(), group.world_size());
-        let owners = assign_owners(&costs, world);
-        let owned = rotated
-            .into_iter()
-            .zip(owners)
-            .filter(|&(_, o)| o == rank)
-            .map(|(n, _)| n)
+        let items = params
+            .iter()
+            .filter_map(|p| {
+                let (rows, cols, left, right) = sides(p.shape, max_dim);
+                ((left || right) && !p.value.is_empty()).then(|| {
+                    let cost = side_cost(rows, left).saturating_add(side_cost(cols, right));
+                    ((p.name.to_owned(), 0), cost)
+                })
+            })
             .collect();
         self.split_step = Some(SplitStep {
-            owned,
+            owned: split::owned(items, group),
             decisions: Vec::new(),
         });
         let stepped = self.step(lr, params);
-        let split = self.split_step.take().unwrap_or_default();
+        let mine = self.split_step.take().unwrap_or_default();
         let mut report = stepped?;
-        report.bases_computed = split.decisions.len() as u64;
-        let all = group
-            .all_gather_bytes(&encode_decisions(&split.decisions))
-            .map_err(OptimError::Exchange)?;
-        if all.len() != world {
-            return Err(OptimError::Exchange(format!(
-                "{} messages from a group of {world}",
-                all.len()
-            )));
-        }
+        report.bases_computed = mine.decisions.len() as u64;
+        let all = split::exchange(group, &mine.decisions)?;
         // Every rank applies every owner's decisions in rank order, so all ranks make the
         // same changes to their (identical) state.
-        let mut failure = None;
-        for bytes in &all {
-            for (name, d) in decode_decisions(bytes)? {
-                let Some(st) = self.params.get_mut(&name) else {
-                    return Err(OptimError::Exchange(format!(
-                        "a decision for unknown parameter `{name}`"
-                    )));
-                };
-                match d {
-                    Decision::Keep => {
-                        st.kept += 1;
-                        report.bases_kept += 1;
-                    }
-                    Decision::Send(res) => {
-                        st.kept = 0;
-                        let (rows, cols, left, right) = (st.rows, st.cols, st.left, st.right);
-                        if !check_side(&res.left, left, rows)
-                            || !check_side(&res.right, right, cols)
-                        {
-                            return Err(OptimError::Exchange(format!(
-                                "parameter `{name}`: a received basis has the wrong size"
-                            )));
-                        }
-                        let mut t = self.take(&name, left, right)?;
-                        t.install(res, rows, cols);
-                        self.put(&name, t)?;
-                        report.bases_sent += 1;
-                    }
-                    Decision::Failed(msg) => {
-                        failure.get_or_insert(OptimError::Exchange(format!(
-                            "parameter `{name}`: the owner's refresh failed: {msg}"
-                        )));
-                    }
-                }
+        split::apply_all(all, &mut report, |(name, index), decision| {
+            let Some(st) = self.params.get_mut(name).filter(|_| *index == 0) else {
+                return Err(OptimError::Exchange(format!(
+                    "a decision for unknown basis {index} of parameter `{name}`"
+                )));
+            };
+            let Some(res) = decision else {
+                st.kept += 1;
+                return Ok(());
+            };
+            st.kept = 0;
+            let (rows, cols, left, right) = (st.rows, st.cols, st.left, st.right);
+            if !check_side(&res.left, left, rows) || !check_side(&res.right, right, cols) {
+                return Err(OptimError::Exchange(format!(
+                    "parameter `{name}`: a received basis has the wrong size"
+                )));
             }
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+            let mut t = self.take(name, left, right)?;
+            t.install(res, rows, cols);
+            self.put(name, t)
+        })?;
+        Ok(report)
     }
 
     /// Refresh snapshots in flight are not counted.
@@ -1210,27 +1089,6 @@ impl Optimizer for Soap {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-
-    #[test]
-    fn every_item_has_one_owner_and_the_work_is_balanced() {
-        let costs: Vec<u64> = (0..23u64).map(|i| (i * 37 % 11 + 1).pow(3)).collect();
-        for world in 1..=6 {
-            let owners = assign_owners(&costs, world);
-            assert_eq!(owners.len(), costs.len());
-            assert!(owners.iter().all(|&o| o < world));
-            let mut load = vec![0u64; world];
-            for (&o, &c) in owners.iter().zip(&costs) {
-                load[o] += c;
-            }
-            let (max, min) = (load.iter().max().unwrap(), load.iter().min().unwrap());
-            // Greedy assignment to the least-loaded rank: the spread is at most one item.
-            assert!(max - min <= *costs.iter().max().unwrap(), "{load:?}");
-            assert_eq!(owners, assign_owners(&costs, world), "deterministic");
-        }
-        assert_eq!(assign_owners(&[5, 5, 5], 0), vec![0, 0, 0], "world 0 is 1");
-        assert_eq!(assign_owners(&[1, 9, 4], 5), vec![2, 0, 1], "largest first");
-        assert!(assign_owners(&[], 3).is_empty());
-    }
 
     /// A rotation by `angle` in the plane of columns 0 and 1 of the 3×3 identity.
     fn turned(angle: f64) -> Vec<f32> {

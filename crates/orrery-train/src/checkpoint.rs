@@ -9,7 +9,7 @@
 //! 20  4  CRC32 of the payload
 //! 24  .. payload:
 //!        u64 n + n bytes   metadata as JSON (step, config, RNG state, parameter names/shapes,
-//!                          metrics so far)
+//!                          metrics and optimizer figures so far)
 //!        u64 n + n f32     parameter values in store order
 //!        u64 n + n bytes   optimizer state (opaque, from `Optimizer::save_state`)
 //! ```
@@ -26,6 +26,7 @@ use thiserror::Error;
 
 use crate::config::TrainConfig;
 use crate::metrics::StepMetrics;
+use crate::OptimizerSummary;
 
 const MAGIC: &[u8; 8] = b"ORRYCKPT";
 const VERSION: u32 = 1;
@@ -45,6 +46,10 @@ pub struct CheckpointMeta {
     pub param_shapes: Vec<Vec<usize>>,
     /// Metrics of the steps done so far, so a resumed run's log and plot cover the whole run.
     pub history: Vec<StepMetrics>,
+    /// What the optimizer did so far, so a resumed run's summary covers the whole run too.
+    /// Checkpoints written before it existed lack it and are read with zeros.
+    #[serde(default)]
+    pub optimizer: OptimizerSummary,
 }
 
 /// A checkpoint in memory.
@@ -263,6 +268,11 @@ mod tests {
                 param_names: vec!["a".into()],
                 param_shapes: vec![vec![3]],
                 history: Vec::new(),
+                optimizer: OptimizerSummary {
+                    refreshes: 5,
+                    peak_device_bytes: 1 << 40,
+                    ..OptimizerSummary::default()
+                },
             },
             values: vec![1.0, -0.0, f32::MIN_POSITIVE],
             optimizer: vec![9, 8, 7],
@@ -275,6 +285,17 @@ mod tests {
         let d = Checkpoint::decode(&c.encode().unwrap()).unwrap();
         assert_eq!(d, c);
         assert_eq!(d.values[1].to_bits(), (-0.0f32).to_bits());
+    }
+
+    /// Metadata written before the optimizer figures existed still reads, with zeros.
+    #[test]
+    fn metadata_without_optimizer_figures_reads_as_zeros() {
+        let mut json = serde_json::to_value(&sample().meta).unwrap();
+        let removed = json.as_object_mut().unwrap().remove("optimizer");
+        assert!(removed.is_some(), "the figures are written");
+        let meta: CheckpointMeta = serde_json::from_value(json).unwrap();
+        assert_eq!(meta.optimizer, OptimizerSummary::default());
+        assert_eq!(meta.history, sample().meta.history);
     }
 
     #[test]

@@ -22,8 +22,8 @@
 //!   loss-curve SVG.
 //! - **Checkpoints** ([`checkpoint`]): one file with magic, version, length and CRC32, written
 //!   atomically; it holds weights (exact bit patterns), optimizer state bytes, sampler RNG
-//!   state, step, configuration and metrics, so that a run of N steps equals k steps + resume
-//!   + N − k steps bit for bit.
+//!   state, step, configuration, metrics and the optimizer's figures, so that a run of N steps
+//!   equals k steps + resume + N − k steps bit for bit.
 //! - **Data parallelism** ([`comm`]): a blocking, rank-ordered [`Communicator`] trait with a
 //!   single-rank backend, an in-process threads backend ([`train_with`]'s `ranks`), and, behind
 //!   the `mpi` feature, an MPI backend with one rank per process on one or several hosts
@@ -37,15 +37,22 @@
 //! losses and weights.
 //!
 //! Split preconditioner refreshes: every optimizer step hands the optimizer the communicator
-//! (as an `orrery_optim::RankGroup`), so that SOAP built with a split
-//! ([`OptimizerRuntime::split`]) can have each basis refreshed by one owner rank and sent to the
-//! others in one all-gather per step; threshold 0 is bit-identical to no split
-//! (`tests/split_refresh.rs`), and [`Trainer::bases_sent_and_kept`] counts the exchange.
+//! (as an `orrery_optim::RankGroup`), so that SOAP or Shampoo built with a split
+//! ([`OptimizerRuntime::split`]) can have each SOAP basis, or each Shampoo block's inverse
+//! roots, refreshed by one owner rank and sent to the others in one all-gather per step;
+//! threshold 0 is bit-identical to no split (`tests/split_refresh.rs` over threads,
+//! `tests/mpi.rs` over MPI), and [`Trainer::bases_sent_and_kept`] counts the exchange.
+//!
+//! What the optimizer did is part of the run's [`TrainSummary`] ([`OptimizerSummary`]): the
+//! largest state it held in each tier, the refreshes that fell due, the time steps waited for
+//! asynchronous refreshes, and the refreshes a split sent and kept, over the whole run (the
+//! checkpoint carries them across a resume).
 //!
 //! What this crate does not do: it does not print (progress goes to a [`TrainObserver`]); it
-//! does not shard optimizer state across ranks, nor split Shampoo's preconditioner work; it has no tensor/pipeline parallelism, mixed precision, dropout,
-//! KV cache or sampling/generation; and it does not make the CPU fast — it is a faithful,
-//! reproducible reference trainer.
+//! does not shard optimizer state across ranks (a split shares refresh work, and every rank
+//! still holds all the state); it has no tensor/pipeline parallelism, mixed precision,
+//! dropout, KV cache or sampling/generation; and it does not make the CPU fast — it is a
+//! faithful, reproducible reference trainer.
 
 pub mod checkpoint;
 pub mod comm;
@@ -76,8 +83,8 @@ pub use config::{
 pub use data::{Corpus, DataError, Tokenizer};
 pub use metrics::{loss_curve_svg, StepMetrics};
 pub use trainer::{
-    Clock, FixedClock, MonotonicClock, NullObserver, TrainError, TrainObserver, TrainSummary,
-    Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE, METRICS_FILE,
+    Clock, FixedClock, MonotonicClock, NullObserver, OptimizerSummary, TrainError, TrainObserver,
+    TrainSummary, Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE, METRICS_FILE,
 };
 
 /// The default backend: burn's ndarray CPU backend with autodiff.
@@ -122,11 +129,12 @@ impl Optimizer for Sgd {
 }
 
 /// How the second-order optimizers run, beyond their hyper-parameters: synchronous or
-/// asynchronous preconditioner refreshes, (SOAP) tier budgets for the state, and (SOAP)
-/// basis refreshes split across the data-parallel ranks: each rank refreshes the parameters
-/// it owns and sends the new bases (only those that changed by more than `split.threshold`,
-/// or that the `max_kept` bound forces) to the others. With threshold 0 a split run is
-/// bit-identical to one without.
+/// asynchronous preconditioner refreshes, (SOAP) tier budgets for the state, and (SOAP and
+/// Shampoo) refreshes split across the data-parallel ranks: each rank refreshes the
+/// preconditioners it owns (SOAP: a parameter's basis; Shampoo: a block's inverse roots) and
+/// sends the results (only those that changed by more than `split.threshold`, or that the
+/// `max_kept` bound forces) to the others. With threshold 0 a split run is bit-identical to
+/// one without.
 #[derive(Debug, Clone)]
 pub struct OptimizerRuntime {
     pub refresh: orrery_optim::RefreshMode,
@@ -150,9 +158,9 @@ pub fn make_optimizer(config: &TrainConfig) -> Result<Box<dyn Optimizer>, TrainE
     make_optimizer_with(config, &OptimizerRuntime::default())
 }
 
-/// [`make_optimizer`] with the runtime's options. Tiers and splits apply to SOAP only, and a
-/// split needs synchronous refreshes; anything else is a configuration error naming
-/// `optimizer.name`.
+/// [`make_optimizer`] with the runtime's options. Asynchronous refreshes and splits apply to
+/// SOAP and Shampoo, tiers to SOAP only, and a split needs synchronous refreshes; anything else
+/// is a configuration error naming `optimizer.name`.
 pub fn make_optimizer_with(
     config: &TrainConfig,
     runtime: &OptimizerRuntime,
@@ -177,8 +185,11 @@ pub fn make_optimizer_with(
     if o.name != "soap" && runtime.tiers.is_some() {
         return refuse(format!("tiered optimizer state needs soap, not {}", o.name));
     }
-    if split.is_some() && o.name != "soap" {
-        return refuse(format!("split refreshes need soap, not {}", o.name));
+    if split.is_some() && !second_order {
+        return refuse(format!(
+            "split refreshes need soap or shampoo, not {}",
+            o.name
+        ));
     }
     if split.is_some() && !matches!(runtime.refresh, orrery_optim::RefreshMode::Sync) {
         return refuse("split refreshes need synchronous refreshes".into());
@@ -207,6 +218,7 @@ pub fn make_optimizer_with(
                 beta1: o.beta1,
                 weight_decay: o.weight_decay,
                 refresh: runtime.refresh,
+                split,
                 ..Default::default()
             },
         ))),

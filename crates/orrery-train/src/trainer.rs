@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use orrery_optim::{OptimError, Optimizer, RankGroup};
+use orrery_optim::{OptimError, Optimizer, RankGroup, StepReport};
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::checkpoint::{Checkpoint, CheckpointError, CheckpointMeta};
@@ -150,8 +151,8 @@ pub struct Trainer<B: AutodiffBackend> {
     step: u64,
     tokens_seen: u64,
     history: Vec<StepMetrics>,
-    /// Split refreshes since this trainer was made: bases sent, bases kept.
-    bases: (u64, u64),
+    /// What the optimizer did in this run (carried across a resume by the checkpoint).
+    optim: OptimizerSummary,
     aux: Aux<B>,
     aux_eval: Aux<B::InnerBackend>,
 }
@@ -206,7 +207,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             step: 0,
             tokens_seen: 0,
             history: Vec::new(),
-            bases: (0, 0),
+            optim: OptimizerSummary::default(),
             aux,
             aux_eval,
         })
@@ -264,6 +265,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         t.step = checkpoint.meta.step;
         t.tokens_seen = checkpoint.meta.tokens_seen;
         t.history = checkpoint.meta.history;
+        t.optim = checkpoint.meta.optimizer;
         Ok(t)
     }
 
@@ -292,11 +294,17 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.comm.rank()
     }
 
-    /// Split preconditioner refreshes (`SoapConfig::split`) since this trainer was made (not
-    /// carried over a resume): how many refreshed bases their owners sent, and how many
-    /// refreshes kept the old basis because it changed too little. `(0, 0)` without a split.
+    /// Split preconditioner refreshes (`SoapConfig::split`, `ShampooConfig::split`) in this
+    /// run, a resumed run's steps before the resume included: how many refreshed
+    /// preconditioners (SOAP bases, Shampoo blocks' roots) their owners sent, and how many
+    /// refreshes kept the old one because it changed too little. `(0, 0)` without a split.
     pub fn bases_sent_and_kept(&self) -> (u64, u64) {
-        self.bases
+        (self.optim.bases_sent, self.optim.bases_kept)
+    }
+
+    /// What the optimizer did in this run (a resumed run's steps before the resume included).
+    pub fn optimizer_summary(&self) -> OptimizerSummary {
+        self.optim
     }
 
     fn comm_err(&self, source: CommError) -> TrainError {
@@ -400,8 +408,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let report = self.store.with_optim_params(grads, |params| {
             optimizer.step_shared(lr as f32, params, &mut group)
         })?;
-        self.bases.0 += report.bases_sent;
-        self.bases.1 += report.bases_kept;
+        self.optim.record(&report, self.optimizer.state_usage());
         let t1 = clock.now_seconds();
 
         self.step += 1;
@@ -477,6 +484,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     .map(|i| self.store.shape(i).to_vec())
                     .collect(),
                 history: self.history.clone(),
+                optimizer: self.optim,
             },
             values: self.store.flat().to_vec(),
             optimizer: self.optimizer.save_state(),
@@ -547,6 +555,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             tokens_seen: self.tokens_seen,
             num_params: self.store.numel(),
             history: self.history.clone(),
+            optimizer: self.optim,
         }
     }
 }
@@ -578,4 +587,44 @@ pub struct TrainSummary {
     pub tokens_seen: u64,
     pub num_params: usize,
     pub history: Vec<StepMetrics>,
+    /// What the optimizer did over the whole run (carried across a resume by the checkpoint).
+    pub optimizer: OptimizerSummary,
+}
+
+/// The optimizer's side of a run, from what [`Optimizer::step_shared`] reports and
+/// [`Optimizer::state_usage`] measures after every step, saved in checkpoints so that a
+/// resumed run reports the whole run (k steps + resume + N − k steps report what N steps do,
+/// up to the wall-clock wait). Counts are the same on every rank of a data-parallel run; so
+/// are the state bytes, except that tiered state spills by each rank's own budgets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSummary {
+    /// The most optimizer state seen after a step on the device, in host memory and on disk,
+    /// in bytes, each tier's largest on its own (they need not occur at the same step).
+    pub peak_device_bytes: u64,
+    pub peak_host_bytes: u64,
+    pub peak_disk_bytes: u64,
+    /// Periodic preconditioner refreshes that fell due ([`StepReport::refreshes`]): SOAP's
+    /// bases, one per rotated matrix; Shampoo's inverse roots, one per block. 0 for AdamW and
+    /// SGD.
+    pub refreshes: u64,
+    /// Seconds steps waited for asynchronous refreshes (the optimizer's own wall-clock reading,
+    /// so it is not reproducible even with a fixed [`Clock`]).
+    pub refresh_wait_seconds: f64,
+    /// Split refreshes: refreshed preconditioners their owners sent to every rank.
+    pub bases_sent: u64,
+    /// Split refreshes: refreshes whose owner kept the preconditioner in use.
+    pub bases_kept: u64,
+}
+
+impl OptimizerSummary {
+    /// Adds one step's report and the state measured after it.
+    fn record(&mut self, report: &StepReport, usage: orrery_optim::TierUsage) {
+        self.peak_device_bytes = self.peak_device_bytes.max(usage.device_bytes);
+        self.peak_host_bytes = self.peak_host_bytes.max(usage.host_bytes);
+        self.peak_disk_bytes = self.peak_disk_bytes.max(usage.disk_bytes);
+        self.refreshes += report.refreshes;
+        self.refresh_wait_seconds += report.wait_seconds;
+        self.bases_sent += report.bases_sent;
+        self.bases_kept += report.bases_kept;
+    }
 }

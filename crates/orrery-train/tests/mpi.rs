@@ -16,11 +16,15 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_matches_single, bits, dp_config, run_single, run_threads, temp_dir};
+use common::{
+    assert_matches_single, bits, dp_config, run_single, run_single_with, run_threads,
+    run_threads_with, temp_dir,
+};
+use orrery_optim::{Optimizer, Soap, SoapConfig, SplitRefresh};
 use orrery_train::{
     load_corpus, make_optimizer, train_with_comm, Checkpoint, Communicator, CpuBackend, FixedClock,
-    MpiComm, RunOptions, StepMetrics, TrainObserver, Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE,
-    METRICS_FILE,
+    MpiComm, OptimizerSummary, RunOptions, StepMetrics, TrainObserver, Trainer, CHECKPOINT_FILE,
+    LOSS_PLOT_FILE, METRICS_FILE,
 };
 use serde::{Deserialize, Serialize};
 
@@ -41,7 +45,33 @@ struct RankResult {
     weights: Vec<u32>,
     /// Steps that reached this rank's observer.
     observed_steps: u64,
+    /// The trainer's optimizer figures (refreshes, bases sent and kept).
+    optimizer: OptimizerSummary,
 }
+
+/// SOAP refreshing every 2 steps, so that the 8 steps of [`dp_config`] refresh every basis 3
+/// times (the first step only builds the bases), with or without a split. Only sides of at
+/// most 16 are rotated: the 16-wide side of the 2 layers' key and value projections (grouped
+/// heads), whose 16×16 statistics have full rank. A side wider than the gradients' rank has a
+/// degenerate eigenspace whose basis vectors are arbitrary, and Adam normalises each of them,
+/// so the float-level difference between averaging over 2 ranks and over 1 grows to about 1e-2
+/// in the weights within a few steps — SOAP's sensitivity, with or without a split, and far
+/// outside the tolerance of a data-parallel comparison. (Bit-identity of the split with every
+/// side rotated is `tests/split_refresh.rs`'s.)
+fn soap(split: Option<SplitRefresh>) -> Box<dyn Optimizer> {
+    Box::new(Soap::new(SoapConfig {
+        precondition_frequency: 2,
+        max_precond_dim: 16,
+        split,
+        ..SoapConfig::default()
+    }))
+}
+
+/// The split of the issue's test: threshold 0, every refreshed basis sent.
+const SEND_ALL: SplitRefresh = SplitRefresh {
+    threshold: 0.0,
+    max_kept: 0,
+};
 
 struct CountSteps(u64);
 
@@ -57,12 +87,18 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
     let world = comm.world_size();
     let config = dp_config();
     match mode {
-        // The trainer itself over MPI, as tests/data_parallel.rs drives it over threads.
-        "trainer" => {
+        // The trainer itself over MPI, as tests/data_parallel.rs drives it over threads; and
+        // the same with SOAP's basis refreshes split across the ranks.
+        "trainer" | "split" => {
+            let optimizer = if mode == "split" {
+                soap(Some(SEND_ALL))
+            } else {
+                make_optimizer(&config).unwrap()
+            };
             let mut t = Trainer::<CpuBackend>::new(
                 config.clone(),
                 load_corpus(&config).unwrap(),
-                make_optimizer(&config).unwrap(),
+                optimizer,
                 Box::new(comm),
                 Default::default(),
             )
@@ -75,6 +111,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 history: s.history,
                 weights: bits(t.params().flat()),
                 observed_steps: count.0,
+                optimizer: s.optimizer,
             }
         }
         // The entry point `orrery train --comm mpi` uses, with an output folder: only rank 0
@@ -94,6 +131,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 history: s.history,
                 weights: Vec::new(),
                 observed_steps: count.0,
+                optimizer: s.optimizer,
             }
         }
         // Every collective of the trait, on an odd world so that buffers split unevenly.
@@ -105,6 +143,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 history: Vec::new(),
                 weights: Vec::new(),
                 observed_steps: 0,
+                optimizer: OptimizerSummary::default(),
             }
         }
         other => panic!("unknown {MODE_VAR} `{other}`"),
@@ -332,6 +371,45 @@ fn two_mpi_ranks_equal_one_rank_with_twice_the_batch() {
     assert_eq!(bits(&ckpt.values), ranks[0].weights);
     assert_eq!(ckpt.meta.world_size, 2);
     assert!(out.join(LOSS_PLOT_FILE).exists());
+}
+
+/// Issue 5's split refresh over MPI: 2 MPI ranks running SOAP with each basis refreshed by one
+/// owner and sent to the other (threshold 0) train like 1 rank with twice the batch refreshing
+/// everything itself, within the tolerance of the test above. Every refresh that fell due
+/// was sent, both ranks count the same, and the run is bit for bit the 2-thread split run and
+/// the 2-thread run without a split.
+#[test]
+fn two_mpi_ranks_with_split_refresh_equal_one_rank_with_twice_the_batch() {
+    let dir = temp_dir("mpi-split");
+    let ranks = launch("split", 2, &dir);
+    let config = dp_config();
+    let (a, b) = (&ranks[0], &ranks[1]);
+    assert_eq!(a.history, b.history, "both ranks report the same run");
+    assert_eq!(a.weights, b.weights, "ranks hold identical weights");
+    assert_eq!(
+        a.optimizer, b.optimizer,
+        "both ranks count the same exchange"
+    );
+    let o = a.optimizer;
+    // 4 rotated matrices (2 layers' key and value projections), 3 refreshes each.
+    assert_eq!(o.refreshes, 12, "{o:?}");
+    assert_eq!((o.bases_sent, o.bases_kept), (12, 0), "{o:?}");
+
+    let weights: Vec<f32> = a.weights.iter().map(|&w| f32::from_bits(w)).collect();
+    let single = run_single_with(&config, soap(None));
+    assert_matches_single(&single, &a.history, &weights);
+    assert_eq!(single.0.optimizer.refreshes, o.refreshes);
+
+    for split in [Some(SEND_ALL), None] {
+        let threads = run_threads_with(
+            &config,
+            2,
+            || soap(split),
+            |t, s| (s, bits(t.params().flat())),
+        );
+        assert_eq!(a.history, threads[0].0.history, "{split:?}: MPI = threads");
+        assert_eq!(a.weights, threads[0].1, "{split:?}: MPI weights = threads");
+    }
 }
 
 /// Every method of the trait over MPI, on 3 ranks: rank-order sums identical on all ranks,

@@ -185,10 +185,89 @@ fn optimizer_runtime_options_are_refused_where_they_do_not_apply() {
     config.optimizer.name = "shampoo".into();
     assert!(make_optimizer_with(&config, &asynchronous).is_ok());
     assert!(make_optimizer_with(&config, &tiered).is_err());
+    assert!(make_optimizer_with(&config, &split).is_ok());
+    assert!(make_optimizer_with(&config, &split_async).is_err());
+    config.optimizer.name = "sgd".into();
     assert!(make_optimizer_with(&config, &split).is_err());
     config.optimizer.name = "soap".into();
     assert!(make_optimizer_with(&config, &asynchronous).is_ok());
     assert!(make_optimizer_with(&config, &tiered).is_ok());
     assert!(make_optimizer_with(&config, &split).is_ok());
     assert!(make_optimizer_with(&config, &split_async).is_err());
+}
+
+/// The summary's optimizer figures, from what the optimizer reports: AdamW holds two moments
+/// per weight on the device and refreshes nothing; SOAP refreshes every matrix's basis once in
+/// 11 steps (the first step only builds the bases) and Shampoo every block's roots twice (steps
+/// 1 and 11; each matrix of the tiny model is one block); SOAP's spilled state is reported on
+/// disk. Synchronous refreshes never wait.
+#[test]
+fn the_summary_reports_what_the_optimizer_did() {
+    use orrery_train::{make_optimizer_with, OptimizerRuntime, OptimizerSummary, TrainSummary};
+    let mut config = tiny();
+    config.steps = 11;
+    config.warmup_steps = 1;
+    config.eval_every = 0;
+    let run = |config: &orrery_train::TrainConfig, runtime: &OptimizerRuntime| -> TrainSummary {
+        Trainer::<CpuBackend>::new(
+            config.clone(),
+            load_corpus(config).unwrap(),
+            make_optimizer_with(config, runtime).unwrap(),
+            Box::new(SingleRank),
+            Default::default(),
+        )
+        .unwrap()
+        .run(&FixedClock, &mut NullObserver)
+        .unwrap()
+    };
+    let t = trainer(&config);
+    let store = t.params();
+    let matrices = (0..store.len())
+        .filter(|&i| store.shape(i).len() >= 2)
+        .count() as u64;
+    assert!(matrices > 0);
+
+    config.optimizer.name = "adamw".into();
+    let adamw = run(&config, &OptimizerRuntime::default());
+    assert_eq!(
+        adamw.optimizer,
+        OptimizerSummary {
+            peak_device_bytes: 2 * 4 * adamw.num_params as u64,
+            ..OptimizerSummary::default()
+        }
+    );
+
+    config.optimizer.name = "soap".into();
+    let soap = run(&config, &OptimizerRuntime::default()).optimizer;
+    assert_eq!(soap.refreshes, matrices);
+    assert!(
+        soap.peak_device_bytes > adamw.optimizer.peak_device_bytes,
+        "SOAP holds bases and statistics too: {soap:?}"
+    );
+    assert_eq!((soap.peak_host_bytes, soap.peak_disk_bytes), (0, 0));
+    assert_eq!(soap.refresh_wait_seconds, 0.0);
+    assert_eq!((soap.bases_sent, soap.bases_kept), (0, 0), "no split");
+
+    let spill = temp_dir("summary-spill");
+    let spilled = run(
+        &config,
+        &OptimizerRuntime {
+            tiers: Some(orrery_optim::TierConfig {
+                device_budget: 0,
+                host_budget: 0,
+                spill_dir: spill.clone(),
+            }),
+            ..OptimizerRuntime::default()
+        },
+    )
+    .optimizer;
+    assert_eq!(spilled.peak_device_bytes, 0);
+    assert_eq!(spilled.peak_disk_bytes, soap.peak_device_bytes);
+    assert_eq!(spilled.refreshes, soap.refreshes);
+    let _ = std::fs::remove_dir_all(&spill);
+
+    config.optimizer.name = "shampoo".into();
+    let shampoo = run(&config, &OptimizerRuntime::default()).optimizer;
+    assert_eq!(shampoo.refreshes, 2 * matrices);
+    assert!(shampoo.peak_device_bytes > 0);
 }

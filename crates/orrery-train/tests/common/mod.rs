@@ -50,10 +50,18 @@ pub fn dp_config() -> TrainConfig {
 
 /// Runs `config` on one rank; returns the summary and the final weights.
 pub fn run_single(config: &TrainConfig) -> (TrainSummary, Vec<f32>) {
+    run_single_with(config, make_optimizer(config).unwrap())
+}
+
+/// Runs `config` on one rank with `optimizer`; returns the summary and the final weights.
+pub fn run_single_with(
+    config: &TrainConfig,
+    optimizer: Box<dyn orrery_optim::Optimizer>,
+) -> (TrainSummary, Vec<f32>) {
     let mut t = Trainer::<CpuBackend>::new(
         config.clone(),
         load_corpus(config).unwrap(),
-        make_optimizer(config).unwrap(),
+        optimizer,
         Box::new(SingleRank),
         Default::default(),
     )
