@@ -749,9 +749,10 @@ impl<'a> Engine<'a> {
     /// Marks flow `f` finished now and releases the flows waiting on it.
     pub fn finish_flow(&mut self, f: u32) {
         let fl = &mut self.flows[f as usize];
-        if fl.finish.is_some() {
+        if fl.finish.is_some() || self.periodic_hold(f) {
             return;
         }
+        let fl = &mut self.flows[f as usize];
         fl.finish = Some(Picos(self.now.0 + self.offset.0));
         self.unfinished -= 1;
         self.ff_on_finish(f);

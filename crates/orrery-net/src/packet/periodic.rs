@@ -25,9 +25,14 @@
 //!
 //! Each lane keeps the flow completion times (release to finish) of its last `window`
 //! flows that finished (simulated, memoized or mirrored: all are the packet model's
-//! answer). A lane is *steady* when it has `window` of them and their spread `(max - min)`
-//! is at most `theta` times their mean. A collective goes periodic when
-//! - every lane of it that still has flows to run is steady, and
+//! answer). A lane is *steady* when it has `window` (default 5) of them and their spread
+//! `(max - min)` is at most `theta` (default 1%) times their mean. A collective goes
+//! periodic when
+//! - every lane of it that still has flows to run is steady,
+//! - those lanes still have at least `window` flows each to run on average (going periodic
+//!   perturbs about one step, below, and a collective's last steps need not repeat its
+//!   middle ones: on an 8-rank two-channel ring, switching with a step or two left gave a
+//!   5.3% p99 flow error), and
 //! - it is *isolated*: every flow using the links of those lanes (active, draining or
 //!   memoized) belongs to the collective. Other traffic on its links shaped the completion
 //!   times it learned and could change them when it ends, so the collective waits
@@ -45,10 +50,15 @@
 //! packet is simulated; it finishes the lane's mean completion time after its release, its
 //! bytes are accounted at that point as a memo hit's are (sent, delivered, every link of its
 //! data path, its ACKs), and its finish releases its dependents as usual, so the chain's
-//! timing follows from the dependencies and the delays exactly as in the simulation. The
-//! flows still simulated when the collective went periodic drain normally; as they meet
-//! less contention than the periodic regime had, they finish slightly early (about one step
-//! of the chain is affected).
+//! timing follows from the dependencies and the delays exactly as in the simulation.
+//!
+//! The flows still simulated when the collective went periodic drain normally, but they
+//! meet less contention than the periodic regime had (their neighbours' next flows carry no
+//! packets), so they would finish early and pull their chains forward: on an 8-rank
+//! two-channel ring, where the two channels share every link, that alone gave a 5.3% p99
+//! flow error. Each is therefore *held*: it completes no earlier than its lane's periodic
+//! completion time after its release (if its last byte arrives before, its completion waits
+//! for that time), which brings that ring to 0.3% (`tests/accel.rs`).
 //!
 //! ## Intrusions
 //!
@@ -85,8 +95,10 @@ struct Lane {
     coll: u32,
     /// Flows of the lane not finished yet.
     left: u32,
-    /// The last `window` completion times, as a ring indexed by `recorded % window`.
+    /// The last `window` completion times and release times (global), as rings indexed
+    /// by `recorded % window`.
     fcts: Vec<u64>,
+    starts: Vec<u64>,
     recorded: u64,
     steady: bool,
     /// A flow of the lane: every flow of a lane has the same source and destination, hence
@@ -97,9 +109,10 @@ struct Lane {
 /// Per-collective bookkeeping.
 #[derive(Debug, Default)]
 struct Coll {
-    /// Lanes with flows left, and how many of them are steady.
+    /// Lanes with flows left, how many of them are steady, and the flows left.
     open: u32,
     steady_open: u32,
+    left: u64,
     /// The collective is periodic: its releases in steady lanes become virtual.
     on: bool,
     /// Completions of the collective's flows so far, and the count at which a failed
@@ -124,6 +137,9 @@ pub(super) struct Periodic {
     link_coll: Vec<u32>,
     /// Whether each flow is virtual.
     virt: Vec<bool>,
+    /// The earliest completion (local time) of a flow that was being simulated when its
+    /// collective went periodic (0: none); see [`Engine::periodic_hold`].
+    hold: Vec<u64>,
     /// Scratch per-link marks.
     mark: Vec<bool>,
 }
@@ -159,6 +175,7 @@ impl Periodic {
                         coll: f.collective,
                         left: 0,
                         fcts: vec![0; window.max(1)],
+                        starts: vec![0; window.max(1)],
                         recorded: 0,
                         steady: false,
                         member: i as u32,
@@ -173,6 +190,7 @@ impl Periodic {
             lanes[lane as usize].left += 1;
             if let Some(c) = colls.get_mut(f.collective as usize) {
                 c.flows.push(i as u32);
+                c.left += 1;
             }
         }
         Periodic {
@@ -185,6 +203,7 @@ impl Periodic {
             link_virtual: vec![0; links],
             link_coll: vec![NONE; links],
             virt: vec![false; n],
+            hold: vec![0; n],
             mark: vec![false; links],
         }
     }
@@ -196,9 +215,17 @@ impl Periodic {
 
     /// The lane's mean completion time if flow `f`, released now, is to be virtual.
     fn claim(&self, f: u32) -> Option<u64> {
-        let lane = self.lanes.get(self.lane_of[f as usize] as usize)?;
         let coll = self.colls.get(self.coll_of[f as usize] as usize)?;
-        if !coll.on || !lane.steady {
+        if !coll.on {
+            return None;
+        }
+        self.lane_fct(f)
+    }
+
+    /// The mean completion time of flow `f`'s lane if the lane is steady.
+    fn lane_fct(&self, f: u32) -> Option<u64> {
+        let lane = self.lanes.get(self.lane_of[f as usize] as usize)?;
+        if !lane.steady {
             return None;
         }
         let sum: u64 = lane.fcts.iter().sum();
@@ -207,23 +234,25 @@ impl Periodic {
 
     /// Records the completion time of a finished flow of lane `lane` and updates its
     /// steadiness and its collective's counts.
-    fn record(&mut self, lane: u32, fct: u64) {
+    fn record(&mut self, lane: u32, start: u64, fct: u64) {
         let w = self.window;
         let theta = self.theta;
         let Some(l) = self.lanes.get_mut(lane as usize) else {
             return;
         };
-        l.fcts[(l.recorded % w as u64) as usize] = fct;
+        let slot = (l.recorded % w as u64) as usize;
+        l.fcts[slot] = fct;
+        l.starts[slot] = start;
         l.recorded += 1;
         let was = l.steady;
-        l.steady = l.recorded >= w as u64 && {
-            let (lo, hi) = l
-                .fcts
-                .iter()
-                .fold((u64::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            let mean = l.fcts.iter().sum::<u64>() as f64 / w as f64;
-            mean > 0.0 && (hi - lo) as f64 <= theta * mean
-        };
+        // The releases in order, oldest first, and the gaps between them (the period).
+        let order = (0..w).map(|i| l.starts[(l.recorded as usize + i) % w]);
+        let gaps: Vec<u64> = order
+            .clone()
+            .zip(order.skip(1))
+            .map(|(a, b)| b.saturating_sub(a))
+            .collect();
+        l.steady = l.recorded >= w as u64 && within(&l.fcts, theta) && within(&gaps, theta);
         if l.left > 0 && was != l.steady {
             if let Some(c) = self.colls.get_mut(l.coll as usize) {
                 if l.steady {
@@ -241,12 +270,14 @@ impl Periodic {
             return;
         };
         l.left -= 1;
+        let Some(c) = self.colls.get_mut(l.coll as usize) else {
+            return;
+        };
+        c.left -= 1;
         if l.left == 0 {
-            if let Some(c) = self.colls.get_mut(l.coll as usize) {
-                c.open -= 1;
-                if l.steady {
-                    c.steady_open -= 1;
-                }
+            c.open -= 1;
+            if l.steady {
+                c.steady_open -= 1;
             }
         }
     }
@@ -261,6 +292,19 @@ impl Periodic {
             l.steady = false;
         }
     }
+}
+
+/// Whether `xs` spread by at most `theta` times their mean, with a positive mean (an empty
+/// list is within).
+fn within(xs: &[u64], theta: f64) -> bool {
+    if xs.is_empty() {
+        return true;
+    }
+    let (lo, hi) = xs
+        .iter()
+        .fold((u64::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let mean = xs.iter().sum::<u64>() as f64 / xs.len() as f64;
+    mean > 0.0 && (hi - lo) as f64 <= theta * mean
 }
 
 impl Engine<'_> {
@@ -322,15 +366,19 @@ impl Engine<'_> {
         }
         let fl = &self.flows[f as usize];
         let fct = fl.finish.map_or(0, |t| t.0.saturating_sub(fl.start.0));
-        p.record(lane, fct);
+        p.record(lane, fl.start.0, fct);
         p.lane_done(lane);
         let Some(coll) = p.colls.get_mut(c as usize) else {
             return;
         };
         coll.finishes += 1;
+        // Worth it only with at least `window` flows per open lane still to run: the
+        // switch perturbs about one step (below), and a collective's last steps may not
+        // repeat the middle ones.
         let ready = !coll.on
             && coll.open > 0
             && coll.steady_open == coll.open
+            && coll.left >= p.window as u64 * u64::from(coll.open)
             && coll.finishes >= coll.recheck_at;
         if ready {
             self.periodic_try_start(c);
@@ -394,7 +442,46 @@ impl Engine<'_> {
             .filter(|&f| self.flows[f as usize].finish.is_none())
             .collect();
         self.stats.periodic_starts += 1;
+        // The flows being simulated now meet less contention from here on than the
+        // periodic regime had (their neighbours' next flows are virtual, and no packets),
+        // so they would finish early and pull their chains forward: each completes no
+        // earlier than its lane's periodic completion time after its release.
+        let offset = self.offset.0;
+        for &f in &unfinished {
+            let fl = &self.flows[f as usize];
+            let memoized = self
+                .memo
+                .as_ref()
+                .is_some_and(|m| m.finish_at[f as usize].is_some());
+            if !fl.released || memoized {
+                continue;
+            }
+            if let Some(fct) = p.lane_fct(f) {
+                p.hold[f as usize] = fl.start.0.saturating_sub(offset).saturating_add(fct);
+            }
+        }
         self.memo_settle_episodes(&unfinished);
+    }
+
+    /// Flow `f` delivered its last byte now. If it is held (see
+    /// [`Engine::periodic_try_start`]) until later, its completion is scheduled then
+    /// instead (returns true).
+    pub(super) fn periodic_hold(&mut self, f: u32) -> bool {
+        let now = self.now;
+        let Some(p) = self.periodic.as_mut() else {
+            return false;
+        };
+        let until = std::mem::take(&mut p.hold[f as usize]);
+        if until <= now.0 {
+            return false;
+        }
+        let at = Picos(until);
+        let key = self.q.schedule(at, Ev::MemoFinish(f));
+        if let Some(m) = self.memo.as_mut() {
+            m.finish_at[f as usize] = Some((at, key));
+            m.owned += 1;
+        }
+        true
     }
 
     /// A release intruded on collective `c`'s virtual flows: the collective stops being
@@ -478,18 +565,24 @@ mod tests {
     fn a_lane_is_steady_only_with_a_full_window_inside_theta() {
         let set = ring(4, 1, 1 << 20);
         let mut p = Periodic::new(&set, 64, 3, 0.01);
-        p.record(0, 1000);
-        p.record(0, 1005);
+        p.record(0, 0, 1000);
+        p.record(0, 2000, 1005);
         assert!(!p.lanes[0].steady, "two of three samples");
-        p.record(0, 1009);
+        p.record(0, 4000, 1009);
         assert!(p.lanes[0].steady, "spread 9 of mean 1004.7 is under 1%");
         assert_eq!(p.colls[0].steady_open, 1);
-        p.record(0, 1100);
+        p.record(0, 6000, 1100);
         assert!(!p.lanes[0].steady, "spread 95 is over 1%");
         assert_eq!(p.colls[0].steady_open, 0);
-        p.record(0, 1100);
-        p.record(0, 1100);
-        p.record(0, 1100);
+        p.record(0, 8000, 1100);
+        p.record(0, 10000, 1100);
+        p.record(0, 12000, 1100);
+        assert!(p.lanes[0].steady);
+        // Equal completion times at an irregular period are not periodic.
+        p.record(0, 14100, 1100);
+        assert!(!p.lanes[0].steady, "gaps 2000 and 2100");
+        p.record(0, 16100, 1100);
+        p.record(0, 18100, 1100);
         assert!(p.lanes[0].steady);
         p.forget(0);
         assert!(!p.lanes[0].steady);
