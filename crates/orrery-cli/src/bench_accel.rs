@@ -148,7 +148,7 @@ pub fn run_accel_bench(
         scenarios.push(moe_step()?);
     }
     outln!(
-        "orrery bench --accel: accelerated packet model (fast-forward + partitioning + memo) vs the packet-by-packet reference\n"
+        "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference\n"
     );
     outln!(
         "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",

@@ -29,7 +29,7 @@
 //!   event stay where they are and the *global* clock (what the report shows) is the local
 //!   one plus the total jumped time, so a jump costs O(live packets + active flows +
 //!   pending releases), not a rewrite of the event queue. Pending releases, whose global
-//!   times are fixed, are moved back by `J` with `HeapQueue::reschedule` (one heap push
+//!   times are fixed, are moved back by `J` with `CalendarQueue::reschedule` (one queue push
 //!   each).
 //!
 //! Releases are the only events that come from outside the network, and all of them are

@@ -11,7 +11,7 @@ use crate::flow_model::{connection_numbers, flow_hash};
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
-use orrery_des::{EventKey, EventQueue, HeapQueue, Rng};
+use orrery_des::{CalendarQueue, EventKey, EventQueue, Rng};
 use orrery_units::{Bandwidth, NodeId, Picos};
 use std::collections::VecDeque;
 
@@ -219,7 +219,7 @@ impl FlowState {
 #[derive(Debug)]
 pub(super) struct Engine<'a> {
     pub cfg: &'a PacketConfig,
-    pub q: HeapQueue<Ev>,
+    pub q: CalendarQueue<Ev>,
     pub now: Picos,
     pub ports: Vec<Port>,
     pub bufs: Vec<SwitchBuf>,
@@ -429,7 +429,7 @@ impl<'a> Engine<'a> {
         }
 
         let n_links = ports.len();
-        let mut q = HeapQueue::new();
+        let mut q = CalendarQueue::new();
         let mut pending_rel = vec![None; states.len()];
         for (i, f) in states.iter().enumerate() {
             if f.waiting == 0 {
