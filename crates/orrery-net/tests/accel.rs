@@ -943,3 +943,36 @@ fn a_short_two_channel_ring_goes_periodic_within_bounds() {
     let e = check_bounds(&base, &off, &on, &fs, "two-channel ring");
     assert!(e.p99_fct < 0.01, "{e:?}");
 }
+
+/// Known limitation, kept as a failing check (`cargo test -- --ignored`): two ring
+/// all-reduces over the same 16 GPUs in different rank orders, two channels each, released
+/// together. Each ring's steps keep intruding on the other's memoized episodes (42 aborted
+/// hits), and an aborted hit resumes its flows from linear progress with empty queues, so
+/// the run ends 1.9% off in mean flow completion time and 31% at p99 (with or without
+/// DCQCN). Fast-forwarding alone is exact here; what is missing is an exact rollback of
+/// aborted hits (re-simulating the episode in isolation up to the intrusion).
+#[test]
+#[ignore = "known to exceed the bounds until aborted memo hits roll back exactly"]
+fn two_rings_on_the_same_gpus_stay_within_bounds() {
+    let mut fs = FlowSet::default();
+    let a: Vec<u32> = (0..16).collect();
+    let b: Vec<u32> = (0..16).map(|i| (i * 5) % 16).collect();
+    for (name, ranks) in [("a", &a), ("b", &b)] {
+        collective_flows(
+            &mut fs,
+            name,
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 2 },
+            ranks,
+            Bytes(32_000_000),
+            4,
+            Picos::from_nanos(2000),
+        )
+        .unwrap();
+    }
+    let g = four_gpu_hosts(4);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(PacketConfig::default(), &g, &fs);
+    check_bounds(&base, &off, &on, &fs, "two rings on the same GPUs");
+}
