@@ -12,6 +12,10 @@
 //! measured state and a host budget of a quarter, so that the rest spills to disk, and checks
 //! that it trains to the same validation loss as the resident run.
 //!
+//! Each optimizer may train at its own peak learning rate (`--lr soap=1e-2`): the best rate
+//! differs between optimizers (SOAP's is larger than AdamW's in short runs), so one shared rate
+//! would compare a tuned AdamW with untuned rivals. The report gives every optimizer's rate.
+//!
 //! Nothing here asserts timing: the figures are printed (as a table, or JSON with `--json`),
 //! and the targets are for the reader to compare.
 
@@ -78,6 +82,85 @@ pub struct BenchTrainArgs {
     /// With --train: print the report as JSON (per-seed values included) instead of a table.
     #[arg(long, requires = "train")]
     json: bool,
+    /// With --train: one optimizer's peak learning rate, NAME=LR (repeatable, e.g.
+    /// `--lr soap=1e-2 --lr shampoo=3e-3`); the others keep the configuration's (3e-3 by
+    /// default). soap-async takes soap's unless it is given its own.
+    #[arg(long = "lr", value_name = "NAME=LR", value_parser = parse_lr, requires = "train")]
+    lrs: Vec<LrOverride>,
+}
+
+/// One `--lr NAME=LR`.
+#[derive(Debug, Clone, Copy)]
+struct LrOverride {
+    variant: Variant,
+    lr: f64,
+}
+
+/// Parses `--lr NAME=LR`; clap prefixes the error with the flag and the value and exits with
+/// status 2, as for the other malformed options.
+fn parse_lr(s: &str) -> Result<LrOverride, String> {
+    let (name, value) = s.split_once('=').ok_or_else(|| {
+        format!(
+            "expected NAME=LR, e.g. soap=1e-2 (names: {})",
+            OPTIMIZERS.join(", ")
+        )
+    })?;
+    let variant = Variant::parse(name.trim()).ok_or_else(|| {
+        format!(
+            "unknown optimizer `{}` (names: {})",
+            name.trim(),
+            OPTIMIZERS.join(", ")
+        )
+    })?;
+    let lr: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{}` is not a number", value.trim()))?;
+    if !(lr.is_finite() && lr > 0.0) {
+        return Err(format!(
+            "the learning rate must be positive and finite, got {}",
+            value.trim()
+        ));
+    }
+    Ok(LrOverride { variant, lr })
+}
+
+/// Every benchmarked optimizer's peak learning rate: its `--lr`, for soap-async soap's when it
+/// has none of its own (the same optimizer, refreshed in the background, so its convergence
+/// and step time compare with synchronous SOAP's at the same rate), else the configuration's.
+fn learning_rates(overrides: &[LrOverride], variants: &[Variant], base: f64) -> Result<Vec<f64>> {
+    let mut given: Vec<LrOverride> = Vec::new();
+    for o in overrides {
+        if given.iter().any(|g| g.variant == o.variant) {
+            return Err(bad(format!("--lr names `{}` twice", o.variant.label())));
+        }
+        // A rate for an optimizer that does not train would be silently ignored; soap's also
+        // serves soap-async.
+        let used = variants.contains(&o.variant)
+            || (o.variant == Variant::Soap && variants.contains(&Variant::SoapAsync));
+        if !used {
+            return Err(bad(format!(
+                "--lr {}={}: `{}` is not among --optimizers",
+                o.variant.label(),
+                o.lr,
+                o.variant.label()
+            )));
+        }
+        given.push(*o);
+    }
+    let of = |v: Variant| given.iter().find(|g| g.variant == v).map(|g| g.lr);
+    Ok(variants
+        .iter()
+        .map(|&v| {
+            of(v)
+                .or_else(|| {
+                    (v == Variant::SoapAsync)
+                        .then(|| of(Variant::Soap))
+                        .flatten()
+                })
+                .unwrap_or(base)
+        })
+        .collect())
 }
 
 /// One optimizer of the benchmark: the name `make_optimizer_with` knows and how it refreshes.
@@ -273,6 +356,8 @@ struct Medians {
 #[derive(Debug, Clone, Serialize)]
 struct OptimizerReport {
     name: String,
+    /// Peak learning rate of this optimizer's runs.
+    lr: f64,
     medians: Medians,
     seeds: Vec<SeedResult>,
 }
@@ -281,6 +366,8 @@ struct OptimizerReport {
 #[derive(Debug, Clone, Serialize)]
 struct TieringReport {
     seed: u64,
+    /// Peak learning rate: the one of the SOAP run it is compared with.
+    lr: f64,
     device_budget: u64,
     host_budget: u64,
     /// Device-resident bytes of the same SOAP state without budgets.
@@ -310,7 +397,8 @@ struct Report {
     steps: u64,
     eval_every: u64,
     seeds: Vec<u64>,
-    /// The configuration every run shares (`optimizer.name` and `seed` vary per run).
+    /// The configuration every run shares (`optimizer.name`, `seed` and, with `--lr`, `lr`
+    /// vary per run; each optimizer's rate is in its report).
     config: TrainConfig,
     spike_factor: f64,
     optimizers: Vec<OptimizerReport>,
@@ -572,6 +660,7 @@ fn spill_root() -> PathBuf {
 pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
     let config = base_config(args)?;
     let variants = variants(args)?;
+    let lrs = learning_rates(&args.lrs, &variants, config.lr)?;
     let seeds = args.seeds.clone();
     if seeds.is_empty() {
         return Err(bad("--seeds needs at least one seed"));
@@ -610,13 +699,14 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
     // slow drifts in machine load bias them less.
     let mut results: Vec<Vec<SeedResult>> = vec![Vec::new(); variants.len()];
     let mut params = 0;
-    let mut first_soap_run: Option<(Variant, StateBytes, Option<f32>)> = None;
+    let mut first_soap_run: Option<(Variant, f64, StateBytes, Option<f32>)> = None;
     for &seed in &seeds {
         let mut reference = None;
         for (i, &v) in variants.iter().enumerate() {
             let mut c = config.clone();
             c.seed = seed;
             c.optimizer.name = v.optimizer_name().to_string();
+            c.lr = lrs[i];
             let runtime = OptimizerRuntime {
                 refresh: v.refresh(),
                 ..OptimizerRuntime::default()
@@ -641,15 +731,15 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
                 Some((prev, ..)) => prev != Variant::Soap && v == Variant::Soap,
             };
             if replace && seed == seeds[0] {
-                first_soap_run = Some((v, r.state_bytes, r.final_val_loss));
+                first_soap_run = Some((v, lrs[i], r.state_bytes, r.final_val_loss));
             }
             results[i].push(r);
         }
     }
 
     let tiering = match first_soap_run {
-        Some((v, untiered, resident_loss)) => {
-            let t = tiered_run(&config, seeds[0], untiered, &bar);
+        Some((v, lr, untiered, resident_loss)) => {
+            let t = tiered_run(&config, seeds[0], lr, untiered, &bar);
             let t = match t {
                 Ok(t) => t,
                 Err(e) => {
@@ -677,9 +767,11 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
         spike_factor: SPIKE_FACTOR,
         optimizers: variants
             .iter()
+            .zip(lrs)
             .zip(results)
-            .map(|(v, seeds)| OptimizerReport {
+            .map(|((v, lr), seeds)| OptimizerReport {
                 name: v.label().to_string(),
+                lr,
                 medians: medians(&seeds),
                 seeds,
             })
@@ -699,6 +791,7 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
 fn tiered_run(
     config: &TrainConfig,
     seed: u64,
+    lr: f64,
     untiered: StateBytes,
     bar: &indicatif::ProgressBar,
 ) -> Result<TieringReport> {
@@ -708,6 +801,7 @@ fn tiered_run(
     let root = spill_root();
     let mut c = config.clone();
     c.seed = seed;
+    c.lr = lr;
     c.optimizer.name = "soap".to_string();
     let runtime = OptimizerRuntime {
         refresh: RefreshMode::Sync,
@@ -731,6 +825,7 @@ fn tiered_run(
     ));
     Ok(TieringReport {
         seed,
+        lr,
         device_budget,
         host_budget,
         untiered_device_bytes: untiered.device,
@@ -751,6 +846,16 @@ fn fmt_bytes(b: f64) -> String {
         format!("{:.1} KiB", b / KIB)
     } else {
         format!("{b:.0} B")
+    }
+}
+
+/// A learning rate in its shortest exact form, in exponent notation below 0.01 (`3e-3`, not
+/// `0.003`) so that the column stays narrow and reads like the `--lr` that set it.
+fn fmt_lr(lr: f64) -> String {
+    if lr != 0.0 && lr.abs() < 1e-2 {
+        format!("{lr:e}")
+    } else {
+        format!("{lr}")
     }
 }
 
@@ -786,8 +891,9 @@ fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "{:<11} {:>9} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>8} {:>7} {:>12}",
+        "{:<11} {:>8} {:>9} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>8} {:>7} {:>12}",
         "optimizer",
+        "lr",
         "val loss",
         "steps to",
         "x AdamW",
@@ -817,8 +923,9 @@ fn render(r: &Report) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<11} {:>9} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>8} {:>7} {:>12}",
+            "{:<11} {:>8} {:>9} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>8} {:>7} {:>12}",
             o.name,
+            fmt_lr(o.lr),
             opt_fmt(md.final_val_loss, |x| format!("{x:.4}")),
             steps,
             opt_fmt(md.steps_ratio, |x| format!("{x:.2}x")),
@@ -835,7 +942,7 @@ fn render(r: &Report) -> String {
     }
     let _ = writeln!(
         s,
-        "\nsteps to: first evaluated step at or below the target (seeds that reached it, if not all); x AdamW: its ratio to AdamW's; to tgt s: training seconds to that step (evaluation excluded); ms x AdamW: median step time over AdamW's; optim ms: the optimizer's step alone; wait s: time steps waited for asynchronous refreshes; device state: peak optimizer state on the device"
+        "\nlr: peak learning rate (warm-up, then cosine); steps to: first evaluated step at or below the target (seeds that reached it, if not all); x AdamW: its ratio to AdamW's; to tgt s: training seconds to that step (evaluation excluded); ms x AdamW: median step time over AdamW's; optim ms: the optimizer's step alone; wait s: time steps waited for asynchronous refreshes; device state: peak optimizer state on the device"
     );
     match &r.tiering {
         Some(t) => {
@@ -846,8 +953,9 @@ fn render(r: &Report) -> String {
             };
             let _ = writeln!(
                 s,
-                "\ntiered SOAP (seed {}): state {} resident on the device untiered; with a device budget of {} and a host budget of {} it holds device {} / host {} / disk {} and trained {} steps to validation loss {} ({same}); step {:.1} ms median, {:.1} ms max",
+                "\ntiered SOAP (seed {}, lr {}): state {} resident on the device untiered; with a device budget of {} and a host budget of {} it holds device {} / host {} / disk {} and trained {} steps to validation loss {} ({same}); step {:.1} ms median, {:.1} ms max",
                 t.seed,
+                fmt_lr(t.lr),
                 fmt_bytes(t.untiered_device_bytes as f64),
                 fmt_bytes(t.device_budget as f64),
                 fmt_bytes(t.host_budget as f64),
@@ -869,7 +977,73 @@ fn render(r: &Report) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{median_opt, quantile, steady, steps_to};
+    use super::{
+        fmt_lr, learning_rates, median_opt, parse_lr, quantile, steady, steps_to, LrOverride,
+        Variant,
+    };
+
+    #[test]
+    fn lr_flags_parse_name_and_positive_rate() {
+        let o = parse_lr("soap=1e-2").unwrap();
+        assert_eq!((o.variant, o.lr), (Variant::Soap, 1e-2));
+        let o = parse_lr("soap-async=0.02").unwrap();
+        assert_eq!((o.variant, o.lr), (Variant::SoapAsync, 0.02));
+        for (bad, needle) in [
+            ("soap", "NAME=LR"),
+            ("lion=1e-3", "lion"),
+            ("adamw=fast", "fast"),
+            ("adamw=0", "positive"),
+            ("adamw=-1e-3", "positive"),
+            ("adamw=inf", "finite"),
+            ("adamw=NaN", "finite"),
+        ] {
+            let e = parse_lr(bad).unwrap_err();
+            assert!(e.contains(needle), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn soap_async_inherits_soaps_rate_unless_given_its_own() {
+        let all = [
+            Variant::AdamW,
+            Variant::Soap,
+            Variant::SoapAsync,
+            Variant::Shampoo,
+        ];
+        let soap = LrOverride {
+            variant: Variant::Soap,
+            lr: 1e-2,
+        };
+        assert_eq!(
+            learning_rates(&[soap], &all, 3e-3).unwrap(),
+            [3e-3, 1e-2, 1e-2, 3e-3]
+        );
+        let own = LrOverride {
+            variant: Variant::SoapAsync,
+            lr: 2e-2,
+        };
+        assert_eq!(
+            learning_rates(&[soap, own], &all, 3e-3).unwrap(),
+            [3e-3, 1e-2, 2e-2, 3e-3]
+        );
+        // soap's rate serves soap-async when plain soap is not benchmarked.
+        assert_eq!(
+            learning_rates(&[soap], &[Variant::AdamW, Variant::SoapAsync], 3e-3).unwrap(),
+            [3e-3, 1e-2]
+        );
+        let twice = learning_rates(&[soap, soap], &all, 3e-3).unwrap_err();
+        assert!(twice.to_string().contains("twice"), "{twice}");
+        let unused = learning_rates(&[soap], &[Variant::AdamW], 3e-3).unwrap_err();
+        assert!(unused.to_string().contains("--optimizers"), "{unused}");
+    }
+
+    #[test]
+    fn learning_rates_print_like_the_flag() {
+        assert_eq!(fmt_lr(3e-3), "3e-3");
+        assert_eq!(fmt_lr(1e-2), "0.01");
+        assert_eq!(fmt_lr(0.02), "0.02");
+        assert_eq!(fmt_lr(2.5e-4), "2.5e-4");
+    }
 
     #[test]
     fn medians_treat_never_as_largest() {

@@ -69,6 +69,8 @@ fn json_report_has_every_optimizer_seed_and_the_tiered_run() {
         .collect();
     assert_eq!(names, ["adamw", "soap", "soap-async", "shampoo"]);
     for o in r["optimizers"].as_array().unwrap() {
+        // Without --lr every optimizer trains at the configuration's default rate.
+        assert_eq!(o["lr"], 3e-3, "{}", o["name"]);
         let m = &o["medians"];
         for field in [
             "final_val_loss",
@@ -138,11 +140,102 @@ fn table_names_the_corpus_and_every_row() {
         "optimizer",
         "\nadamw ",
         "\nsoap-async ",
-        "tiered SOAP (seed 3)",
+        "tiered SOAP (seed 3, lr 3e-3)",
     ] {
         assert!(stdout.contains(needle), "{needle}: {stdout}");
     }
     assert!(!stdout.contains("\nshampoo "), "{stdout}");
+    let _ = std::fs::remove_dir_all(config.parent().unwrap());
+}
+
+/// Each optimizer's `lr` field of a JSON report, by name.
+fn lrs_and_losses(report: &Value) -> Vec<(String, f64, f64)> {
+    report["optimizers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["name"].as_str().unwrap().to_string(),
+                o["lr"].as_f64().unwrap(),
+                o["seeds"][0]["final_val_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn per_optimizer_learning_rates_train_and_are_reported() {
+    let (config, corpus) = fixture("lr");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--seeds",
+            "0",
+            "--optimizers",
+            "adamw,soap,shampoo",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = bench(&config, &corpus, "4", &args);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+    let base = run(&[]);
+    let tuned = run(&["--lr", "soap=2e-2", "--lr", "adamw=1e-2"]);
+    let base_rows = lrs_and_losses(&base);
+    let tuned_rows = lrs_and_losses(&tuned);
+    let lrs: Vec<(&str, f64)> = tuned_rows
+        .iter()
+        .map(|(n, lr, _)| (n.as_str(), *lr))
+        .collect();
+    assert_eq!(lrs, [("adamw", 1e-2), ("soap", 2e-2), ("shampoo", 3e-3)]);
+    // The rate is what trained, not only what is printed: the retuned optimizers end
+    // elsewhere, while Shampoo, untouched, repeats its bits (training is deterministic).
+    for ((name, _, before), (_, _, after)) in base_rows.iter().zip(&tuned_rows) {
+        if name == "shampoo" {
+            assert_eq!(before, after, "{name}");
+        } else {
+            assert_ne!(before, after, "{name}");
+        }
+    }
+    // The tiered SOAP run trains at SOAP's rate: otherwise it could not match the resident
+    // run.
+    assert_eq!(tuned["tiering"]["lr"], 2e-2);
+    assert_eq!(tuned["tiering"]["matches_resident"], true);
+    let _ = std::fs::remove_dir_all(config.parent().unwrap());
+}
+
+#[test]
+fn table_shows_each_optimizers_learning_rate() {
+    let (config, corpus) = fixture("lr-table");
+    let (code, stdout, stderr) = bench(
+        &config,
+        &corpus,
+        "2",
+        &[
+            "--seeds",
+            "0",
+            "--optimizers",
+            "adamw,soap-async",
+            "--lr",
+            "soap=2e-2",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let row = |name: &str| {
+        stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} row: {stdout}"))
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(row("adamw"), "3e-3", "{stdout}");
+    // soap-async takes soap's rate when it has none of its own.
+    assert_eq!(row("soap-async"), "0.02", "{stdout}");
+    assert!(stdout.contains("tiered SOAP (seed 0, lr 0.02)"), "{stdout}");
     let _ = std::fs::remove_dir_all(config.parent().unwrap());
 }
 
@@ -156,6 +249,29 @@ fn bad_options_exit_with_status_2() {
         (&["bench", "--train", "--optimizers", "lion"][..], "lion"),
         (&["bench", "--train", "--accel"][..], "--accel"),
         (&["bench", "--steps", "5"][..], "--train"),
+        (&["bench", "--lr", "soap=1e-2"][..], "--train"),
+        (&["bench", "--train", "--lr", "lion=1e-2"][..], "lion"),
+        (&["bench", "--train", "--lr", "soap"][..], "--lr"),
+        (&["bench", "--train", "--lr", "soap=0"][..], "--lr"),
+        (&["bench", "--train", "--lr", "soap=-1e-2"][..], "--lr"),
+        (&["bench", "--train", "--lr", "soap=inf"][..], "--lr"),
+        (&["bench", "--train", "--lr", "soap=NaN"][..], "--lr"),
+        (&["bench", "--train", "--lr", "soap=fast"][..], "--lr"),
+        (
+            &["bench", "--train", "--lr", "soap=1e-2", "--lr", "soap=2e-2"][..],
+            "--lr",
+        ),
+        (
+            &[
+                "bench",
+                "--train",
+                "--optimizers",
+                "adamw,soap",
+                "--lr",
+                "shampoo=1e-2",
+            ][..],
+            "--lr",
+        ),
         (
             &["bench", "--train", "--data", "/nonexistent/corpus"][..],
             "/nonexistent/corpus",
