@@ -41,7 +41,7 @@
 //! ([`OptimizerRuntime::split`]) can have each SOAP basis, or each Shampoo block's inverse
 //! roots, refreshed by one owner rank and sent to the others in one all-gather per step;
 //! threshold 0 is bit-identical to no split (`tests/split_refresh.rs` over threads,
-//! `tests/mpi.rs` over MPI), and [`Trainer::bases_sent_and_kept`] counts the exchange.
+//! `tests/mpi.rs` over MPI), and [`Trainer::optimizer_summary`] counts the exchange (`bases_sent`, `bases_kept`).
 //!
 //! What the optimizer did is part of the run's [`TrainSummary`] ([`OptimizerSummary`]): the
 //! largest state it held in each tier, the refreshes that fell due, the time steps waited for

@@ -294,14 +294,6 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.comm.rank()
     }
 
-    /// Split preconditioner refreshes (`SoapConfig::split`, `ShampooConfig::split`) in this
-    /// run, a resumed run's steps before the resume included: how many refreshed
-    /// preconditioners (SOAP bases, Shampoo blocks' roots) their owners sent, and how many
-    /// refreshes kept the old one because it changed too little. `(0, 0)` without a split.
-    pub fn bases_sent_and_kept(&self) -> (u64, u64) {
-        (self.optim.bases_sent, self.optim.bases_kept)
-    }
-
     /// What the optimizer did in this run (a resumed run's steps before the resume included).
     pub fn optimizer_summary(&self) -> OptimizerSummary {
         self.optim

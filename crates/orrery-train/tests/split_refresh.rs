@@ -25,7 +25,7 @@ fn soap_config() -> TrainConfig {
 struct Rank {
     summary: TrainSummary,
     weights: Vec<f32>,
-    /// Bases sent and kept.
+    /// Bases sent and kept, as the trainer counts them after the run.
     bases: (u64, u64),
 }
 
@@ -62,8 +62,25 @@ fn run_with(
     run_threads_with(config, world, make, |t, summary| Rank {
         summary,
         weights: t.params().flat().to_vec(),
-        bases: t.bases_sent_and_kept(),
+        bases: {
+            let o = t.optimizer_summary();
+            (o.bases_sent, o.bases_kept)
+        },
     })
+}
+
+/// Checks that the two ranks of a split run report the same run and hold the same weights,
+/// and returns rank 0.
+fn ranks_agree(split: &[Rank]) -> &Rank {
+    let (a, b) = (&split[0], &split[1]);
+    assert_eq!(a.summary, b.summary, "both ranks report the same run");
+    assert_eq!(
+        bits(&a.weights),
+        bits(&b.weights),
+        "ranks hold identical weights"
+    );
+    assert_eq!(a.bases, b.bases);
+    a
 }
 
 fn losses(s: &TrainSummary) -> Vec<u32> {
@@ -108,14 +125,7 @@ fn a_positive_threshold_keeps_some_bases_and_still_trains() {
             max_kept: 2,
         }),
     );
-    let (a, b) = (&split[0], &split[1]);
-    assert_eq!(a.summary, b.summary, "both ranks report the same run");
-    assert_eq!(
-        bits(&a.weights),
-        bits(&b.weights),
-        "ranks hold identical weights"
-    );
-    assert_eq!(a.bases, b.bases);
+    let a = ranks_agree(&split);
     let (sent, kept) = a.bases;
     assert!(kept > 0, "some bases were kept (sent {sent}, kept {kept})");
     assert!(sent > 0, "some bases were sent (sent {sent}, kept {kept})");
@@ -165,13 +175,7 @@ fn shampoo_split_with_a_positive_threshold_sends_fewer_roots_and_still_trains() 
             max_kept: 2,
         }),
     );
-    let (a, b) = (&split[0], &split[1]);
-    assert_eq!(a.summary, b.summary, "both ranks report the same run");
-    assert_eq!(
-        bits(&a.weights),
-        bits(&b.weights),
-        "ranks hold identical weights"
-    );
+    let a = ranks_agree(&split);
     let (sent, kept) = a.bases;
     let refreshes = a.summary.optimizer.refreshes;
     assert_eq!(sent + kept, refreshes);

@@ -1719,8 +1719,8 @@ impl Engine<'_> {
             Some(m) => {
                 m.finish_at[f as usize] = None;
                 m.owned -= 1;
-                let id = m.flow_episode[f as usize];
-                match m.episodes.get(id as usize) {
+                match m.episodes.get(m.flow_episode[f as usize] as usize) {
+                    // Virtual and mirrored flows never had a recording of their own.
                     _ if periodic => run_rate,
                     Some(e) if e.mirror => run_rate,
                     Some(e) => e.events_per_packet,

@@ -7,9 +7,9 @@
 //! happens to start on idle links. Yet after a few dozen steps the whole collective settles
 //! into a periodic regime: every rank's flow to its successor takes the same time, step
 //! after step, because the contention it meets is the same each step. (In the reference run
-//! of that all-reduce, every one of its 1,024 chains has a completion time constant to 1%
-//! from step 24 of 254 on, and to the picosecond late in the run.) From then on simulating
-//! packets only repeats the same step.
+//! of that all-reduce, every one of its 1,024 chains repeats its last three completion times
+//! to within 2% from step 24 of 254 on, and to within 0.1% from step 29.) From then on
+//! simulating packets only repeats the same step.
 //!
 //! ## Lanes
 //!
@@ -315,8 +315,8 @@ impl Engine<'_> {
         let Some(p) = self.periodic.as_mut() else {
             return false;
         };
-        let links: Vec<u32> = links_of(&self.flows, &self.paths, f).collect();
         if let Some(fct) = p.claim(f) {
+            let links: Vec<u32> = links_of(&self.flows, &self.paths, f).collect();
             let c = p.coll_of[f as usize];
             for &l in &links {
                 p.link_virtual[l as usize] += 1;
@@ -333,8 +333,9 @@ impl Engine<'_> {
             self.stats.periodic_flows += 1;
             return true;
         }
+        // Every release passes here: no allocation unless it lands on virtual flows.
         let mut hit: Vec<u32> = Vec::new();
-        for &l in &links {
+        for l in links_of(&self.flows, &self.paths, f) {
             if p.link_virtual[l as usize] > 0 {
                 let c = p.link_coll[l as usize];
                 if !hit.contains(&c) {
