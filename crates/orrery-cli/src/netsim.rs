@@ -286,12 +286,13 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted, {} mirrored ({} broken), ~{} events skipped",
+            "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted ({} events replayed), {} mirrored ({} broken), ~{} events skipped",
             p.memo_lookups,
             p.memo_hits,
             100.0 * p.memo_hit_rate(),
             p.memo_recorded,
             p.memo_aborts,
+            p.memo_replayed_events,
             p.memo_mirrored,
             p.memo_mirror_breaks,
             p.memo_skipped_events

@@ -115,6 +115,33 @@ pub(super) struct Port {
     pub pause_sent: bool,
 }
 
+impl Port {
+    /// The same link with nothing queued, sent or paused.
+    pub fn idle_copy(&self) -> Port {
+        Port {
+            from: self.from,
+            to: self.to,
+            from_switch: self.from_switch,
+            to_switch: self.to_switch,
+            bw: self.bw,
+            delay: self.delay,
+            busy: false,
+            paused: false,
+            ctrl: VecDeque::new(),
+            data: VecDeque::new(),
+            queued: 0,
+            ecn: self.ecn,
+            qps: Vec::new(),
+            rr: 0,
+            wake: None,
+            in_bytes: 0,
+            in_hdrm: 0,
+            headroom: self.headroom,
+            pause_sent: false,
+        }
+    }
+}
+
 /// A switch's shared buffer.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct SwitchBuf {
@@ -178,6 +205,46 @@ pub(super) struct FlowDynamics {
 }
 
 impl FlowState {
+    /// A flow not released yet, its queue pair at line rate `line` (bytes per second).
+    #[allow(clippy::too_many_arguments)]
+    pub fn fresh(
+        src_port: u32,
+        fwd: (u32, u32),
+        rev: (u32, u32),
+        npkts: u64,
+        last_payload: u32,
+        delay: Picos,
+        waiting: u32,
+        line: f64,
+    ) -> FlowState {
+        FlowState {
+            src_port,
+            fwd,
+            rev,
+            npkts,
+            last_payload,
+            delay,
+            waiting,
+            released: false,
+            start: Picos::ZERO,
+            finish: None,
+            snd_nxt: 0,
+            snd_una: 0,
+            high: 0,
+            ready_at: Picos::ZERO,
+            rp: ReactionPoint::new(line),
+            rto_pending: false,
+            last_progress: Picos::ZERO,
+            retries: 0,
+            dead: false,
+            sender_done: false,
+            rcv_nxt: 0,
+            nack_trigger: u64::MAX,
+            last_cnp: None,
+            delivered: 0,
+        }
+    }
+
     pub fn dynamics(&self) -> FlowDynamics {
         FlowDynamics {
             snd_nxt: self.snd_nxt,
@@ -387,32 +454,16 @@ impl<'a> Engine<'a> {
             for dep in &f.deps {
                 n_dependents[dep.index()] += 1;
             }
-            states.push(FlowState {
+            states.push(FlowState::fresh(
                 src_port,
                 fwd,
                 rev,
                 npkts,
                 last_payload,
-                delay: f.delay,
-                waiting: f.deps.len() as u32,
-                released: false,
-                start: Picos::ZERO,
-                finish: None,
-                snd_nxt: 0,
-                snd_una: 0,
-                high: 0,
-                ready_at: Picos::ZERO,
-                rp: ReactionPoint::new(line),
-                rto_pending: false,
-                last_progress: Picos::ZERO,
-                retries: 0,
-                dead: false,
-                sender_done: false,
-                rcv_nxt: 0,
-                nack_trigger: u64::MAX,
-                last_cnp: None,
-                delivered: 0,
-            });
+                f.delay,
+                f.deps.len() as u32,
+                line,
+            ));
         }
         // Dependents in CSR form (a flow listed twice as a dependency is counted twice).
         let mut dependents_at = vec![0u32; flows.flows.len() + 1];
@@ -471,32 +522,56 @@ impl<'a> Engine<'a> {
             }
             m
         });
-        Ok(Engine {
+        let mut e = Engine::assemble(cfg, trace, ports, bufs, states, paths, q);
+        e.trace_pending = trace_pending;
+        e.dependents_at = dependents_at;
+        e.dependents = dependents;
+        e.pending_rel = pending_rel;
+        e.ff = ff;
+        e.ledger = ledger;
+        e.periodic = periodic;
+        e.memo = memo;
+        Ok(e)
+    }
+
+    /// An engine over `ports`, `bufs` and `flows` (routes in `paths`) with the events of
+    /// `q`: no dependencies, no acceleration, no ledger, nothing counted yet.
+    pub fn assemble(
+        cfg: &'a PacketConfig,
+        trace: &'a TraceRequest,
+        ports: Vec<Port>,
+        bufs: Vec<SwitchBuf>,
+        flows: Vec<FlowState>,
+        paths: Vec<u32>,
+        q: CalendarQueue<Ev>,
+    ) -> Engine<'a> {
+        let (n_links, n_flows) = (ports.len(), flows.len());
+        Engine {
             cfg,
             q,
             now: Picos::ZERO,
             ports,
             bufs,
-            unfinished: states.len(),
-            flows: states,
-            dependents_at,
-            dependents,
+            unfinished: n_flows,
+            flows,
+            dependents_at: vec![0; n_flows + 1],
+            dependents: Vec::new(),
             paths,
             pkts: Vec::new(),
             free: Vec::new(),
             trace,
             samples: Vec::new(),
-            trace_pending,
+            trace_pending: false,
             offset: Picos::ZERO,
-            pending_rel,
+            pending_rel: vec![None; n_flows],
             data_packets: 0,
-            ff,
-            live: vec![0; flows.flows.len()],
+            ff: None,
+            live: vec![0; n_flows],
             rng: Rng::seed_from_u64(cfg.seed),
-            ledger,
+            ledger: None,
             ledger_cap: LEDGER_MIN_CAP,
-            memo,
-            periodic,
+            memo: None,
+            periodic: None,
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -504,7 +579,7 @@ impl<'a> Engine<'a> {
             bytes_delivered: 0,
             events: 0,
             stats: PacketStats::default(),
-        })
+        }
     }
 
     /// Runs until no event is left, reporting progress every [`PROGRESS_EVERY`] events.
@@ -520,44 +595,9 @@ impl<'a> Engine<'a> {
                 });
             }
             self.now = t;
-            match ev {
-                Ev::Release(f) => self.release(f),
-                Ev::PortFree(l) => {
-                    self.ports[l as usize].busy = false;
-                    self.try_send(l);
-                }
-                Ev::PortWake(l) => {
-                    self.ports[l as usize].wake = None;
-                    self.try_send(l);
-                }
-                Ev::Arrive(p) => self.arrive(p),
-                Ev::Pause(l) => self.ports[l as usize].paused = true,
-                Ev::Resume(l) => {
-                    self.ports[l as usize].paused = false;
-                    self.try_send(l);
-                }
-                Ev::Rto(f) => self.on_rto(f),
-                Ev::RpDecrease(f) => self.on_rp_decrease(f),
-                Ev::RpIncrease(f) => self.on_rp_increase(f),
-                Ev::Sample => {
-                    self.trace_pending = false;
-                    self.sample();
-                    continue;
-                }
-                Ev::FfSample => {
-                    self.ff_sample();
-                    continue;
-                }
-                Ev::MemoDecide => {
-                    self.memo_decide();
-                    continue;
-                }
-                Ev::MemoFinish(f) => {
-                    self.memo_finish(f);
-                    continue;
-                }
+            if self.dispatch(ev) {
+                self.events += 1;
             }
-            self.events += 1;
         }
         self.stats.clamped_schedules = self.q.clamped_schedules();
         let unfinished = self.flows.iter().filter(|f| f.finish.is_none()).count();
@@ -597,6 +637,49 @@ impl<'a> Engine<'a> {
             stats: self.stats,
             samples: self.samples,
         })
+    }
+
+    /// Handles one event at `self.now`; returns whether it counts as a simulation event
+    /// (samples and acceleration bookkeeping do not).
+    pub(super) fn dispatch(&mut self, ev: Ev) -> bool {
+        match ev {
+            Ev::Release(f) => self.release(f),
+            Ev::PortFree(l) => {
+                self.ports[l as usize].busy = false;
+                self.try_send(l);
+            }
+            Ev::PortWake(l) => {
+                self.ports[l as usize].wake = None;
+                self.try_send(l);
+            }
+            Ev::Arrive(p) => self.arrive(p),
+            Ev::Pause(l) => self.ports[l as usize].paused = true,
+            Ev::Resume(l) => {
+                self.ports[l as usize].paused = false;
+                self.try_send(l);
+            }
+            Ev::Rto(f) => self.on_rto(f),
+            Ev::RpDecrease(f) => self.on_rp_decrease(f),
+            Ev::RpIncrease(f) => self.on_rp_increase(f),
+            Ev::Sample => {
+                self.trace_pending = false;
+                self.sample();
+                return false;
+            }
+            Ev::FfSample => {
+                self.ff_sample();
+                return false;
+            }
+            Ev::MemoDecide => {
+                self.memo_decide();
+                return false;
+            }
+            Ev::MemoFinish(f) => {
+                self.memo_finish(f);
+                return false;
+            }
+        }
+        true
     }
 
     /// Pending trace samples (0 or 1).

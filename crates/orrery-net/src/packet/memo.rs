@@ -78,11 +78,22 @@
 //!
 //! - While an episode is being *recorded* (simulated), a release touching its links marks it
 //!   intruded and it is not stored.
-//! - While an episode is *memoized* (a hit), a release touching its links aborts the hit:
-//!   each of its unfinished flows is re-materialised as a real queue pair at the progress
-//!   the stored completion time implies, assuming it progressed linearly (an
-//!   approximation: its queues start empty and its DCQCN state at line rate). The abort is
-//!   counted in [`super::PacketStats::memo_aborts`] so a report says when this happened.
+//! - While an episode is *memoized* (a hit), a release touching its links aborts the hit,
+//!   and the hit is *rolled back*: a fresh engine over the same ports replays the episode
+//!   alone, its flows released at the times they were released here, from its start up to
+//!   the intrusion, and each unfinished flow takes its replayed state (sender, receiver,
+//!   DCQCN state and timers, packets in flight and queued, round-robin position; see the
+//!   `image` module). The episode was isolated until the intrusion, so the replay is what
+//!   the simulation would have done. Three things stay approximate: ECN's random draws
+//!   (the replay has its own stream), the buffer bytes other traffic held in the switches
+//!   the episode crossed (the replay takes those of the instant of the intrusion as a
+//!   constant background), and the order among events of the intrusion's own instant (the
+//!   replay stops just before it). A flow released at that very instant starts afresh;
+//!   one the replay finished keeps its stored completion. Aborts are counted in
+//!   [`super::PacketStats::memo_aborts`] and the replays' events in
+//!   [`super::PacketStats::memo_replayed_events`] (and in the run's events, so speed-ups
+//!   stay honest). Before replays, aborted flows resumed from linear progress with empty
+//!   queues, which put two rings sharing their GPUs 31% off at p99 (`tests/accel.rs`).
 //!
 //! ## Mirrors (`accel.mirror`)
 //!
@@ -125,7 +136,7 @@
 //! atomically; a corrupt or foreign file is reported and ignored, never trusted.
 
 use super::config::PacketConfig;
-use super::engine::{Engine, Ev, Kind, Packet, NO_LINK};
+use super::engine::{Engine, Ev};
 use crate::flows::FlowSet;
 use orrery_des::{EventKey, EventQueue};
 use orrery_units::Picos;
@@ -1342,7 +1353,7 @@ impl Engine<'_> {
     /// and every packet of the leader flow in flight or queued is copied onto the mirror's
     /// links with the same pending times (ports busy, paused or waking likewise), with
     /// switch buffer accounting redone as the copies enter their queues
-    /// ([`Engine::memo_clone_mirror`]; the engine keeps its event ledger whenever mirrors
+    /// ([`Engine::capture`]; the engine keeps its event ledger whenever mirrors
     /// are on). Counted in [`super::PacketStats::memo_mirror_breaks`].
     fn memo_break_mirror(&mut self, id: u32) {
         let per_packet = self.run_events_per_packet();
@@ -1393,191 +1404,9 @@ impl Engine<'_> {
             self.stats.memo_skipped_events += (credited as f64 * per_packet).round() as u64;
         }
         if !pairs.is_empty() {
-            self.memo_clone_mirror(&pairs, &phi);
-        }
-    }
-
-    /// Gives the mirror's flows the state of their leader flows (`pairs`: leader flow,
-    /// mirror flow; see [`Engine::memo_break_mirror`]); `phi` maps the leader's links to the
-    /// mirror's. Pending events are copied in the order they were scheduled, so events at
-    /// equal times keep their order.
-    fn memo_clone_mirror(&mut self, pairs: &[(u32, u32)], phi: &HashMap<u32, u32>) {
-        let map = |l: u32| {
-            if l == NO_LINK {
-                Some(NO_LINK)
-            } else {
-                phi.get(&l).copied()
-            }
-        };
-        let flow_map: HashMap<u32, u32> = pairs.iter().copied().collect();
-        // Delivered packets are credited as a hit's are (bytes, links, ACKs); packets in
-        // flight are accounted as their copies are made.
-        for &(h, g) in pairs {
-            let delivered = self.flows[h as usize].rcv_nxt;
-            self.memo_credit(g, delivered);
-            let state = self.flows[h as usize].dynamics();
-            self.flows[g as usize].set_dynamics(state);
-        }
-        let mut links: Vec<u32> = Vec::new();
-        let mut seen = HashSet::new();
-        for &(h, _) in pairs {
-            for l in self.flow_links(h) {
-                if seen.insert(l) && phi.contains_key(&l) {
-                    links.push(l);
-                }
-            }
-        }
-        for &l in &links {
-            let (busy, paused) = (self.ports[l as usize].busy, self.ports[l as usize].paused);
-            let p = &mut self.ports[phi[&l] as usize];
-            p.busy |= busy;
-            p.paused |= paused;
-        }
-        let pending: Vec<(Picos, Ev)> = self
-            .ledger
-            .as_ref()
-            .map(|l| {
-                l.iter()
-                    .filter(|e| self.q.contains(e.0))
-                    .map(|e| (e.1, e.2))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let on = |l: &u32| seen.contains(l);
-        for (t, ev) in pending {
-            let copy = match ev {
-                Ev::PortFree(l) if on(&l) => Ev::PortFree(phi[&l]),
-                Ev::Pause(l) if on(&l) => Ev::Pause(phi[&l]),
-                Ev::Resume(l) if on(&l) => Ev::Resume(phi[&l]),
-                Ev::PortWake(l) if on(&l) => {
-                    let ml = phi[&l];
-                    let key = self.sched(t, Ev::PortWake(ml));
-                    self.ports[ml as usize].wake = Some((t, key));
-                    continue;
-                }
-                Ev::Rto(f) => match flow_map.get(&f) {
-                    Some(&g) => Ev::Rto(g),
-                    None => continue,
-                },
-                Ev::RpDecrease(f) => match flow_map.get(&f) {
-                    Some(&g) => Ev::RpDecrease(g),
-                    None => continue,
-                },
-                Ev::RpIncrease(f) => match flow_map.get(&f) {
-                    Some(&g) => Ev::RpIncrease(g),
-                    None => continue,
-                },
-                Ev::Arrive(p) => {
-                    let pk = self.pkts[p as usize];
-                    let Some(&g) = flow_map.get(&pk.flow) else {
-                        continue;
-                    };
-                    let (Some(link), Some(in_link)) = (map(pk.link), map(pk.in_link)) else {
-                        continue;
-                    };
-                    let copy = self.alloc(Packet {
-                        flow: g,
-                        link,
-                        in_link,
-                        ..pk
-                    });
-                    self.memo_account_copy(&pk, g, true);
-                    Ev::Arrive(copy)
-                }
-                _ => continue,
-            };
-            self.sched(t, copy);
-        }
-        // Packets queued at ports, in queue order: control frames join the mapped control
-        // queue; data at a switch re-enters the mapped switch as if it had just arrived
-        // over the mapped ingress link (buffer and PFC accounting redone).
-        for &l in &links {
-            let ml = phi[&l];
-            let mine = |q: &std::collections::VecDeque<u32>| -> Vec<u32> {
-                q.iter()
-                    .copied()
-                    .filter(|&p| flow_map.contains_key(&self.pkts[p as usize].flow))
-                    .collect()
-            };
-            let (ctrl, data) = (
-                mine(&self.ports[l as usize].ctrl),
-                mine(&self.ports[l as usize].data),
-            );
-            for p in ctrl {
-                let pk = self.pkts[p as usize];
-                let copy = self.alloc(Packet {
-                    flow: flow_map[&pk.flow],
-                    link: ml,
-                    in_link: map(pk.in_link).unwrap_or(NO_LINK),
-                    ..pk
-                });
-                self.memo_account_copy(&pk, flow_map[&pk.flow], false);
-                self.ports[ml as usize].ctrl.push_back(copy);
-            }
-            for p in data {
-                let pk = self.pkts[p as usize];
-                let Some(in_link) = map(pk.in_link).filter(|&x| x != NO_LINK) else {
-                    continue;
-                };
-                let g = flow_map[&pk.flow];
-                let copy = self.alloc(Packet {
-                    flow: g,
-                    link: in_link,
-                    in_link: NO_LINK,
-                    hop: pk.hop.saturating_sub(1),
-                    ..pk
-                });
-                self.memo_account_copy(&pk, g, false);
-                self.switch_arrive(copy);
-            }
-        }
-        // Queue pairs: each mirror host port lists the mirror's flows after its own earlier
-        // (finished) queue pairs, in its leader port's order, and serves next the one its
-        // leader port serves next, so a queue pair started later is served where it would
-        // have been.
-        for &l in &links {
-            if self.ports[l as usize].from_switch {
-                continue;
-            }
-            let ml = phi[&l];
-            let (qps, rr) = (
-                self.ports[l as usize].qps.clone(),
-                self.ports[l as usize].rr,
-            );
-            let n = qps.len();
-            let next = (0..n).find_map(|k| flow_map.get(&qps[(rr + k) % n]).copied());
-            let port = &mut self.ports[ml as usize];
-            port.qps
-                .extend(qps.iter().filter_map(|f| flow_map.get(f).copied()));
-            if let Some(g) = next {
-                port.rr = port.qps.iter().position(|&x| x == g).unwrap_or(0);
-            }
-        }
-        for &(_, g) in pairs {
-            self.ff_on_release(g);
-        }
-        for &l in &links {
-            self.try_send(phi[&l]);
-        }
-    }
-
-    /// Accounts a copy of packet `pk` made for mirror flow `g` as the original was
-    /// accounted: a data packet was sent and carried over every hop of its path before its
-    /// current one, and over the current one too when it is on the wire (`on_wire`) rather
-    /// than queued for it; an ACK in flight is counted when it arrives, so the ACKs
-    /// credited with the delivered packets must not include it.
-    fn memo_account_copy(&mut self, pk: &Packet, g: u32, on_wire: bool) {
-        match pk.kind {
-            Kind::Data => {
-                self.bytes_sent += u64::from(pk.payload);
-                let (start, _) = self.flows[g as usize].fwd;
-                for hop in 0..pk.hop + u32::from(on_wire) {
-                    let l = self.paths[(start + hop) as usize];
-                    self.link_bytes[l as usize] += u64::from(pk.payload);
-                }
-            }
-            Kind::Ack => self.stats.acks = self.stats.acks.saturating_sub(1),
-            Kind::Nack | Kind::Cnp => {}
+            let img = self.capture(&pairs, &|l| phi.get(&l).copied());
+            let credited = self.apply_image(img);
+            self.stats.memo_skipped_packets += credited;
         }
     }
 
@@ -1748,12 +1577,6 @@ impl Engine<'_> {
         self.finish_flow(f);
     }
 
-    /// [`Engine::credit_packets`], counted as skipped by memoization.
-    pub(super) fn memo_credit(&mut self, f: u32, packets: u64) {
-        self.credit_packets(f, packets);
-        self.stats.memo_skipped_packets += packets;
-    }
-
     /// Moves flow `f` to packet `to` (from its current position) without simulating:
     /// sequence numbers, byte counters of the flow, the run and its data path, its ACKs.
     pub(super) fn credit_packets(&mut self, f: u32, packets: u64) {
@@ -1786,8 +1609,12 @@ impl Engine<'_> {
         }
     }
 
-    /// A release touched the links of memoized episode `id`: its unfinished flows become
-    /// real queue pairs at the progress their stored completion implies (linear in time).
+    /// A release touched the links of memoized episode `id`: the hit is rolled back. The
+    /// episode is replayed alone from its start up to now ([`Engine::replay`]), and each
+    /// unfinished flow takes its replayed state ([`Engine::capture`]). A flow the replay
+    /// has not released yet (released at this very instant) starts afresh; one the replay
+    /// already finished keeps its stored completion. The replay's events are counted in
+    /// the run's events and in [`super::PacketStats::memo_replayed_events`].
     fn memo_abort(&mut self, id: u32) {
         if self
             .memo
@@ -1798,7 +1625,6 @@ impl Engine<'_> {
             self.memo_break_mirror(id);
             return;
         }
-        let now = self.now;
         let Some(m) = self.memo.as_mut() else {
             return;
         };
@@ -1808,25 +1634,41 @@ impl Engine<'_> {
         ep.hit = false;
         ep.cert = Vec::new();
         ep.intruded = true;
-        let start_local = Picos(ep.start.0.saturating_sub(self.offset.0));
-        let per_packet = ep.events_per_packet;
         let flows = ep.flows.clone();
         self.stats.memo_aborts += 1;
-        for f in flows {
+        let cfg = PacketConfig {
+            accel: super::AccelConfig::off(),
+            ..self.cfg.clone()
+        };
+        let trace = super::TraceRequest::default();
+        let mut replay = self.replay(&cfg, &trace, &flows);
+        replay.run_until(self.now);
+        let mut pairs = Vec::new();
+        let mut fresh = Vec::new();
+        for (k, &f) in flows.iter().enumerate() {
+            let r = &replay.flows[k];
             let Some(m) = self.memo.as_mut() else {
                 return;
             };
-            let Some((at, key)) = m.finish_at[f as usize].take() else {
-                continue;
-            };
-            m.owned -= 1;
-            self.q.cancel(key);
-            let span = at.0.saturating_sub(start_local.0).max(1);
-            let frac = now.0.saturating_sub(start_local.0) as f64 / span as f64;
-            let npkts = self.flows[f as usize].npkts;
-            let k = ((frac * npkts as f64).floor() as u64).min(npkts - 1);
-            self.memo_credit(f, k);
-            self.stats.memo_skipped_events += (k as f64 * per_packet).round() as u64;
+            if r.finish.is_some() || m.finish_at[f as usize].is_none() {
+                continue; // finished in the replay, or here: the stored time stands
+            }
+            if let Some((_, key)) = m.finish_at[f as usize].take() {
+                m.owned -= 1;
+                self.q.cancel(key);
+            }
+            if r.released {
+                pairs.push((k as u32, f));
+            } else {
+                fresh.push(f);
+            }
+        }
+        let img = replay.capture(&pairs, &Some);
+        self.events += replay.events;
+        self.stats.memo_replayed_events += replay.events;
+        drop(replay);
+        self.apply_image(img);
+        for f in fresh {
             self.start_qp(f);
         }
     }

@@ -217,6 +217,7 @@ mod config;
 pub mod dcqcn;
 mod engine;
 mod host;
+mod image;
 mod memo;
 mod periodic;
 mod switch;
@@ -325,6 +326,9 @@ pub struct PacketStats {
     /// the events that saves (estimated as for fast-forwarding).
     pub memo_skipped_packets: u64,
     pub memo_skipped_events: u64,
+    /// Events simulated again to roll aborted hits back (each aborted episode is replayed
+    /// from its start to the intrusion); they are included in the run's `events`.
+    pub memo_replayed_events: u64,
     /// Collectives that went periodic (`accel.periodic`), flows they finished virtually
     /// instead of simulating, and extrapolations ended by an intruding flow.
     pub periodic_starts: u64,
