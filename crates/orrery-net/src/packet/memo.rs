@@ -142,6 +142,7 @@ use orrery_des::{EventKey, EventQueue};
 use orrery_units::Picos;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use thiserror::Error;
 
 const NONE: u32 = u32::MAX;
@@ -156,6 +157,12 @@ const JOIN_TIMED: u64 = 1;
 /// worth memoizing.
 const BRIDGE_HORIZON: Picos = Picos(50_000_000);
 const FILE_VERSION: u32 = 2;
+/// Most shapes (sets of joins) kept per starting group. Every lookup verifies each shape
+/// of its group, and a group whose joins differ from one run of it to the next gains a
+/// shape per recording: on a 1,024-GPU GPT step one two-flow group had gathered 700 of
+/// them, and verifying them took 80% of the run. A group that keeps changing shape is
+/// unlikely to repeat an old one, so the oldest make way.
+const MAX_SHAPES: usize = 8;
 
 /// One stored episode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,7 +182,7 @@ struct Entry {
 /// Stored episodes, keyed by a hash of their certificate (compared in full on lookup).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoCache {
-    map: BTreeMap<u64, Vec<Entry>>,
+    map: BTreeMap<u64, Vec<Arc<Entry>>>,
     len: usize,
 }
 
@@ -215,7 +222,7 @@ impl MemoCache {
 
     /// Stored episodes that started with the group `cert` describes (they may differ in
     /// the flows that joined later).
-    fn lookup<'s>(&'s self, cert: &'s [u64]) -> impl Iterator<Item = &'s Entry> + 's {
+    fn lookup<'s>(&'s self, cert: &'s [u64]) -> impl Iterator<Item = &'s Arc<Entry>> + 's {
         self.map
             .get(&hash_words(cert))
             .into_iter()
@@ -223,15 +230,24 @@ impl MemoCache {
             .filter(move |e| e.cert == cert)
     }
 
+    /// Stores `e` unless an entry of the same group and shape is stored. A group keeps at
+    /// most [`MAX_SHAPES`] shapes, the oldest making way for the newest.
     fn insert(&mut self, e: Entry) {
         let bucket = self.map.entry(hash_words(&e.cert)).or_default();
         if bucket
             .iter()
-            .all(|x| x.cert != e.cert || x.shape != e.shape)
+            .any(|x| x.cert == e.cert && x.shape == e.shape)
         {
-            bucket.push(e);
-            self.len += 1;
+            return;
         }
+        if bucket.iter().filter(|x| x.cert == e.cert).count() >= MAX_SHAPES {
+            if let Some(oldest) = bucket.iter().position(|x| x.cert == e.cert) {
+                bucket.remove(oldest);
+                self.len -= 1;
+            }
+        }
+        bucket.push(Arc::new(e));
+        self.len += 1;
     }
 
     /// The file image: magic, version, body length, CRC32 of the body, body. Deterministic
@@ -766,7 +782,7 @@ impl Engine<'_> {
     fn memo_start_group(&mut self, flows: &[u32], leaders: &mut Vec<(Vec<u64>, u32)>) {
         let (order, cert, link_order, node_order) = self.certificate(flows);
         self.stats.memo_lookups += 1;
-        let entries: Vec<Entry> = self
+        let entries: Vec<Arc<Entry>> = self
             .memo
             .as_ref()
             .map(|m| m.cache.get().lookup(&cert).cloned().collect())
@@ -1948,6 +1964,28 @@ mod tests {
             shape: vec![1, 1, 0, 5, 3, 1000, 1, 4, 0],
         });
         c
+    }
+
+    #[test]
+    fn a_group_keeps_its_newest_shapes_only() {
+        let mut c = sample();
+        let entry = |k: u64| Entry {
+            cert: vec![1, 2, 3],
+            finish: vec![10, 20 + k],
+            events: 7,
+            shape: vec![0, k],
+        };
+        for k in 1..=MAX_SHAPES as u64 + 2 {
+            c.insert(entry(k));
+            c.insert(entry(k)); // the same shape again is not stored twice
+        }
+        assert_eq!(c.len(), MAX_SHAPES + 1);
+        let shapes: Vec<u64> = c.lookup(&[1, 2, 3]).map(|e| e.shape[1]).collect();
+        let newest: Vec<u64> = (3..=MAX_SHAPES as u64 + 2).collect();
+        assert_eq!(shapes, newest);
+        // The other group is untouched, and the file image keeps what is stored.
+        assert_eq!(c.lookup(&[4, 5]).count(), 1);
+        assert_eq!(MemoCache::from_bytes(&c.to_bytes()).unwrap(), c);
     }
 
     #[test]
