@@ -21,10 +21,12 @@
 
 use crate::{bad, progress_bar};
 use anyhow::Result;
-use orrery_optim::{OptimError, Optimizer, Param, RefreshMode, StepReport, TierConfig, TierUsage};
+use orrery_optim::{
+    OptimError, Optimizer, Param, RefreshMode, SoapConfig, StepReport, TierConfig, TierUsage,
+};
 use orrery_train::{
-    make_optimizer_with, train_with, OptimizerRuntime, RunOptions, StepMetrics, TrainConfig,
-    TrainError, TrainObserver, TrainSummary,
+    make_optimizer_with, train_with, OptimizerConfig, OptimizerRuntime, RunOptions, StepMetrics,
+    TrainConfig, TrainError, TrainObserver, TrainSummary,
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -87,6 +89,157 @@ pub struct BenchTrainArgs {
     /// default). soap-async takes soap's unless it is given its own.
     #[arg(long = "lr", value_name = "NAME=LR", value_parser = parse_lr, requires = "train")]
     lrs: Vec<LrOverride>,
+    /// With --train: one of SOAP's hyper-parameters for the soap, soap-async and tiered runs,
+    /// KEY=VALUE (repeatable): `frequency` (steps between basis refreshes, default 10),
+    /// `beta1`, `beta2` (Adam's in the eigenbasis; default the configuration's, 0.9 and 0.95),
+    /// `shampoo_beta` (decay of the L and R statistics; default beta2), `weight_decay`
+    /// (default the configuration's, 0.1). The other optimizers keep the configuration's.
+    #[arg(long = "soap", value_name = "KEY=VALUE", value_parser = parse_soap, requires = "train")]
+    soap: Vec<SoapOverride>,
+    /// With --train: skip the extra tiered-state SOAP run (it measures memory, not
+    /// convergence or step time).
+    #[arg(long, requires = "train")]
+    no_tiering: bool,
+}
+
+/// One `--soap KEY=VALUE`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum SoapOverride {
+    Frequency(u64),
+    Beta1(f32),
+    Beta2(f32),
+    ShampooBeta(f32),
+    WeightDecay(f32),
+}
+
+/// The keys `--soap` takes.
+const SOAP_KEYS: [&str; 5] = [
+    "frequency",
+    "beta1",
+    "beta2",
+    "shampoo_beta",
+    "weight_decay",
+];
+
+impl SoapOverride {
+    fn key(self) -> &'static str {
+        match self {
+            Self::Frequency(_) => SOAP_KEYS[0],
+            Self::Beta1(_) => SOAP_KEYS[1],
+            Self::Beta2(_) => SOAP_KEYS[2],
+            Self::ShampooBeta(_) => SOAP_KEYS[3],
+            Self::WeightDecay(_) => SOAP_KEYS[4],
+        }
+    }
+}
+
+/// Parses `--soap KEY=VALUE`; like `--lr`, clap names the flag in the error and exits with
+/// status 2.
+fn parse_soap(s: &str) -> Result<SoapOverride, String> {
+    let (key, value) = s.split_once('=').ok_or_else(|| {
+        format!(
+            "expected KEY=VALUE, e.g. frequency=2 (keys: {})",
+            SOAP_KEYS.join(", ")
+        )
+    })?;
+    let (key, value) = (key.trim(), value.trim());
+    let float = || -> Result<f32, String> {
+        value
+            .parse::<f32>()
+            .ok()
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| format!("{key}: `{value}` is not a finite number"))
+    };
+    let beta = || -> Result<f32, String> {
+        let b = float()?;
+        if (0.0..1.0).contains(&b) {
+            Ok(b)
+        } else {
+            Err(format!("{key} must be in [0, 1), got {value}"))
+        }
+    };
+    match key {
+        "frequency" => match value.parse::<u64>() {
+            Ok(n) if n >= 1 => Ok(SoapOverride::Frequency(n)),
+            _ => Err(format!(
+                "frequency must be a whole number of steps, at least 1, got {value}"
+            )),
+        },
+        "beta1" => beta().map(SoapOverride::Beta1),
+        "beta2" => beta().map(SoapOverride::Beta2),
+        "shampoo_beta" => beta().map(SoapOverride::ShampooBeta),
+        "weight_decay" => {
+            let wd = float()?;
+            if wd >= 0.0 {
+                Ok(SoapOverride::WeightDecay(wd))
+            } else {
+                Err(format!("weight_decay must not be negative, got {value}"))
+            }
+        }
+        other => Err(format!(
+            "unknown key `{other}` (keys: {})",
+            SOAP_KEYS.join(", ")
+        )),
+    }
+}
+
+/// SOAP's hyper-parameters as its runs use them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+struct SoapSettings {
+    precondition_frequency: u64,
+    beta1: f32,
+    beta2: f32,
+    shampoo_beta: f32,
+    weight_decay: f32,
+}
+
+/// The optimizer section of the SOAP runs' configuration: the shared one with `--soap`'s
+/// overrides; an error when a key is given twice or no SOAP variant trains.
+fn soap_optimizer(
+    base: &OptimizerConfig,
+    overrides: &[SoapOverride],
+    variants: &[Variant],
+) -> Result<OptimizerConfig> {
+    let mut o = base.clone();
+    o.name = "soap".to_string();
+    if overrides.is_empty() {
+        return Ok(o);
+    }
+    if !variants
+        .iter()
+        .any(|v| matches!(v, Variant::Soap | Variant::SoapAsync))
+    {
+        return Err(bad(
+            "--soap: neither soap nor soap-async is among --optimizers",
+        ));
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    for &x in overrides {
+        if seen.contains(&x.key()) {
+            return Err(bad(format!("--soap sets `{}` twice", x.key())));
+        }
+        seen.push(x.key());
+        match x {
+            SoapOverride::Frequency(n) => o.precondition_frequency = Some(n),
+            SoapOverride::Beta1(b) => o.beta1 = b,
+            SoapOverride::Beta2(b) => o.beta2 = b,
+            SoapOverride::ShampooBeta(b) => o.shampoo_beta = Some(b),
+            SoapOverride::WeightDecay(w) => o.weight_decay = w,
+        }
+    }
+    Ok(o)
+}
+
+fn soap_settings(o: &OptimizerConfig) -> SoapSettings {
+    SoapSettings {
+        precondition_frequency: o
+            .precondition_frequency
+            .unwrap_or(SoapConfig::default().precondition_frequency),
+        beta1: o.beta1,
+        beta2: o.beta2,
+        shampoo_beta: o.shampoo_beta.unwrap_or(o.beta2),
+        weight_decay: o.weight_decay,
+    }
 }
 
 /// One `--lr NAME=LR`.
@@ -401,7 +554,10 @@ struct Report {
     /// vary per run; each optimizer's rate is in its report).
     config: TrainConfig,
     spike_factor: f64,
+    /// SOAP's hyper-parameters in its runs (`--soap`), when SOAP is benchmarked.
+    soap: Option<SoapSettings>,
     optimizers: Vec<OptimizerReport>,
+    /// `None` without SOAP or with `--no-tiering`.
     tiering: Option<TieringReport>,
 }
 
@@ -661,6 +817,11 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
     let config = base_config(args)?;
     let variants = variants(args)?;
     let lrs = learning_rates(&args.lrs, &variants, config.lr)?;
+    let soap_opt = soap_optimizer(&config.optimizer, &args.soap, &variants)?;
+    // Bad values are caught before any training (clap checked each alone).
+    let mut probe = config.clone();
+    probe.optimizer = soap_opt.clone();
+    probe.validate().map_err(|e| bad(e.to_string()))?;
     let seeds = args.seeds.clone();
     if seeds.is_empty() {
         return Err(bad("--seeds needs at least one seed"));
@@ -689,7 +850,8 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
     let soap_selected = variants
         .iter()
         .any(|v| matches!(v, Variant::Soap | Variant::SoapAsync));
-    let runs = (seeds.len() * variants.len() + usize::from(soap_selected)) as u64;
+    let tiering_run = soap_selected && !args.no_tiering;
+    let runs = (seeds.len() * variants.len() + usize::from(tiering_run)) as u64;
     let bar = progress_bar(
         runs * config.steps,
         "bench --train {bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise}]",
@@ -705,7 +867,11 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
         for (i, &v) in variants.iter().enumerate() {
             let mut c = config.clone();
             c.seed = seed;
-            c.optimizer.name = v.optimizer_name().to_string();
+            if matches!(v, Variant::Soap | Variant::SoapAsync) {
+                c.optimizer = soap_opt.clone();
+            } else {
+                c.optimizer.name = v.optimizer_name().to_string();
+            }
             c.lr = lrs[i];
             let runtime = OptimizerRuntime {
                 refresh: v.refresh(),
@@ -737,9 +903,9 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
         }
     }
 
-    let tiering = match first_soap_run {
+    let tiering = match first_soap_run.filter(|_| tiering_run) {
         Some((v, lr, untiered, resident_loss)) => {
-            let t = tiered_run(&config, seeds[0], lr, untiered, &bar);
+            let t = tiered_run(&config, &soap_opt, seeds[0], lr, untiered, &bar);
             let t = match t {
                 Ok(t) => t,
                 Err(e) => {
@@ -765,6 +931,7 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
         seeds,
         config,
         spike_factor: SPIKE_FACTOR,
+        soap: soap_selected.then(|| soap_settings(&soap_opt)),
         optimizers: variants
             .iter()
             .zip(lrs)
@@ -790,6 +957,7 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
 /// memory, so that all three tiers hold some of it.
 fn tiered_run(
     config: &TrainConfig,
+    soap: &OptimizerConfig,
     seed: u64,
     lr: f64,
     untiered: StateBytes,
@@ -802,7 +970,7 @@ fn tiered_run(
     let mut c = config.clone();
     c.seed = seed;
     c.lr = lr;
-    c.optimizer.name = "soap".to_string();
+    c.optimizer = soap.clone();
     let runtime = OptimizerRuntime {
         refresh: RefreshMode::Sync,
         tiers: Some(TierConfig {
@@ -940,6 +1108,13 @@ fn render(r: &Report) -> String {
             opt_fmt(md.state_device_bytes, fmt_bytes),
         );
     }
+    if let Some(h) = &r.soap {
+        let _ = writeln!(
+            s,
+            "\nsoap, soap-async: precondition frequency {}, betas ({}, {}), shampoo beta {}, weight decay {}",
+            h.precondition_frequency, h.beta1, h.beta2, h.shampoo_beta, h.weight_decay
+        );
+    }
     let _ = writeln!(
         s,
         "\nlr: peak learning rate (warm-up, then cosine); steps to: first evaluated step at or below the target (seeds that reached it, if not all); x AdamW: its ratio to AdamW's; to tgt s: training seconds to that step (evaluation excluded); ms x AdamW: median step time over AdamW's; optim ms: the optimizer's step alone; wait s: time steps waited for asynchronous refreshes; device state: peak optimizer state on the device"
@@ -967,6 +1142,9 @@ fn render(r: &Report) -> String {
                 t.step_ms_median,
                 t.step_ms_max
             );
+        }
+        None if r.soap.is_some() => {
+            let _ = writeln!(s, "\n(tiered SOAP run skipped: --no-tiering)");
         }
         None => {
             let _ = writeln!(s, "\n(no SOAP run: tiered state not measured)");

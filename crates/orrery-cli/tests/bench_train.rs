@@ -240,6 +240,89 @@ fn table_shows_each_optimizers_learning_rate() {
 }
 
 #[test]
+fn soap_hyper_parameters_train_and_are_reported() {
+    let (config, corpus) = fixture("soap-hyper");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--seeds",
+            "0",
+            "--optimizers",
+            "adamw,soap,shampoo",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = bench(&config, &corpus, "4", &args);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+    let base = run(&["--no-tiering"]);
+    // Defaults: the published frequency, the configuration's betas and weight decay, and the
+    // statistics decaying at beta2.
+    let h = &base["soap"];
+    assert_eq!(h["precondition_frequency"], 10);
+    assert_eq!(h["beta1"].as_f64().unwrap() as f32, 0.9);
+    assert_eq!(h["beta2"].as_f64().unwrap() as f32, 0.95);
+    assert_eq!(h["shampoo_beta"].as_f64().unwrap() as f32, 0.95);
+    assert_eq!(h["weight_decay"].as_f64().unwrap() as f32, 0.1);
+    assert!(
+        base["tiering"].is_null(),
+        "--no-tiering skips the tiered run"
+    );
+    // A refresh every step (4 steps: refreshes the default frequency never reaches) and other
+    // betas change what SOAP trains to, and nothing else.
+    let tuned = run(&[
+        "--soap",
+        "frequency=1",
+        "--soap",
+        "beta1=0.95",
+        "--soap",
+        "shampoo_beta=0.9",
+        "--soap",
+        "weight_decay=0.01",
+    ]);
+    let h = &tuned["soap"];
+    assert_eq!(h["precondition_frequency"], 1);
+    assert_eq!(h["beta1"].as_f64().unwrap() as f32, 0.95);
+    assert_eq!(h["beta2"].as_f64().unwrap() as f32, 0.95);
+    assert_eq!(h["shampoo_beta"].as_f64().unwrap() as f32, 0.9);
+    assert_eq!(h["weight_decay"].as_f64().unwrap() as f32, 0.01);
+    for ((name, _, before), (_, _, after)) in
+        lrs_and_losses(&base).iter().zip(&lrs_and_losses(&tuned))
+    {
+        if name == "soap" {
+            assert_ne!(before, after, "{name}");
+        } else {
+            assert_eq!(before, after, "{name}");
+        }
+    }
+    // The tiered run trains SOAP as configured: otherwise it could not match the resident run.
+    assert_eq!(tuned["tiering"]["matches_resident"], true);
+    let (code, stdout, stderr) = bench(
+        &config,
+        &corpus,
+        "2",
+        &[
+            "--seeds",
+            "0",
+            "--optimizers",
+            "adamw,soap-async",
+            "--soap",
+            "frequency=2",
+            "--no-tiering",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains(
+            "soap, soap-async: precondition frequency 2, betas (0.9, 0.95), shampoo beta 0.95, weight decay 0.1"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("tiered SOAP run skipped"), "{stdout}");
+    let _ = std::fs::remove_dir_all(config.parent().unwrap());
+}
+
+#[test]
 fn bad_options_exit_with_status_2() {
     for (args, needle) in [
         (&["bench", "--train", "--optimizers", "soap"][..], "adamw"),
@@ -275,6 +358,50 @@ fn bad_options_exit_with_status_2() {
         (
             &["bench", "--train", "--data", "/nonexistent/corpus"][..],
             "/nonexistent/corpus",
+        ),
+        (&["bench", "--soap", "frequency=2"][..], "--train"),
+        (&["bench", "--no-tiering"][..], "--train"),
+        (&["bench", "--train", "--soap", "frequency"][..], "--soap"),
+        (&["bench", "--train", "--soap", "frequency=0"][..], "--soap"),
+        (
+            &["bench", "--train", "--soap", "frequency=2.5"][..],
+            "--soap",
+        ),
+        (&["bench", "--train", "--soap", "beta1=1"][..], "--soap"),
+        (&["bench", "--train", "--soap", "beta2=-0.1"][..], "--soap"),
+        (
+            &["bench", "--train", "--soap", "shampoo_beta=NaN"][..],
+            "--soap",
+        ),
+        (
+            &["bench", "--train", "--soap", "weight_decay=-1"][..],
+            "--soap",
+        ),
+        (
+            &["bench", "--train", "--soap", "momentum=0.9"][..],
+            "momentum",
+        ),
+        (
+            &[
+                "bench",
+                "--train",
+                "--soap",
+                "frequency=2",
+                "--soap",
+                "frequency=5",
+            ][..],
+            "--soap",
+        ),
+        (
+            &[
+                "bench",
+                "--train",
+                "--optimizers",
+                "adamw,shampoo",
+                "--soap",
+                "frequency=2",
+            ][..],
+            "--soap",
         ),
     ] {
         let (code, _, stderr) = orrery(args);

@@ -139,6 +139,14 @@ pub struct OptimizerConfig {
     pub beta2: f32,
     pub eps: f32,
     pub weight_decay: f32,
+    /// SOAP and Shampoo: steps between preconditioner refreshes (SOAP's basis, Shampoo's
+    /// inverse roots); `None`: the optimizer's published default (10 for both).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub precondition_frequency: Option<u64>,
+    /// SOAP and Shampoo: decay of the `L`/`R` statistics; `None`: the optimizer's published
+    /// default (SOAP: `beta2`; Shampoo: 1, plain sums).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shampoo_beta: Option<f32>,
 }
 
 impl Default for OptimizerConfig {
@@ -149,6 +157,8 @@ impl Default for OptimizerConfig {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            precondition_frequency: None,
+            shampoo_beta: None,
         }
     }
 }
@@ -388,6 +398,26 @@ impl TrainConfig {
                 format!("{} is negative", o.weight_decay),
             );
         }
+        if o.precondition_frequency == Some(0) {
+            bad(
+                "optimizer.precondition_frequency",
+                "must be at least 1".into(),
+            );
+        }
+        if let Some(b) = o.shampoo_beta {
+            // Shampoo's published default is 1 (plain sums), so 1 is allowed; SOAP takes an
+            // EMA and 1 would never let a new gradient in.
+            let max_ok = if o.name == "soap" { b < 1.0 } else { b <= 1.0 };
+            if !(b >= 0.0 && max_ok) {
+                bad(
+                    "optimizer.shampoo_beta",
+                    format!(
+                        "{b} is not in [0, 1{}",
+                        if o.name == "soap" { ")" } else { "]" }
+                    ),
+                );
+            }
+        }
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             bad(
                 "device",
@@ -475,5 +505,42 @@ mod tests {
             TrainConfig::from_toml_str("[model]\nn_layers = 0\n"),
             Err(ConfigLoadError::Invalid(e)) if e.mentions("model.n_layers")
         ));
+    }
+
+    #[test]
+    fn preconditioner_fields_are_optional_and_checked() {
+        let c = TrainConfig::from_toml_str(
+            "[optimizer]\nname = \"soap\"\nprecondition_frequency = 2\nshampoo_beta = 0.9\n",
+        )
+        .unwrap();
+        assert_eq!(c.optimizer.precondition_frequency, Some(2));
+        assert_eq!(c.optimizer.shampoo_beta, Some(0.9));
+        assert_eq!(
+            TrainConfig::default().optimizer.precondition_frequency,
+            None
+        );
+        // Unset fields are not written, so a configuration without them reads back the same.
+        let text = toml::to_string(&TrainConfig::default()).unwrap();
+        assert!(!text.contains("precondition_frequency"), "{text}");
+        for (toml, path) in [
+            (
+                "precondition_frequency = 0",
+                "optimizer.precondition_frequency",
+            ),
+            (
+                "name = \"soap\"\nshampoo_beta = 1.0",
+                "optimizer.shampoo_beta",
+            ),
+            ("shampoo_beta = -0.5", "optimizer.shampoo_beta"),
+        ] {
+            let r = TrainConfig::from_toml_str(&format!("[optimizer]\n{toml}\n"));
+            assert!(
+                matches!(&r, Err(ConfigLoadError::Invalid(e)) if e.mentions(path)),
+                "{toml}: {r:?}"
+            );
+        }
+        // Shampoo's published statistics are plain sums: beta 1 is allowed there.
+        TrainConfig::from_toml_str("[optimizer]\nname = \"shampoo\"\nshampoo_beta = 1.0\n")
+            .unwrap();
     }
 }

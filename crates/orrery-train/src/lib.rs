@@ -207,6 +207,10 @@ pub fn make_optimizer_with(
                 betas: (o.beta1, o.beta2),
                 eps: o.eps,
                 weight_decay: o.weight_decay,
+                precondition_frequency: o
+                    .precondition_frequency
+                    .unwrap_or(orrery_optim::SoapConfig::default().precondition_frequency),
+                shampoo_beta: o.shampoo_beta,
                 refresh: runtime.refresh,
                 tiers: runtime.tiers.clone(),
                 split,
@@ -217,6 +221,12 @@ pub fn make_optimizer_with(
             orrery_optim::ShampooConfig {
                 beta1: o.beta1,
                 weight_decay: o.weight_decay,
+                precondition_frequency: o
+                    .precondition_frequency
+                    .unwrap_or(orrery_optim::ShampooConfig::default().precondition_frequency),
+                shampoo_beta: o
+                    .shampoo_beta
+                    .unwrap_or(orrery_optim::ShampooConfig::default().shampoo_beta),
                 refresh: runtime.refresh,
                 split,
                 ..Default::default()
