@@ -974,6 +974,11 @@ fn two_rings_on_the_same_gpus_stay_within_bounds() {
     let e = check_bounds(&base, &off, &on, &fs, "two rings on the same GPUs");
     assert!(on.stats.memo_aborts >= 10, "{:?}", on.stats);
     assert!(on.stats.memo_replayed_events > 0, "{:?}", on.stats);
+    // Replays draw from their own seeded streams: a second run is identical.
+    assert!(
+        run(PacketConfig::default(), &g, &fs) == on,
+        "rollbacks are deterministic"
+    );
     // The replays make the rollbacks exact up to ECN's random draws and the switch
     // buffers' background, which this run does not exercise.
     assert!(e.mean_fct < 1e-4 && e.p99_fct < 1e-3, "{e:?}");

@@ -1646,7 +1646,11 @@ impl Engine<'_> {
     /// unfinished flow takes its replayed state ([`Engine::capture`]). A flow the replay
     /// has not released yet (released at this very instant) starts afresh; one the replay
     /// already finished keeps its stored completion. The replay's events are counted in
-    /// the run's events and in [`super::PacketStats::memo_replayed_events`].
+    /// the run's events and in [`super::PacketStats::memo_replayed_events`]. The replay
+    /// releases each flow at its global release time less the current offset: with
+    /// fast-forwarding over the whole network (`accel.partitioning` off), a jump taken
+    /// while the hit ran moves those releases earlier than they were (an approximation of
+    /// that configuration only; with partitioning the offset stays zero).
     fn memo_abort(&mut self, id: u32) {
         if self
             .memo
