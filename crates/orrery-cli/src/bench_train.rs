@@ -21,12 +21,10 @@
 
 use crate::{bad, progress_bar};
 use anyhow::Result;
-use orrery_optim::{
-    OptimError, Optimizer, Param, RefreshMode, SoapConfig, StepReport, TierConfig, TierUsage,
-};
+use orrery_optim::{OptimError, Optimizer, Param, RefreshMode, StepReport, TierConfig, TierUsage};
 use orrery_train::{
-    make_optimizer_with, train_with, OptimizerConfig, OptimizerRuntime, RunOptions, StepMetrics,
-    TrainConfig, TrainError, TrainObserver, TrainSummary,
+    make_optimizer_with, soap_config, train_with, OptimizerConfig, OptimizerRuntime, RunOptions,
+    StepMetrics, TrainConfig, TrainError, TrainObserver, TrainSummary,
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -133,16 +131,21 @@ impl SoapOverride {
     }
 }
 
+/// Splits a `KEY=VALUE` option value; `example` and `keys` go into the error.
+fn key_value<'s>(s: &'s str, example: &str, keys: &str) -> Result<(&'s str, &'s str), String> {
+    let (key, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected {example} ({keys})"))?;
+    Ok((key.trim(), value.trim()))
+}
+
 /// Parses `--soap KEY=VALUE`; like `--lr`, clap names the flag in the error and exits with
-/// status 2.
+/// status 2. Only the value's type is checked here: its range is the configuration's to
+/// check ([`TrainConfig::validate`], through [`run_train_bench`]'s probe), so the two cannot
+/// disagree.
 fn parse_soap(s: &str) -> Result<SoapOverride, String> {
-    let (key, value) = s.split_once('=').ok_or_else(|| {
-        format!(
-            "expected KEY=VALUE, e.g. frequency=2 (keys: {})",
-            SOAP_KEYS.join(", ")
-        )
-    })?;
-    let (key, value) = (key.trim(), value.trim());
+    let keys = format!("keys: {}", SOAP_KEYS.join(", "));
+    let (key, value) = key_value(s, "KEY=VALUE, e.g. frequency=2", &keys)?;
     let float = || -> Result<f32, String> {
         value
             .parse::<f32>()
@@ -150,36 +153,16 @@ fn parse_soap(s: &str) -> Result<SoapOverride, String> {
             .filter(|x| x.is_finite())
             .ok_or_else(|| format!("{key}: `{value}` is not a finite number"))
     };
-    let beta = || -> Result<f32, String> {
-        let b = float()?;
-        if (0.0..1.0).contains(&b) {
-            Ok(b)
-        } else {
-            Err(format!("{key} must be in [0, 1), got {value}"))
-        }
-    };
     match key {
-        "frequency" => match value.parse::<u64>() {
-            Ok(n) if n >= 1 => Ok(SoapOverride::Frequency(n)),
-            _ => Err(format!(
-                "frequency must be a whole number of steps, at least 1, got {value}"
-            )),
-        },
-        "beta1" => beta().map(SoapOverride::Beta1),
-        "beta2" => beta().map(SoapOverride::Beta2),
-        "shampoo_beta" => beta().map(SoapOverride::ShampooBeta),
-        "weight_decay" => {
-            let wd = float()?;
-            if wd >= 0.0 {
-                Ok(SoapOverride::WeightDecay(wd))
-            } else {
-                Err(format!("weight_decay must not be negative, got {value}"))
-            }
-        }
-        other => Err(format!(
-            "unknown key `{other}` (keys: {})",
-            SOAP_KEYS.join(", ")
-        )),
+        "frequency" => value
+            .parse::<u64>()
+            .map(SoapOverride::Frequency)
+            .map_err(|_| format!("frequency must be a whole number of steps, got {value}")),
+        "beta1" => float().map(SoapOverride::Beta1),
+        "beta2" => float().map(SoapOverride::Beta2),
+        "shampoo_beta" => float().map(SoapOverride::ShampooBeta),
+        "weight_decay" => float().map(SoapOverride::WeightDecay),
+        other => Err(format!("unknown key `{other}` ({keys})")),
     }
 }
 
@@ -230,15 +213,15 @@ fn soap_optimizer(
     Ok(o)
 }
 
+/// What SOAP trains with, read off the optimizer it is built as (defaults included).
 fn soap_settings(o: &OptimizerConfig) -> SoapSettings {
+    let c = soap_config(o);
     SoapSettings {
-        precondition_frequency: o
-            .precondition_frequency
-            .unwrap_or(SoapConfig::default().precondition_frequency),
-        beta1: o.beta1,
-        beta2: o.beta2,
-        shampoo_beta: o.shampoo_beta.unwrap_or(o.beta2),
-        weight_decay: o.weight_decay,
+        precondition_frequency: c.precondition_frequency,
+        beta1: c.betas.0,
+        beta2: c.betas.1,
+        shampoo_beta: c.statistics_beta(),
+        weight_decay: c.weight_decay,
     }
 }
 
@@ -252,27 +235,16 @@ struct LrOverride {
 /// Parses `--lr NAME=LR`; clap prefixes the error with the flag and the value and exits with
 /// status 2, as for the other malformed options.
 fn parse_lr(s: &str) -> Result<LrOverride, String> {
-    let (name, value) = s.split_once('=').ok_or_else(|| {
-        format!(
-            "expected NAME=LR, e.g. soap=1e-2 (names: {})",
-            OPTIMIZERS.join(", ")
-        )
-    })?;
-    let variant = Variant::parse(name.trim()).ok_or_else(|| {
-        format!(
-            "unknown optimizer `{}` (names: {})",
-            name.trim(),
-            OPTIMIZERS.join(", ")
-        )
-    })?;
+    let names = format!("names: {}", OPTIMIZERS.join(", "));
+    let (name, value) = key_value(s, "NAME=LR, e.g. soap=1e-2", &names)?;
+    let variant =
+        Variant::parse(name).ok_or_else(|| format!("unknown optimizer `{name}` ({names})"))?;
     let lr: f64 = value
-        .trim()
         .parse()
-        .map_err(|_| format!("`{}` is not a number", value.trim()))?;
+        .map_err(|_| format!("`{value}` is not a number"))?;
     if !(lr.is_finite() && lr > 0.0) {
         return Err(format!(
-            "the learning rate must be positive and finite, got {}",
-            value.trim()
+            "the learning rate must be positive and finite, got {value}"
         ));
     }
     Ok(LrOverride { variant, lr })
@@ -818,10 +790,11 @@ pub fn run_train_bench(args: &BenchTrainArgs) -> Result<()> {
     let variants = variants(args)?;
     let lrs = learning_rates(&args.lrs, &variants, config.lr)?;
     let soap_opt = soap_optimizer(&config.optimizer, &args.soap, &variants)?;
-    // Bad values are caught before any training (clap checked each alone).
+    // `--soap`'s values are checked against the configuration's ranges before any training
+    // (the base configuration is valid, so a problem here is one of theirs).
     let mut probe = config.clone();
     probe.optimizer = soap_opt.clone();
-    probe.validate().map_err(|e| bad(e.to_string()))?;
+    probe.validate().map_err(|e| bad(format!("--soap: {e}")))?;
     let seeds = args.seeds.clone();
     if seeds.is_empty() {
         return Err(bad("--seeds needs at least one seed"));

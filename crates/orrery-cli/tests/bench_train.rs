@@ -148,7 +148,7 @@ fn table_names_the_corpus_and_every_row() {
     let _ = std::fs::remove_dir_all(config.parent().unwrap());
 }
 
-/// Each optimizer's `lr` field of a JSON report, by name.
+/// Each optimizer of a JSON report: its name, `lr` and first seed's final validation loss.
 fn lrs_and_losses(report: &Value) -> Vec<(String, f64, f64)> {
     report["optimizers"]
         .as_array()
@@ -164,22 +164,26 @@ fn lrs_and_losses(report: &Value) -> Vec<(String, f64, f64)> {
         .collect()
 }
 
+/// The JSON report of AdamW, SOAP and Shampoo trained 4 steps on seed 0, with `extra`
+/// options; the run must succeed.
+fn three_optimizers_json(config: &Path, corpus: &Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "--seeds",
+        "0",
+        "--optimizers",
+        "adamw,soap,shampoo",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (code, stdout, stderr) = bench(config, corpus, "4", &args);
+    assert_eq!(code, 0, "{stderr}");
+    serde_json::from_str::<Value>(&stdout).unwrap()
+}
+
 #[test]
 fn per_optimizer_learning_rates_train_and_are_reported() {
     let (config, corpus) = fixture("lr");
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "--seeds",
-            "0",
-            "--optimizers",
-            "adamw,soap,shampoo",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let (code, stdout, stderr) = bench(&config, &corpus, "4", &args);
-        assert_eq!(code, 0, "{stderr}");
-        serde_json::from_str::<Value>(&stdout).unwrap()
-    };
+    let run = |extra: &[&str]| three_optimizers_json(&config, &corpus, extra);
     let base = run(&[]);
     let tuned = run(&["--lr", "soap=2e-2", "--lr", "adamw=1e-2"]);
     let base_rows = lrs_and_losses(&base);
@@ -242,19 +246,7 @@ fn table_shows_each_optimizers_learning_rate() {
 #[test]
 fn soap_hyper_parameters_train_and_are_reported() {
     let (config, corpus) = fixture("soap-hyper");
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "--seeds",
-            "0",
-            "--optimizers",
-            "adamw,soap,shampoo",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let (code, stdout, stderr) = bench(&config, &corpus, "4", &args);
-        assert_eq!(code, 0, "{stderr}");
-        serde_json::from_str::<Value>(&stdout).unwrap()
-    };
+    let run = |extra: &[&str]| three_optimizers_json(&config, &corpus, extra);
     let base = run(&["--no-tiering"]);
     // Defaults: the published frequency, the configuration's betas and weight decay, and the
     // statistics decaying at beta2.

@@ -129,6 +129,13 @@ pub struct SoapConfig {
     pub split: Option<SplitRefresh>,
 }
 
+impl SoapConfig {
+    /// The decay the `L`/`R` statistics use: `shampoo_beta`, or `betas.1` without one.
+    pub fn statistics_beta(&self) -> f32 {
+        self.shampoo_beta.unwrap_or(self.betas.1)
+    }
+}
+
 impl Default for SoapConfig {
     fn default() -> Self {
         Self {
@@ -532,10 +539,6 @@ impl Soap {
         self.config.precondition_frequency.max(1)
     }
 
-    fn sb(&self) -> f32 {
-        self.config.shampoo_beta.unwrap_or(self.config.betas.1)
-    }
-
     /// First sight of a parameter: register its state (and, for matrices, build the
     /// statistics and the exact initial bases). Returns whether the parameter must be skipped
     /// this step.
@@ -549,7 +552,7 @@ impl Soap {
         let matrix = p.shape.len() >= 2;
         let left = matrix && rows <= self.config.max_precond_dim;
         let right = matrix && cols <= self.config.max_precond_dim;
-        let sb = self.sb();
+        let sb = self.config.statistics_beta();
         let name = p.name;
         self.store
             .insert(&key(name, "m"), vec![0.0; n], Access::Hot)?;
@@ -672,7 +675,7 @@ impl Soap {
             Some(_) => {}
         }
         let freq = self.freq();
-        let sb = self.sb();
+        let sb = self.config.statistics_beta();
         let cfg = self.config.clone();
         let Some(st) = self.params.get(p.name) else {
             return Err(OptimError::BadState(format!(

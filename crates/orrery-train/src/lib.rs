@@ -41,7 +41,8 @@
 //! ([`OptimizerRuntime::split`]) can have each SOAP basis, or each Shampoo block's inverse
 //! roots, refreshed by one owner rank and sent to the others in one all-gather per step;
 //! threshold 0 is bit-identical to no split (`tests/split_refresh.rs` over threads,
-//! `tests/mpi.rs` over MPI), and [`Trainer::optimizer_summary`] counts the exchange (`bases_sent`, `bases_kept`).
+//! `tests/mpi.rs` over MPI), and [`Trainer::optimizer_summary`] counts the exchange
+//! (`bases_sent`, `bases_kept`).
 //!
 //! What the optimizer did is part of the run's [`TrainSummary`] ([`OptimizerSummary`]): the
 //! largest state it held in each tier, the refreshes that fell due, the time steps waited for
@@ -204,36 +205,53 @@ pub fn make_optimizer_with(
         ))),
         "soap" => Ok(Box::new(orrery_optim::Soap::new(
             orrery_optim::SoapConfig {
-                betas: (o.beta1, o.beta2),
-                eps: o.eps,
-                weight_decay: o.weight_decay,
-                precondition_frequency: o
-                    .precondition_frequency
-                    .unwrap_or(orrery_optim::SoapConfig::default().precondition_frequency),
-                shampoo_beta: o.shampoo_beta,
                 refresh: runtime.refresh,
                 tiers: runtime.tiers.clone(),
                 split,
-                ..Default::default()
+                ..soap_config(o)
             },
         ))),
         "shampoo" => Ok(Box::new(orrery_optim::Shampoo::new(
             orrery_optim::ShampooConfig {
-                beta1: o.beta1,
-                weight_decay: o.weight_decay,
-                precondition_frequency: o
-                    .precondition_frequency
-                    .unwrap_or(orrery_optim::ShampooConfig::default().precondition_frequency),
-                shampoo_beta: o
-                    .shampoo_beta
-                    .unwrap_or(orrery_optim::ShampooConfig::default().shampoo_beta),
                 refresh: runtime.refresh,
                 split,
-                ..Default::default()
+                ..shampoo_config(o)
             },
         ))),
         "sgd" => Ok(Box::new(Sgd)),
         other => refuse(format!("unknown optimizer `{other}`")),
+    }
+}
+
+/// SOAP's hyper-parameters from the configuration's optimizer section, the published
+/// defaults where it leaves them out; the runtime fields (refreshes, tiers, split) at their
+/// defaults. What `make_optimizer_with` trains SOAP with, and what reports show.
+pub fn soap_config(o: &OptimizerConfig) -> orrery_optim::SoapConfig {
+    let published = orrery_optim::SoapConfig::default();
+    orrery_optim::SoapConfig {
+        betas: (o.beta1, o.beta2),
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+        precondition_frequency: o
+            .precondition_frequency
+            .unwrap_or(published.precondition_frequency),
+        shampoo_beta: o.shampoo_beta,
+        ..published
+    }
+}
+
+/// Shampoo's hyper-parameters from the configuration's optimizer section, as
+/// [`soap_config`] does for SOAP.
+pub fn shampoo_config(o: &OptimizerConfig) -> orrery_optim::ShampooConfig {
+    let published = orrery_optim::ShampooConfig::default();
+    orrery_optim::ShampooConfig {
+        beta1: o.beta1,
+        weight_decay: o.weight_decay,
+        precondition_frequency: o
+            .precondition_frequency
+            .unwrap_or(published.precondition_frequency),
+        shampoo_beta: o.shampoo_beta.unwrap_or(published.shampoo_beta),
+        ..published
     }
 }
 
