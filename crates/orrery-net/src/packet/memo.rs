@@ -1700,7 +1700,10 @@ impl Engine<'_> {
             }
         }
         let img = replay.capture(&pairs, &Some);
+        // The replay's packets count with its events, so the run's events per packet (the
+        // skipped-events estimate) stays a ratio of like to like.
         self.events += replay.events;
+        self.data_packets += replay.data_packets;
         self.stats.memo_replayed_events += replay.events;
         drop(replay);
         self.apply_image(img);
