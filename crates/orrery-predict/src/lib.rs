@@ -10,6 +10,9 @@
 //! - [`predict`]: the whole pipeline with the analytical network; [`predict_with`] for any
 //!   network model and replay mode.
 //! - [`replay::replay`]: the discrete-event replay engine (class mode and all-rank mode).
+//! - [`emulate::Emulation`]: the same engine with live participants (real ranks of hybrid
+//!   emulation), pruned to materialized ranks plus one shared timeline per class, with
+//!   perturbations (slow ranks, degraded links).
 //! - [`CostModel`]: per-op roofline with shape-dependent GEMM efficiency and a flash
 //!   attention model; every constant documented where it is defined.
 //! - [`memory::ledger`], [`breakdown::breakdown`]: readers of a replayed timeline.
@@ -23,6 +26,7 @@
 
 pub mod breakdown;
 pub mod cost;
+pub mod emulate;
 pub mod flops;
 pub mod memory;
 pub mod replay;

@@ -124,6 +124,9 @@ struct State<'g> {
     links: Vec<Link>,
     measured: Option<Vec<Option<Picos>>>,
     done: usize,
+    /// A live participant (a real rank of hybrid emulation): its compute ops wait for
+    /// their measured duration ([`crate::emulate`]).
+    pub(crate) live: bool,
 }
 
 impl<'g> State<'g> {
@@ -175,6 +178,7 @@ impl<'g> State<'g> {
             links,
             measured,
             done: 0,
+            live: false,
         }
     }
 }
@@ -309,6 +313,59 @@ struct Waiting {
     arrived: u32,
     members: Vec<(u32, u32)>,
     signature: (CollectiveOp, Bytes),
+    /// Arrivals of shared participants still to be seen (hybrid emulation only).
+    unseen: u32,
+    placement: GroupPlacement,
+    started: bool,
+}
+
+/// What hybrid emulation adds to a replay ([`crate::emulate`]); empty for a plain replay.
+///
+/// Shared participants (symmetry classes standing for many virtual ranks) never wait for
+/// materialized ones, but a materialized participant's collective waits for the arrival of
+/// the shared participants standing for its other members: the `watch` of that op. A
+/// shared participant's arrival at its `k`-th collective of a role is recorded when some
+/// op watches it (`observe`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Hybrid {
+    /// (participant, op) -> the (shared participant, role, k) arrivals it waits for.
+    pub watch: HashMap<(u32, u32), Vec<Arrival>>,
+    /// (shared participant, op) -> (role, k) of that collective, recorded on arrival.
+    pub observe: HashMap<(u32, u32), (u8, u32)>,
+    /// (participant, send op) -> further participants its data is delivered to.
+    pub extra_targets: HashMap<(u32, u32), Vec<u32>>,
+    /// (participant, op) -> factor on the network time of that collective or send.
+    pub net_scale: HashMap<(u32, u32), f64>,
+    /// participant -> windows of simulated time in which its compute is slower.
+    pub slow: HashMap<u32, Vec<SlowWindow>>,
+}
+
+/// A shared participant's arrival at its `k`-th collective of a role:
+/// (participant, role index, k).
+pub(crate) type Arrival = (u32, u8, u32);
+
+/// A window of simulated time in which a participant's compute ops take `factor` times as
+/// long (an op counts in the window its start falls in).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlowWindow {
+    pub from: Picos,
+    pub until: Option<Picos>,
+    pub factor: f64,
+}
+
+impl SlowWindow {
+    fn covers(&self, t: Picos) -> bool {
+        t >= self.from && self.until.is_none_or(|u| t < u)
+    }
+}
+
+/// A duration times a factor, rounded to the picosecond.
+pub(crate) fn scaled(d: Picos, factor: f64) -> Picos {
+    if factor == 1.0 {
+        d
+    } else {
+        Picos((d.0 as f64 * factor).round() as u64)
+    }
 }
 
 /// The replay engine over a set of participants.
@@ -327,6 +384,16 @@ pub struct Engine<'a, N: NetworkModel> {
     collective_cache: HashMap<(CollectiveKind, Bytes, GroupPlacement), Picos>,
     error: Option<ReplayError>,
     events: u64,
+    pub(crate) hybrid: Hybrid,
+    /// Recorded arrivals of shared participants: (participant, role, k) -> time.
+    observed: HashMap<Arrival, Picos>,
+    /// Rendezvous waiting for a shared participant's arrival: (participant, role, k) ->
+    /// rendezvous keys.
+    watchers: HashMap<Arrival, Vec<(u32, u32)>>,
+    /// Compute ops of live participants waiting for their duration: (participant, op,
+    /// the sequence number reserved for their completion, so that ties at equal times
+    /// resolve as in a replay with the duration known, and the duration the models give).
+    pub(crate) parked: Vec<(u32, u32, u64, Picos)>,
 }
 
 impl<N: NetworkModel> std::fmt::Debug for Engine<'_, N> {
@@ -362,31 +429,82 @@ pub fn replay_participants<N: NetworkModel>(
     net: &N,
     mode: ReplayMode,
 ) -> Result<Timeline, ReplayError> {
-    let mut engine = Engine {
-        cost,
-        net,
-        mode,
-        states: participants.into_iter().map(State::new).collect(),
-        queue: BinaryHeap::new(),
-        seq: 0,
-        arrivals: HashMap::new(),
-        waiting_recv: HashMap::new(),
-        rendezvous: HashMap::new(),
-        collective_cache: HashMap::new(),
-        error: None,
-        events: 0,
-    };
-    engine.run()
+    Engine::new(participants, cost, net, mode).run()
 }
 
-impl<N: NetworkModel> Engine<'_, N> {
+impl<'a, N: NetworkModel> Engine<'a, N> {
+    pub(crate) fn new(
+        participants: Vec<Participant<'a>>,
+        cost: &'a CostModel,
+        net: &'a N,
+        mode: ReplayMode,
+    ) -> Engine<'a, N> {
+        Engine {
+            cost,
+            net,
+            mode,
+            states: participants.into_iter().map(State::new).collect(),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            arrivals: HashMap::new(),
+            waiting_recv: HashMap::new(),
+            rendezvous: HashMap::new(),
+            collective_cache: HashMap::new(),
+            error: None,
+            events: 0,
+            hybrid: Hybrid::default(),
+            observed: HashMap::new(),
+            watchers: HashMap::new(),
+            parked: Vec::new(),
+        }
+    }
+
+    /// Marks participant `p` live (see [`State::live`]).
+    pub(crate) fn set_live(&mut self, p: u32) {
+        if let Some(st) = self.states.get_mut(p as usize) {
+            st.live = true;
+        }
+    }
+
+    /// The participant's rank and the op, for callers outside the engine.
+    pub(crate) fn op_of(&self, p: u32, op: u32) -> Option<(RankId, &orrery_graph::Op)> {
+        let st = self.states.get(p as usize)?;
+        Some((st.rank, st.graph.ops().get(op as usize)?))
+    }
+
+    /// When op `op` of participant `p` started.
+    pub(crate) fn start_of(&self, p: u32, op: u32) -> Picos {
+        self.states[p as usize].timing[op as usize].start
+    }
+
     fn schedule(&mut self, at: Picos, p: u32, op: u32) {
         self.seq += 1;
         self.queue.push(Reverse((at, self.seq, p, op)));
     }
 
+    /// Completes parked op `op` of participant `p` at `at`, in the place among equal
+    /// times its start reserved.
+    pub(crate) fn unpark(&mut self, p: u32, op: u32, at: Picos) -> bool {
+        let Some(i) = self
+            .parked
+            .iter()
+            .position(|&(q, o, _, _)| q == p && o == op)
+        else {
+            return false;
+        };
+        let (_, _, seq, _) = self.parked.swap_remove(i);
+        self.queue.push(Reverse((at, seq, p, op)));
+        true
+    }
+
     fn run(&mut self) -> Result<Timeline, ReplayError> {
-        // Release every op with no dependencies, in participant then issue order.
+        self.seed();
+        self.pump()?;
+        self.finish()
+    }
+
+    /// Releases every op with no dependencies, in participant then issue order.
+    pub(crate) fn seed(&mut self) {
         for p in 0..self.states.len() as u32 {
             let n = self.states[p as usize].graph.len();
             for op in 0..n as u32 {
@@ -395,12 +513,25 @@ impl<N: NetworkModel> Engine<'_, N> {
                 }
             }
         }
-        while let Some(Reverse((now, _, p, op))) = self.queue.pop() {
+    }
+
+    /// Processes events until none is left or a live participant's op waits for its
+    /// duration (nothing later may run before it is known).
+    pub(crate) fn pump(&mut self) -> Result<(), ReplayError> {
+        while self.parked.is_empty() {
+            let Some(Reverse((now, _, p, op))) = self.queue.pop() else {
+                break;
+            };
             self.complete(now, p, op);
             if let Some(e) = self.error.take() {
                 return Err(e);
             }
         }
+        Ok(())
+    }
+
+    /// The timeline, once every op has run.
+    pub(crate) fn finish(&mut self) -> Result<Timeline, ReplayError> {
         self.check_finished()?;
         let participants = self
             .states
@@ -496,15 +627,24 @@ impl<N: NetworkModel> Engine<'_, N> {
                 ]
                 .iter()
                 .any(|s| st.stream_busy[s.index()]);
+                let live = st.live;
                 let d = match measured {
                     Some(d) => d,
                     None if comm_running => self.cost.duration_overlapped(&kind, flops, bytes),
                     None => self.cost.duration(&kind, flops, bytes),
                 };
+                if live {
+                    // Its duration is measured by the real program: wait for it.
+                    self.seq += 1;
+                    self.parked.push((p, op, self.seq, d));
+                    return;
+                }
+                let d = self.slowed(p, now, d);
                 self.schedule(now + d, p, op);
             }
             (OpKind::Send { bytes, .. }, Link::Send { same_node, .. }) => {
                 let d = measured.unwrap_or_else(|| self.net.point_to_point(bytes, same_node));
+                let d = self.net_scaled(p, op, d);
                 self.schedule(now + d, p, op);
             }
             (
@@ -514,13 +654,19 @@ impl<N: NetworkModel> Engine<'_, N> {
                     members,
                     placement,
                 },
-            ) => match rendezvous {
-                None => {
-                    let d = self.collective_time(cop, bytes, placement);
-                    self.schedule(now + d, p, op);
+            ) => {
+                if let Some(&(role, k)) = self.hybrid.observe.get(&(p, op)) {
+                    self.observe(now, (p, role, k));
                 }
-                Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
-            },
+                match rendezvous {
+                    None => {
+                        let d = self.collective_time(cop, bytes, placement);
+                        let d = self.net_scaled(p, op, d);
+                        self.schedule(now + d, p, op);
+                    }
+                    Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
+                }
+            }
             // An unresolved send or collective (a participant built without links) takes
             // no time rather than hanging the replay.
             _ => self.schedule(now, p, op),
@@ -558,11 +704,31 @@ impl<N: NetworkModel> Engine<'_, N> {
         members: u32,
         (cop, bytes, placement): (CollectiveOp, Bytes, GroupPlacement),
     ) {
+        let watch = self.hybrid.watch.get(&(p, op)).cloned().unwrap_or_default();
+        let unseen: Vec<Arrival> = watch
+            .into_iter()
+            .filter(|w| !self.observed.contains_key(w))
+            .collect();
+        let fresh = !self.rendezvous.contains_key(&key);
         let w = self.rendezvous.entry(key).or_insert_with(|| Waiting {
             arrived: 0,
             members: Vec::new(),
             signature: (cop, bytes),
+            unseen: 0,
+            placement,
+            started: false,
         });
+        if fresh {
+            // The first member to arrive registers what the collective waits to see;
+            // every materialized member of a group watches the same arrivals.
+            w.unseen = unseen.len() as u32;
+            for u in unseen {
+                self.watchers.entry(u).or_default().push(key);
+            }
+        }
+        let Some(w) = self.rendezvous.get_mut(&key) else {
+            return;
+        };
         if w.signature != (cop, bytes) {
             self.error = Some(ReplayError::CollectiveMismatch {
                 group: key.0,
@@ -575,12 +741,61 @@ impl<N: NetworkModel> Engine<'_, N> {
         w.arrived += 1;
         w.members.push((p, op));
         if w.arrived >= members {
-            if let Some(w) = self.rendezvous.remove(&key) {
-                let d = self.collective_time(cop, bytes, placement);
-                for (mp, mop) in w.members {
-                    self.schedule(now + d, mp, mop);
-                }
+            w.started = true;
+            self.try_start_rendezvous(now, key);
+        }
+    }
+
+    /// Starts a rendezvous whose members have all arrived once it has seen every shared
+    /// arrival it waits for.
+    fn try_start_rendezvous(&mut self, now: Picos, key: (u32, u32)) {
+        let ready = self
+            .rendezvous
+            .get(&key)
+            .is_some_and(|w| w.started && w.unseen == 0);
+        if !ready {
+            return;
+        }
+        if let Some(w) = self.rendezvous.remove(&key) {
+            let (cop, bytes) = w.signature;
+            let d = self.collective_time(cop, bytes, w.placement);
+            let d = match w.members.first() {
+                Some(&(mp, mop)) => self.net_scaled(mp, mop, d),
+                None => d,
+            };
+            for (mp, mop) in w.members {
+                self.schedule(now + d, mp, mop);
             }
+        }
+    }
+
+    /// A shared participant arrived at a collective some materialized one waits to see.
+    fn observe(&mut self, now: Picos, what: Arrival) {
+        self.observed.insert(what, now);
+        for key in self.watchers.remove(&what).unwrap_or_default() {
+            if let Some(w) = self.rendezvous.get_mut(&key) {
+                w.unseen = w.unseen.saturating_sub(1);
+            }
+            self.try_start_rendezvous(now, key);
+        }
+    }
+
+    /// A compute duration of participant `p` starting at `now`, slowed by the windows
+    /// that cover `now`.
+    pub(crate) fn slowed(&self, p: u32, now: Picos, d: Picos) -> Picos {
+        match self.hybrid.slow.get(&p) {
+            None => d,
+            Some(ws) => ws
+                .iter()
+                .filter(|w| w.covers(now))
+                .fold(d, |d, w| scaled(d, w.factor)),
+        }
+    }
+
+    fn net_scaled(&self, p: u32, op: u32, d: Picos) -> Picos {
+        match self.hybrid.net_scale.get(&(p, op)) {
+            Some(&f) => scaled(d, f),
+            None => d,
         }
     }
 
@@ -603,10 +818,23 @@ impl<N: NetworkModel> Engine<'_, N> {
             kind,
             self.states[p as usize].links.get(op as usize).copied(),
         ) {
-            match self.waiting_recv.remove(&(target, tag)) {
-                Some(recv) => self.schedule(now, target, recv),
-                None => {
-                    self.arrivals.insert((target, tag), now);
+            let extra = self
+                .hybrid
+                .extra_targets
+                .get(&(p, op))
+                .cloned()
+                .unwrap_or_default();
+            // A target of `u32::MAX` is nobody: in hybrid emulation a materialized rank's
+            // data for a shared participant, which does not wait for it.
+            for target in std::iter::once(target).chain(extra) {
+                if target == u32::MAX {
+                    continue;
+                }
+                match self.waiting_recv.remove(&(target, tag)) {
+                    Some(recv) => self.schedule(now, target, recv),
+                    None => {
+                        self.arrivals.insert((target, tag), now);
+                    }
                 }
             }
         }

@@ -1,0 +1,351 @@
+//! Hybrid emulation's engine: live ranks fed the models' own durations reproduce the
+//! replay, pruning changes nothing for the materialized ranks, perturbations slow exactly
+//! what they name, and bad input is reported all at once.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::small_job;
+use orrery_graph::{build, OpKind};
+use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
+use orrery_predict::emulate::{
+    DegradedLink, EmulateError, Emulation, EmulationStep, Perturbations, Pruning, SlowRanks,
+};
+use orrery_predict::replay::{replay, ReplayMode, Timeline};
+use orrery_predict::{fabric_for, CostModel};
+use orrery_units::{Picos, RankId};
+use proptest::prelude::*;
+
+fn layouts() -> impl Strategy<Value = Vec<String>> {
+    (
+        prop_oneof![Just(1u64), Just(2)],
+        prop_oneof![Just(1u64), Just(2), Just(4)],
+        prop_oneof![Just(1u64), Just(2)],
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        0u64..4,
+    )
+        .prop_map(|(tp, pp, dp, interleave, overlap, tied, zero)| {
+            let vpp = if interleave && pp > 1 { 2 } else { 1 };
+            let world = tp * pp * dp;
+            vec![
+                format!("parallel.tp={tp}"),
+                format!("parallel.pp={pp}"),
+                format!("parallel.dp={dp}"),
+                format!("parallel.vpp={vpp}"),
+                format!("parallel.overlap_grad_reduce={overlap}"),
+                format!("parallel.tp_comm_overlap={overlap}"),
+                "parallel.bucket_mparams=1".to_string(),
+                format!("training.zero_stage={zero}"),
+                format!("training.global_batch={}", 4 * dp * pp),
+                format!("cluster.gpus_per_node={}", world.min(4)),
+                format!("cluster.nodes={}", world.div_ceil(4)),
+                "model.layers=8".to_string(),
+                format!("model.tied_embeddings={tied}"),
+            ]
+        })
+}
+
+fn timing_of(t: &Timeline, rank: RankId) -> Vec<(Picos, Picos)> {
+    t.participants
+        .iter()
+        .find(|p| p.rank == rank)
+        .map(|p| p.ops.iter().map(|o| (o.start, o.end)).collect())
+        .unwrap()
+}
+
+/// Emulates with the live ranks fed the models' own durations.
+fn emulate_modelled(
+    overrides: &[String],
+    live: &[RankId],
+    pruning: Pruning,
+    perturb: &Perturbations,
+) -> (Timeline, usize) {
+    let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    let job = small_job(&refs);
+    let graphs = build(&job);
+    let cost = CostModel::for_gpu(&job.cluster().gpu);
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    let emu = Emulation::new(&graphs, &cost, &net, live, pruning, perturb).unwrap();
+    let n = emu.participants().len();
+    (emu.run_with(|_, _, modelled| modelled).unwrap(), n)
+}
+
+fn all_rank_replay(overrides: &[String]) -> Timeline {
+    let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    let job = small_job(&refs);
+    let graphs = build(&job);
+    let cost = CostModel::for_gpu(&job.cluster().gpu);
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    replay(&graphs, &cost, &net, ReplayMode::AllRanks).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Live ranks given the cost model's durations run exactly as in the all-rank replay,
+    /// pruned or not, and so does every other rank when nothing is pruned.
+    #[test]
+    fn modelled_durations_reproduce_the_replay(overrides in layouts(), pick in 0u32..64) {
+        let reference = all_rank_replay(&overrides);
+        let world = reference.participants.len() as u32;
+        let live = [RankId(pick % world), RankId(world - 1)];
+        let (unpruned, _) = emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+        prop_assert_eq!(unpruned.step_time(), reference.step_time());
+        for r in 0..world {
+            prop_assert_eq!(timing_of(&unpruned, RankId(r)), timing_of(&reference, RankId(r)));
+        }
+        let (pruned, _) = emulate_modelled(&overrides, &live, Pruning::Classes, &Perturbations::default());
+        for r in live {
+            prop_assert_eq!(timing_of(&pruned, r), timing_of(&reference, r), "rank {}", r.0);
+        }
+    }
+}
+
+#[test]
+fn pruned_emulation_grows_with_classes_not_with_the_world() {
+    let overrides: Vec<String> = [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.dp=64",
+        "training.global_batch=256",
+        "cluster.gpus_per_node=8",
+        "cluster.nodes=32",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let live = [RankId(0), RankId(17)];
+    let (pruned, participants) = emulate_modelled(
+        &overrides,
+        &live,
+        Pruning::Classes,
+        &Perturbations::default(),
+    );
+    // Two live ranks and one shared timeline per pipeline stage.
+    assert_eq!(participants, 2 + 2);
+    let (unpruned, all) =
+        emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+    assert_eq!(all, 256);
+    for r in live {
+        assert_eq!(timing_of(&pruned, r), timing_of(&unpruned, r));
+    }
+}
+
+fn compute_durations(t: &Timeline, rank: RankId, overrides: &[String]) -> Vec<Picos> {
+    let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    let job = small_job(&refs);
+    let graphs = build(&job);
+    let class = graphs.layout.class_of(rank);
+    let ops = graphs.class(class).ops();
+    timing_of(t, rank)
+        .into_iter()
+        .zip(ops)
+        .filter(|(_, o)| matches!(o.kind, OpKind::Compute { .. }))
+        .map(|((s, e), _)| Picos(e.0 - s.0))
+        .collect()
+}
+
+#[test]
+fn a_slowed_rank_and_only_it_computes_slower() {
+    let overrides: Vec<String> = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let live = [RankId(0)];
+    let slow = RankId(5);
+    let perturb = Perturbations {
+        slow: vec![SlowRanks {
+            ranks: vec![slow],
+            factor: 2.0,
+            from: Picos::ZERO,
+            until: None,
+        }],
+        links: vec![],
+    };
+    let (base, _) = emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+    let (slowed, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
+    for r in 0..8 {
+        let a = compute_durations(&base, RankId(r), &overrides);
+        let b = compute_durations(&slowed, RankId(r), &overrides);
+        if RankId(r) == slow {
+            // Every compute op twice as long (to the picosecond, up to the choice between
+            // the overlapped and the plain duration, which depends on timing).
+            let longer = a.iter().zip(&b).filter(|(x, y)| y.0 > x.0).count();
+            assert_eq!(longer, a.len(), "rank {r}");
+            let total_a: u64 = a.iter().map(|d| d.0).sum();
+            let total_b: u64 = b.iter().map(|d| d.0).sum();
+            assert!(
+                total_b as f64 >= 1.9 * total_a as f64,
+                "{total_a} -> {total_b}"
+            );
+        } else {
+            let sum = |v: &[Picos]| v.iter().map(|d| d.0).sum::<u64>() as f64;
+            // Others only wait: their compute is at most marginally different (overlap
+            // with communication can change when their comm streams are busy).
+            assert!((sum(&b) - sum(&a)).abs() <= 0.02 * sum(&a), "rank {r}");
+        }
+    }
+    assert!(slowed.step_time() > base.step_time());
+}
+
+#[test]
+fn a_slowdown_window_only_touches_ops_starting_inside_it() {
+    let overrides: Vec<String> = [
+        "parallel.dp=2",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "cluster.gpus_per_node=2",
+        "cluster.nodes=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let live = [RankId(0)];
+    let (base, _) = emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+    let mid = Picos(base.step_time().0 / 2);
+    let perturb = Perturbations {
+        slow: vec![SlowRanks {
+            ranks: vec![RankId(0)],
+            factor: 3.0,
+            from: mid,
+            until: None,
+        }],
+        links: vec![],
+    };
+    let (slowed, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
+    let before: Vec<(Picos, Picos)> = timing_of(&base, RankId(0))
+        .into_iter()
+        .filter(|(s, e)| *e < mid && *s < mid)
+        .collect();
+    let after = timing_of(&slowed, RankId(0));
+    for t in &before {
+        assert!(after.contains(t), "{t:?} changed");
+    }
+    assert!(slowed.step_time() > base.step_time());
+}
+
+#[test]
+fn a_degraded_link_slows_its_groups_collectives_by_its_factor() {
+    let overrides: Vec<String> = [
+        "parallel.dp=2",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "cluster.gpus_per_node=2",
+        "cluster.nodes=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    let job = small_job(&refs);
+    let graphs = build(&job);
+    let ops = graphs.class(graphs.layout.class_of(RankId(0))).ops();
+    let perturb = Perturbations {
+        slow: vec![],
+        links: vec![DegradedLink {
+            rank: RankId(1),
+            factor: 2.0,
+        }],
+    };
+    let live = [RankId(0)];
+    let (base, _) = emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+    let (slowed, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
+    // A collective's time is from the later member's arrival to its end.
+    let spans = |t: &Timeline| -> Vec<u64> {
+        let a = timing_of(t, RankId(0));
+        let b = timing_of(t, RankId(1));
+        ops.iter()
+            .enumerate()
+            .filter(|(_, o)| matches!(o.kind, OpKind::Collective { .. }))
+            .map(|(i, _)| a[i].1 .0 - a[i].0 .0.max(b[i].0 .0))
+            .collect()
+    };
+    let (x, y) = (spans(&base), spans(&slowed));
+    assert!(!x.is_empty());
+    for (a, b) in x.iter().zip(&y) {
+        assert!(b.abs_diff(2 * a) <= 1, "{a} -> {b}");
+    }
+}
+
+#[test]
+fn bad_input_is_reported_all_at_once() {
+    let job = small_job(&[]);
+    let graphs = build(&job);
+    let cost = CostModel::for_gpu(&job.cluster().gpu);
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    let perturb = Perturbations {
+        slow: vec![SlowRanks {
+            ranks: vec![RankId(99)],
+            factor: 0.0,
+            from: Picos(10),
+            until: Some(Picos(5)),
+        }],
+        links: vec![DegradedLink {
+            rank: RankId(1),
+            factor: f64::NAN,
+        }],
+    };
+    let err = Emulation::new(
+        &graphs,
+        &cost,
+        &net,
+        &[RankId(8)],
+        Pruning::Classes,
+        &perturb,
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    for needle in [
+        "live ranks: rank 8 is outside a world of 8",
+        "slow.ranks: rank 99",
+        "slow.factor",
+        "slow.until",
+        "links.factor",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from {text}");
+    }
+    let EmulateError::Many(all) = err else {
+        panic!("expected every problem, got {text}");
+    };
+    assert_eq!(all.len(), 5);
+}
+
+#[test]
+fn supplying_an_op_that_does_not_wait_is_an_error_and_waiting_ops_repeat() {
+    let job = small_job(&[]);
+    let graphs = build(&job);
+    let cost = CostModel::for_gpu(&job.cluster().gpu);
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    let mut emu = Emulation::new(
+        &graphs,
+        &cost,
+        &net,
+        &[RankId(0)],
+        Pruning::Classes,
+        &Perturbations::default(),
+    )
+    .unwrap();
+    let EmulationStep::Compute {
+        participant, op, ..
+    } = emu.advance().unwrap()
+    else {
+        panic!("the live rank computes first");
+    };
+    // Not supplied: the same op is asked for again.
+    let EmulationStep::Compute { op: again, .. } = emu.advance().unwrap() else {
+        panic!("still waiting");
+    };
+    assert_eq!(op, again);
+    assert!(matches!(
+        emu.supply(participant, op + 1000, Picos(1)),
+        Err(EmulateError::NotWaiting { .. })
+    ));
+    emu.supply(participant, op, Picos(1)).unwrap();
+    assert!(matches!(
+        emu.supply(participant, op, Picos(1)),
+        Err(EmulateError::NotWaiting { .. })
+    ));
+}
