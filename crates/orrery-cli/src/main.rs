@@ -19,6 +19,7 @@ macro_rules! outln {
 
 mod bench_accel;
 mod bench_train;
+mod emulate;
 mod netsim;
 mod report;
 mod train;
@@ -56,6 +57,9 @@ enum Command {
     Netsim(netsim::NetsimArgs),
     /// Train a GPT with AdamW, SOAP or Shampoo (the real training program; CPU by default).
     Train(train::TrainArgs),
+    /// Emulate one training step with chosen ranks tracked one by one among virtual ones,
+    /// under perturbations (slow ranks, degraded links), next to the prediction.
+    Emulate(emulate::EmulateArgs),
     /// Replay Chakra execution traces (`PREFIX.<rank>.et` for every rank, plus a comm-group
     /// JSON) on orrery's cost and network models.
     Replay(ReplayArgs),
@@ -90,8 +94,9 @@ enum Command {
     },
 }
 
+/// Where a job comes from: a file, a preset or the default, with overrides.
 #[derive(clap::Args, Debug)]
-struct PredictArgs {
+struct JobArgs {
     /// A job TOML file. Without one, a built-in job runs (see --preset).
     job: Option<PathBuf>,
     /// A built-in job (see `orrery presets`); the default is Llama-3 70B on 1,024 H100.
@@ -103,6 +108,12 @@ struct PredictArgs {
     /// Override a field, e.g. `--set parallel.tp=4` (repeatable, applied in order).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct PredictArgs {
+    #[command(flatten)]
+    job: JobArgs,
     /// Print the prediction as JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -203,6 +214,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Predict(args) => run_predict(&args),
         Command::Validate { json } => run_validate(json),
         Command::Replay(args) => run_replay(&args),
+        Command::Emulate(args) => emulate::run_emulate(&args),
         Command::Netsim(args) => netsim::run_netsim(&args),
         Command::Train(args) => train::run_train(&args),
         Command::Presets => {
@@ -223,7 +235,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// Reads the job from a file, a preset or the default, applies overrides and validates.
-fn load_job(args: &PredictArgs) -> Result<Job> {
+fn load_job(args: &JobArgs) -> Result<Job> {
     let text = match (&args.job, &args.preset) {
         (Some(path), _) => std::fs::read_to_string(path)
             .map_err(|e| bad(format!("cannot read job file {}: {e}", path.display())))?,
@@ -253,7 +265,7 @@ fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_sp
 }
 
 fn run_predict(args: &PredictArgs) -> Result<()> {
-    let job = load_job(args)?;
+    let job = load_job(&args.job)?;
     let mode = if args.all_ranks {
         ReplayMode::AllRanks
     } else {
@@ -286,6 +298,7 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
         let mut buf = Vec::new();
         let opts = orrery_predict::sinks::TraceOptions {
             max_participants: args.trace_limit,
+            ..Default::default()
         };
         orrery_predict::sinks::write_perfetto_trace_with(&out, &opts, &mut buf)?;
         atomic_write(path, &buf)?;

@@ -54,7 +54,8 @@ use crate::replay::{
 };
 use orrery_graph::{JobGraphs, Op, OpKind};
 use orrery_net::{GroupPlacement, NetworkModel};
-use orrery_units::{ClassId, Picos, RankId};
+use orrery_units::{Bytes, ClassId, Picos, RankId};
+use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
 
 /// Which virtual ranks are replayed one by one (see the module docs).
@@ -109,7 +110,7 @@ pub enum EmulateError {
         from: u64,
         until: u64,
     },
-    #[error("live ranks: none given")]
+    #[error("real ranks: none given")]
     NoLiveRank,
     #[error("{} problems: {}", .0.len(), .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Many(Vec<EmulateError>),
@@ -152,6 +153,7 @@ pub struct ParticipantInfo {
 pub struct Emulation<'a, N: NetworkModel> {
     engine: Engine<'a, N>,
     info: Vec<ParticipantInfo>,
+    pruned: bool,
     seeded: bool,
 }
 
@@ -190,6 +192,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             Pruning::Classes => pruned_plan(graphs, &materialized),
             Pruning::None => None,
         };
+        let pruned = plan.is_some();
         let (participants, info, hybrid) = match plan {
             Some(plan) => build_pruned(graphs, &plan, live),
             None => build_unpruned(graphs, live),
@@ -226,6 +229,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         Ok(Emulation {
             engine,
             info,
+            pruned,
             seeded: false,
         })
     }
@@ -233,6 +237,12 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
     /// The participants, by index.
     pub fn participants(&self) -> &[ParticipantInfo] {
         &self.info
+    }
+
+    /// Whether virtual ranks share class timelines ([`Pruning::Classes`] asked for and a
+    /// pipeline column free of materialized ranks found).
+    pub fn pruned(&self) -> bool {
+        self.pruned
     }
 
     /// Runs the virtual ranks until a live rank's compute op needs its duration, or to
@@ -338,7 +348,7 @@ fn check_inputs(
         }
     };
     for &r in live {
-        rank("live ranks", r, &mut problems);
+        rank("real ranks", r, &mut problems);
     }
     let factor = |field: &'static str, f: f64, problems: &mut Vec<EmulateError>| {
         if !(f.is_finite() && f > 0.0) {
@@ -661,4 +671,110 @@ fn degrade<N: NetworkModel>(
             }
         }
     }
+}
+
+/// One materialized rank of an emulated step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankReport {
+    pub rank: u32,
+    pub stage: u32,
+    /// A live (real) rank, rather than a virtual one materialized for a perturbation.
+    pub real: bool,
+    /// When its last op ended.
+    pub end: Picos,
+    /// Time its compute ops took, in all.
+    pub compute: Picos,
+    /// The cost model's time for the same compute ops (what the prediction assumes).
+    pub modelled_compute: Picos,
+    pub peak_memory: Bytes,
+}
+
+/// One shared participant (a class of virtual ranks) of an emulated step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SharedReport {
+    pub stage: u32,
+    pub representative: u32,
+    /// Virtual ranks it stands for.
+    pub ranks: u32,
+    pub end: Picos,
+    pub peak_memory: Bytes,
+}
+
+/// An emulated step, next to the prediction for the same job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EmulationReport {
+    pub world_size: u32,
+    /// Whether virtual ranks shared class timelines (see [`Pruning`]).
+    pub pruned: bool,
+    pub participants: usize,
+    /// The emulated step: when the last op of any participant ended.
+    pub step_time: Picos,
+    /// `orrery predict`'s step time for the same job, unperturbed.
+    pub predicted_step_time: Picos,
+    pub ranks: Vec<RankReport>,
+    pub shared: Vec<SharedReport>,
+    pub warnings: Vec<String>,
+}
+
+/// Reads an emulated timeline back per participant. `modelled` holds the cost model's
+/// duration of each live compute op, keyed by (participant, op), as
+/// [`EmulationStep::Compute`] gave it.
+pub fn report(
+    graphs: &JobGraphs,
+    info: &[ParticipantInfo],
+    pruned: bool,
+    timeline: &Timeline,
+    modelled: &HashMap<(u32, u32), Picos>,
+    predicted_step_time: Picos,
+    perturbed: bool,
+) -> Result<EmulationReport, crate::memory::LedgerError> {
+    let mut ranks = Vec::new();
+    let mut shared = Vec::new();
+    for (p, (i, t)) in info.iter().zip(&timeline.participants).enumerate() {
+        let graph = graphs.class(i.class);
+        let ledger = crate::memory::ledger(graph, t)?;
+        let stage = graphs.layout.coords(i.rank).pp;
+        if i.stands_for == 1 {
+            let mut compute = 0u64;
+            let mut model = 0u64;
+            for (k, (op, timing)) in graph.ops().iter().zip(&t.ops).enumerate() {
+                if matches!(op.kind, OpKind::Compute { .. }) {
+                    let took = timing.end.0 - timing.start.0;
+                    compute += took;
+                    model += modelled.get(&(p as u32, k as u32)).map_or(took, |d| d.0);
+                }
+            }
+            ranks.push(RankReport {
+                rank: i.rank.0,
+                stage,
+                real: i.live,
+                end: t.end(),
+                compute: Picos(compute),
+                modelled_compute: Picos(model),
+                peak_memory: ledger.peak,
+            });
+        } else {
+            shared.push(SharedReport {
+                stage,
+                representative: i.rank.0,
+                ranks: i.stands_for,
+                end: t.end(),
+                peak_memory: ledger.peak,
+            });
+        }
+    }
+    Ok(EmulationReport {
+        world_size: graphs.layout.world_size(),
+        pruned,
+        participants: info.len(),
+        step_time: timeline.step_time(),
+        predicted_step_time,
+        ranks,
+        shared,
+        warnings: if pruned && perturbed {
+            vec!["pruned: a perturbation reaches the tracked ranks that share a group with the perturbed ones, but not the virtual ranks behind them (the shared timelines run unperturbed); --no-prune for its full effect".to_string()]
+        } else {
+            Vec::new()
+        },
+    })
 }

@@ -159,6 +159,23 @@ pub struct PredictOutput {
     pub timeline: Timeline,
 }
 
+/// A replayed timeline read back as a prediction: step time, MFU, the critical
+/// participant's breakdown and each stage's memory (hybrid emulation's timelines, whose
+/// participants are live ranks and shared classes, go through here).
+pub fn output_for(
+    job: &Job,
+    net: &str,
+    graphs: JobGraphs,
+    timeline: Timeline,
+) -> Result<PredictOutput, PredictError> {
+    let prediction = summarize(job, net, &graphs, &timeline)?;
+    Ok(PredictOutput {
+        prediction,
+        graphs,
+        timeline,
+    })
+}
+
 /// Predicts one training step with the analytical network, replaying one rank per class.
 pub fn predict(job: &Job) -> Result<PredictOutput, PredictError> {
     let net = AnalyticalNetwork::new(fabric_for(job), AlgorithmChoice::Auto);

@@ -299,7 +299,7 @@ fn bad_input_is_reported_all_at_once() {
     .unwrap_err();
     let text = err.to_string();
     for needle in [
-        "live ranks: rank 8 is outside a world of 8",
+        "real ranks: rank 8 is outside a world of 8",
         "slow.ranks: rank 99",
         "slow.factor",
         "slow.until",

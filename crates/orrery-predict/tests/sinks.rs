@@ -236,6 +236,7 @@ fn trace_limit_keeps_every_stage_first() {
     let out = predict_with(&job, &net, ReplayMode::AllRanks).unwrap();
     let opts = TraceOptions {
         max_participants: Some(3),
+        ..TraceOptions::default()
     };
     let mut buf = Vec::new();
     write_perfetto_trace_with(&out, &opts, &mut buf).unwrap();
@@ -256,6 +257,7 @@ fn trace_limit_keeps_every_stage_first() {
     let mut all = Vec::new();
     let opts = TraceOptions {
         max_participants: Some(8),
+        ..TraceOptions::default()
     };
     write_perfetto_trace_with(&out, &opts, &mut all).unwrap();
     assert_eq!(all, trace_bytes(&out));

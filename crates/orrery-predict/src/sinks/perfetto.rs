@@ -27,13 +27,16 @@ use std::io;
 
 /// Options for [`write_perfetto_trace_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TraceOptions {
+pub struct TraceOptions<'a> {
     /// Write at most this many participants (`None`: all). The first participant of every
     /// symmetry class (pipeline stage) is kept first, in class order, then the remaining
     /// participants in timeline order; the chosen ones are written in timeline order. This
     /// keeps an all-rank replay of a large job down to a size trace viewers can open while
     /// still showing every stage.
     pub max_participants: Option<usize>,
+    /// Track names by timeline participant (`None`: `stage S (rank R)`), such as hybrid
+    /// emulation's real and virtual ranks.
+    pub labels: Option<&'a [String]>,
 }
 
 /// Writes the whole replayed step as Chrome / Perfetto trace-event JSON.
@@ -50,7 +53,7 @@ const FLUSH_AT: usize = 1 << 20;
 /// inconsistent, which would be a bug in a graph builder.
 pub fn write_perfetto_trace_with(
     out: &PredictOutput,
-    opts: &TraceOptions,
+    opts: &TraceOptions<'_>,
     w: &mut impl io::Write,
 ) -> io::Result<()> {
     let timeline = &out.timeline;
@@ -67,7 +70,12 @@ pub fn write_perfetto_trace_with(
         };
         let stage = out.graphs.layout.coords(part.rank).pp;
         let ledger = ledger_for(out, graph, part)?;
-        write_participant(&mut ev, graph, part, stage, order, &ledger);
+        let default_label = format!("stage {stage} (rank {})", part.rank.0);
+        let label = opts
+            .labels
+            .and_then(|l| l.get(pi))
+            .map_or(default_label.as_str(), String::as_str);
+        write_participant(&mut ev, graph, part, label, order, &ledger);
         if ev.buf.len() >= FLUSH_AT {
             w.write_all(ev.buf.as_bytes())?;
             ev.buf.clear();
@@ -180,7 +188,7 @@ fn write_participant(
     ev: &mut Events,
     graph: &ExecGraph,
     part: &ParticipantTimeline,
-    stage: u32,
+    label: &str,
     order: usize,
     ledger: &MemoryLedger,
 ) {
@@ -188,8 +196,10 @@ fn write_participant(
     let buf = ev.next();
     let _ = write!(
         buf,
-        "{{\"ph\":\"M\",\"pid\":{pid},\"tid\":0,\"name\":\"process_name\",\"args\":{{\"name\":\"stage {stage} (rank {pid})\"}}}}"
+        "{{\"ph\":\"M\",\"pid\":{pid},\"tid\":0,\"name\":\"process_name\",\"args\":{{\"name\":"
     );
+    push_json_str(buf, label);
+    buf.push_str("}}");
     let buf = ev.next();
     let _ = write!(
         buf,

@@ -1,0 +1,140 @@
+//! `orrery emulate`: the golden report, JSON, the trace's real and virtual tracks, and bad
+//! input.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::orrery;
+use expect_test::expect;
+
+const JOB: &str = r#"
+name = "small emulated job"
+[model]
+layers = 8
+hidden = 1024
+heads = 16
+kv_heads = 4
+ffn = 4096
+vocab = 32000
+seq_len = 2048
+activation = "swiglu"
+[training]
+global_batch = 32
+micro_batch = 1
+zero_stage = 1
+[parallel]
+tp = 2
+pp = 2
+[cluster]
+gpu = "H100-SXM"
+gpus_per_node = 8
+nodes = 2
+"#;
+
+fn job_file(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("orrery-emulate-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let job = dir.join("job.toml");
+    std::fs::write(&job, JOB).unwrap();
+    job
+}
+
+#[test]
+fn golden_report_with_a_straggler() {
+    let job = job_file("golden");
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        job.to_str().unwrap(),
+        "--real-ranks",
+        "0,9",
+        "--slow",
+        "9:1.5",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    expect![[r#"
+        orrery emulate: small emulated job, 16 GPUs, real ranks 0, 9
+          the real ranks' compute is the cost model's: the training program is not connected yet
+          4 participants (tracked ranks, plus one shared timeline per pipeline stage for the others)
+          perturbation: ranks 9 compute 1.5x slower from 0.000 ms
+
+        step time: emulated 27.597 ms, predicted 20.706 ms (+33.28%)
+
+            rank  stage     kind       step end        compute  peak memory
+               0      0     real      20.706 ms      10.913 ms     0.70 GiB
+               9      1     real      27.597 ms      23.966 ms     0.67 GiB
+              2*      0   shared      20.706 ms              -     0.70 GiB   (stands for 7 ranks)
+             10*      1   shared      19.609 ms              -     0.67 GiB   (stands for 7 ranks)
+
+        warning: pruned: a perturbation reaches the tracked ranks that share a group with the perturbed ones, but not the virtual ranks behind them (the shared timelines run unperturbed); --no-prune for its full effect
+    "#]]
+    .assert_eq(&stdout);
+}
+
+#[test]
+fn unperturbed_emulation_matches_the_prediction_and_writes_tracks() {
+    let job = job_file("json");
+    let trace = job.with_file_name("trace.json");
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        job.to_str().unwrap(),
+        "--real-ranks",
+        "3",
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let rep: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(rep["step_time"], rep["predicted_step_time"]);
+    assert_eq!(rep["pruned"], true);
+    assert_eq!(rep["ranks"][0]["rank"], 3);
+    assert_eq!(rep["ranks"][0]["real"], true);
+    assert_eq!(
+        rep["ranks"][0]["compute"],
+        rep["ranks"][0]["modelled_compute"]
+    );
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let t: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let names: Vec<String> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "real rank 3 (stage 0)",
+            "stage 0: 7 virtual ranks",
+            "stage 1: 8 virtual ranks"
+        ]
+    );
+}
+
+#[test]
+fn bad_perturbations_exit_2_naming_the_flag() {
+    let job = job_file("bad");
+    let path = job.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["--real-ranks", "0", "--slow", "2"], "--slow"),
+        (vec!["--real-ranks", "x"], "--real-ranks"),
+        (
+            vec!["--real-ranks", "0", "--degrade-link", "1:y"],
+            "--degrade-link",
+        ),
+        (
+            vec!["--real-ranks", "0,16"],
+            "real ranks: rank 16 is outside a world of 16",
+        ),
+        (vec!["--real-ranks", "0", "--slow", "1:-2"], "slow.factor"),
+    ] {
+        let mut all = vec!["emulate", path];
+        all.extend(args);
+        let (code, _, stderr) = orrery(&all);
+        assert_eq!(code, 2, "{all:?}: {stderr}");
+        assert!(stderr.contains(needle), "{needle} not in {stderr}");
+    }
+}
