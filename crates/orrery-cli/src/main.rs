@@ -18,6 +18,7 @@ macro_rules! outln {
 }
 
 mod bench_accel;
+mod bench_emulate;
 mod bench_train;
 mod emulate;
 mod netsim;
@@ -88,6 +89,13 @@ enum Command {
         /// larger ones show the speedup estimated from events.
         #[arg(long, default_value_t = 128)]
         reference_max_gpus: u32,
+        /// Instead: what hybrid emulation's engine costs per step as the world grows (one
+        /// real rank, pruned), against the real rank's compute.
+        #[arg(long)]
+        emulate: bool,
+        /// With --emulate: world sizes (multiples of 32).
+        #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048, 4096, 8192])]
+        emulate_gpus: Vec<u32>,
         /// `--train` and its options: the optimizers compared on real training runs.
         #[command(flatten)]
         train: bench_train::BenchTrainArgs,
@@ -222,6 +230,12 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench { train, .. } if train.enabled => bench_train::run_train_bench(&train),
+        Command::Bench {
+            emulate: true,
+            emulate_gpus,
+            runs,
+            ..
+        } => bench_emulate::run_emulate_bench(runs.max(1), &emulate_gpus),
         Command::Bench {
             accel: true,
             ring_mib,

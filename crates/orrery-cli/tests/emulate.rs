@@ -138,3 +138,31 @@ fn bad_perturbations_exit_2_naming_the_flag() {
         assert!(stderr.contains(needle), "{needle} not in {stderr}");
     }
 }
+
+#[test]
+fn the_emulation_bench_replays_as_many_participants_at_any_world_size() {
+    let (code, stdout, stderr) = orrery(&[
+        "bench",
+        "--emulate",
+        "--runs",
+        "1",
+        "--emulate-gpus",
+        "64,128",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    // GPUs, participants, events per row: the same participants and events at both sizes.
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.first().is_some_and(|g| *g == "64" || *g == "128"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert_eq!(rows[0][1..3], rows[1][1..3], "{stdout}");
+    assert!(
+        stdout.contains("unpruned, 64 GPUs (once): 64 participants"),
+        "{stdout}"
+    );
+    let (code, _, stderr) = orrery(&["bench", "--emulate", "--emulate-gpus", "33"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--emulate-gpus"), "{stderr}");
+}
