@@ -15,12 +15,15 @@
 //!   bucketed and overlapped gradient reduction, distributed optimizer, CP, EP, recompute).
 //! - [`materialize`]: any single rank's concrete graph (groups and peers resolved).
 //! - [`chakra`]: Chakra execution-trace export and import.
+//! - [`collect`]: graphs stitched from what a real training program recorded, with measured
+//!   durations (hybrid emulation's graph collection).
 //!
 //! What this crate deliberately does not do: decide durations. Ops carry sizes, never times;
 //! the predictor's cost and network models turn sizes into picoseconds.
 
 pub mod build;
 pub mod chakra;
+pub mod collect;
 pub mod ir;
 pub mod layout;
 pub mod materialize;

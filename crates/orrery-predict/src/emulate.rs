@@ -52,6 +52,7 @@ use crate::cost::CostModel;
 use crate::replay::{
     job_participants, Engine, Link, Participant, ReplayError, ReplayMode, SlowWindow, Timeline,
 };
+use orrery_graph::collect::Collected;
 use orrery_graph::{JobGraphs, Op, OpKind};
 use orrery_net::{GroupPlacement, NetworkModel};
 use orrery_units::{Bytes, ClassId, Picos, RankId};
@@ -176,6 +177,39 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         pruning: Pruning,
         perturb: &Perturbations,
     ) -> Result<Emulation<'a, N>, EmulateError> {
+        Self::build(graphs, None, cost, net, live, pruning, perturb)
+    }
+
+    /// [`Emulation::new`] on graphs collected from the real program
+    /// ([`orrery_graph::collect`]): virtual ranks take the recorded durations.
+    pub fn collected(
+        collected: &'a Collected,
+        cost: &'a CostModel,
+        net: &'a N,
+        live: &[RankId],
+        pruning: Pruning,
+        perturb: &Perturbations,
+    ) -> Result<Emulation<'a, N>, EmulateError> {
+        Self::build(
+            &collected.graphs,
+            Some(&collected.measured),
+            cost,
+            net,
+            live,
+            pruning,
+            perturb,
+        )
+    }
+
+    fn build(
+        graphs: &'a JobGraphs,
+        measured: Option<&[Vec<Option<Picos>>]>,
+        cost: &'a CostModel,
+        net: &'a N,
+        live: &[RankId],
+        pruning: Pruning,
+        perturb: &Perturbations,
+    ) -> Result<Emulation<'a, N>, EmulateError> {
         check_inputs(graphs, live, perturb)?;
         for (c, g) in graphs.classes.iter().enumerate() {
             g.check().map_err(|source| ReplayError::Graph {
@@ -193,10 +227,15 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             Pruning::None => None,
         };
         let pruned = plan.is_some();
-        let (participants, info, hybrid) = match plan {
+        let (mut participants, info, hybrid) = match plan {
             Some(plan) => build_pruned(graphs, &plan, live),
             None => build_unpruned(graphs, live),
         };
+        if let Some(m) = measured {
+            for p in &mut participants {
+                p.measured = m.get(p.class.index()).cloned();
+            }
+        }
         let mut engine = Engine::new(participants, cost, net, ReplayMode::AllRanks);
         engine.hybrid = hybrid;
         let of_rank: HashMap<u32, u32> = info
