@@ -385,6 +385,9 @@ pub struct Engine<'a, N: NetworkModel> {
     error: Option<ReplayError>,
     events: u64,
     pub(crate) hybrid: Hybrid,
+    /// Whether `hybrid` holds anything (set when the replay starts), so that a plain replay
+    /// pays no lookups for it.
+    hybrid_on: bool,
     /// Recorded arrivals of shared participants: (participant, role, k) -> time.
     observed: HashMap<Arrival, Picos>,
     /// Rendezvous waiting for a shared participant's arrival: (participant, role, k) ->
@@ -453,6 +456,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             error: None,
             events: 0,
             hybrid: Hybrid::default(),
+            hybrid_on: false,
             observed: HashMap::new(),
             watchers: HashMap::new(),
             parked: Vec::new(),
@@ -505,6 +509,12 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
 
     /// Releases every op with no dependencies, in participant then issue order.
     pub(crate) fn seed(&mut self) {
+        let h = &self.hybrid;
+        self.hybrid_on = !(h.watch.is_empty()
+            && h.observe.is_empty()
+            && h.extra_targets.is_empty()
+            && h.net_scale.is_empty()
+            && h.slow.is_empty());
         for p in 0..self.states.len() as u32 {
             let n = self.states[p as usize].graph.len();
             for op in 0..n as u32 {
@@ -655,8 +665,10 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                     placement,
                 },
             ) => {
-                if let Some(&(role, k)) = self.hybrid.observe.get(&(p, op)) {
-                    self.observe(now, (p, role, k));
+                if self.hybrid_on {
+                    if let Some(&(role, k)) = self.hybrid.observe.get(&(p, op)) {
+                        self.observe(now, (p, role, k));
+                    }
                 }
                 match rendezvous {
                     None => {
@@ -704,11 +716,14 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         members: u32,
         (cop, bytes, placement): (CollectiveOp, Bytes, GroupPlacement),
     ) {
-        let watch = self.hybrid.watch.get(&(p, op)).cloned().unwrap_or_default();
-        let unseen: Vec<Arrival> = watch
-            .into_iter()
-            .filter(|w| !self.observed.contains_key(w))
-            .collect();
+        let unseen: Vec<Arrival> = match self.hybrid.watch.get(&(p, op)) {
+            Some(watch) if self.hybrid_on => watch
+                .iter()
+                .copied()
+                .filter(|w| !self.observed.contains_key(w))
+                .collect(),
+            _ => Vec::new(),
+        };
         let fresh = !self.rendezvous.contains_key(&key);
         let w = self.rendezvous.entry(key).or_insert_with(|| Waiting {
             arrived: 0,
@@ -783,6 +798,9 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
     /// A compute duration of participant `p` starting at `now`, slowed by the windows
     /// that cover `now`.
     pub(crate) fn slowed(&self, p: u32, now: Picos, d: Picos) -> Picos {
+        if self.hybrid.slow.is_empty() {
+            return d;
+        }
         match self.hybrid.slow.get(&p) {
             None => d,
             Some(ws) => ws
@@ -793,6 +811,9 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
     }
 
     fn net_scaled(&self, p: u32, op: u32, d: Picos) -> Picos {
+        if self.hybrid.net_scale.is_empty() {
+            return d;
+        }
         match self.hybrid.net_scale.get(&(p, op)) {
             Some(&f) => scaled(d, f),
             None => d,
@@ -818,12 +839,15 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             kind,
             self.states[p as usize].links.get(op as usize).copied(),
         ) {
-            let extra = self
-                .hybrid
-                .extra_targets
-                .get(&(p, op))
-                .cloned()
-                .unwrap_or_default();
+            let extra = if self.hybrid_on {
+                self.hybrid
+                    .extra_targets
+                    .get(&(p, op))
+                    .cloned()
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             // A target of `u32::MAX` is nobody: in hybrid emulation a materialized rank's
             // data for a shared participant, which does not wait for it.
             for target in std::iter::once(target).chain(extra) {
