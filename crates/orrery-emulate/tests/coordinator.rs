@@ -1,0 +1,254 @@
+//! The coordinator against the engine fed directly, and its errors for hung, crashed and
+//! miscounting real ranks.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use orrery_emulate::{Coordinator, CoordinatorError, RankReporter};
+use orrery_graph::collect::{stitch, Collected, RankRecord, RecordedOp};
+use orrery_graph::{CollectiveOp, GroupRole, Layout, Phase};
+use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
+use orrery_predict::emulate::{Emulation, Perturbations, Pruning};
+use orrery_predict::CostModel;
+use orrery_units::{Bytes, Picos, RankId};
+use std::time::Duration;
+
+/// Compute times of a rank's three segments, in microseconds: they differ per rank, so
+/// that who waits for whom matters.
+fn segments(rank: u32) -> [u64; 3] {
+    [100 + 10 * u64::from(rank), 250, 40 + 5 * u64::from(rank)]
+}
+
+/// TP 2 x DP 2, one stage: forward, TP all-reduce, backward, DP all-reduce, optimizer.
+fn collected() -> Collected {
+    let layout = Layout::from_dims(2, 1, 2, 1, 1, 4);
+    let records: Vec<RankRecord> = (0..4)
+        .map(|rank| {
+            let r = RankId(rank);
+            let group =
+                |role| -> Vec<u32> { layout.group_members(r, role).iter().map(|m| m.0).collect() };
+            let [f, b, o] = segments(rank);
+            let compute = |name: &str, phase, us| RecordedOp::Compute {
+                name: name.into(),
+                phase,
+                duration: Picos::from_micros(us),
+            };
+            let all_reduce = |role, bytes| RecordedOp::Collective {
+                op: CollectiveOp::AllReduce,
+                group: group(role),
+                role: None,
+                bytes: Bytes(bytes),
+                duration: Picos::ZERO,
+            };
+            RankRecord {
+                rank,
+                ops: vec![
+                    compute("forward", Phase::Forward, f),
+                    all_reduce(GroupRole::Tp, 1 << 20),
+                    compute("backward", Phase::Backward, b),
+                    all_reduce(GroupRole::Dp, 1 << 24),
+                    compute("optimizer", Phase::Optimizer, o),
+                ],
+            }
+        })
+        .collect();
+    stitch(layout, &records).unwrap()
+}
+
+/// The cost model and network of the default job's cluster (H100, 400 Gb/s NICs).
+fn models() -> (CostModel, AnalyticalNetwork) {
+    let text = orrery_spec::preset_job_text("llama3-70b-h100x1024").unwrap();
+    let job = orrery_spec::Job::from_spec(&orrery_spec::load_job_spec(text, &[]).unwrap()).unwrap();
+    (
+        CostModel::for_gpu(&job.cluster().gpu),
+        AnalyticalNetwork::new(orrery_predict::fabric_for(&job), AlgorithmChoice::Auto),
+    )
+}
+
+/// Runs the coordinated step with real ranks `live`, each rank's thread doing `program`.
+fn coordinated(
+    live: &[RankId],
+    timeout: Duration,
+    program: impl Fn(RankReporter) + Send + Sync + Copy + 'static,
+) -> Result<orrery_emulate::coordinator::CoordinatedStep, CoordinatorError> {
+    let c = collected();
+    let (cost, net) = models();
+    let emu = Emulation::collected(
+        &c,
+        &cost,
+        &net,
+        live,
+        Pruning::Classes,
+        &Perturbations::default(),
+    )
+    .unwrap();
+    let (coordinator, reporters) = Coordinator::new(emu, timeout);
+    let threads: Vec<_> = reporters
+        .into_iter()
+        .map(|r| std::thread::spawn(move || program(r)))
+        .collect();
+    let out = coordinator.run();
+    for t in threads {
+        let _ = t.join();
+    }
+    out
+}
+
+/// A real rank that does its recorded segments.
+fn faithful(r: RankReporter) {
+    for us in segments(r.rank().0) {
+        if r.segment(Picos::from_micros(us)).is_err() {
+            return;
+        }
+    }
+    let _ = r.done();
+}
+
+#[test]
+fn reports_drive_the_engine_as_supplying_the_durations_does() {
+    let live = [RankId(0), RankId(3)];
+    let step = coordinated(&live, Duration::from_secs(30), faithful).unwrap();
+    let c = collected();
+    let (cost, net) = models();
+    // The same step with each real rank's own segments supplied directly.
+    let mut next = std::collections::HashMap::<u32, usize>::new();
+    let direct = Emulation::collected(
+        &c,
+        &cost,
+        &net,
+        &live,
+        Pruning::Classes,
+        &Perturbations::default(),
+    )
+    .unwrap()
+    .run_with(|rank, _, _| {
+        let k = next.entry(rank.0).or_default();
+        *k += 1;
+        Picos::from_micros(segments(rank.0)[*k - 1])
+    })
+    .unwrap();
+    assert_eq!(step.timeline.step_time(), direct.step_time());
+    for (a, b) in step.timeline.participants.iter().zip(&direct.participants) {
+        assert_eq!(a.ops, b.ops);
+    }
+    // Each real rank reported its three segments, which matched what was recorded.
+    assert_eq!(step.segments.len(), 2);
+    for (rank, segs) in &step.segments {
+        let want: Vec<Picos> = segments(rank.0)
+            .iter()
+            .map(|&u| Picos::from_micros(u))
+            .collect();
+        let got: Vec<Picos> = segs.iter().map(|s| s.0).collect();
+        assert_eq!(got, want);
+        // The class graph was recorded from rank 0, so its own segments match it.
+        if rank.0 == 0 {
+            assert!(segs.iter().all(|(took, recorded)| took == recorded));
+        }
+    }
+}
+
+#[test]
+fn a_slower_real_rank_slows_the_step() {
+    fn slow(r: RankReporter) {
+        for us in segments(r.rank().0) {
+            let _ = r.segment(Picos::from_micros(3 * us));
+        }
+        let _ = r.done();
+    }
+    let base = coordinated(&[RankId(1)], Duration::from_secs(30), faithful).unwrap();
+    let slowed = coordinated(&[RankId(1)], Duration::from_secs(30), slow).unwrap();
+    assert!(slowed.timeline.step_time() > base.timeline.step_time());
+}
+
+#[test]
+fn a_hung_real_rank_is_an_error_within_the_timeout() {
+    fn hangs(r: RankReporter) {
+        let _ = r.segment(Picos::from_micros(100));
+        // Holds its reporter without reporting, longer than the timeout.
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(r);
+    }
+    let t = std::time::Instant::now();
+    let e = coordinated(&[RankId(2)], Duration::from_millis(200), hangs).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CoordinatorError::Hung {
+                rank: 2,
+                segment: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("real rank 2 reported nothing"),
+        "{e}"
+    );
+    // Generous bound: the point is that it does not wait for the rank.
+    assert!(t.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn a_crashed_real_rank_is_an_error_at_once() {
+    fn crashes(r: RankReporter) {
+        let _ = r.segment(Picos::from_micros(100));
+        drop(r);
+    }
+    let e = coordinated(&[RankId(0)], Duration::from_secs(30), crashes).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CoordinatorError::Gone {
+                rank: 0,
+                segment: 1
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn failed_and_miscounting_ranks_are_named() {
+    fn fails(r: RankReporter) {
+        let _ = r.failed("out of memory in the backward pass");
+    }
+    let e = coordinated(&[RankId(1)], Duration::from_secs(30), fails).unwrap_err();
+    assert!(
+        e.to_string().contains("real rank 1 failed: out of memory"),
+        "{e}"
+    );
+    fn too_few(r: RankReporter) {
+        let _ = r.segment(Picos::from_micros(100));
+        let _ = r.done();
+    }
+    let e = coordinated(&[RankId(1)], Duration::from_secs(30), too_few).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CoordinatorError::TooFew {
+                rank: 1,
+                reported: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    fn too_many(r: RankReporter) {
+        for _ in 0..4 {
+            let _ = r.segment(Picos::from_micros(100));
+        }
+        let _ = r.done();
+    }
+    let e = coordinated(&[RankId(1)], Duration::from_secs(30), too_many).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CoordinatorError::TooMany {
+                rank: 1,
+                reported: 4,
+                expected: 3
+            }
+        ),
+        "{e}"
+    );
+}
