@@ -4,8 +4,9 @@
 //! The chosen ranks are the live participants of [`orrery_predict::emulate::Emulation`].
 //! Until the training program is connected to the emulation (issue 6), their compute ops
 //! take the cost model's durations, so what this command answers today is the
-//! perturbation question: how much a straggler or a slow link costs the step, at the price
-//! of a few tracked ranks and one timeline per pipeline stage rather than the whole world.
+//! perturbation question: how much a straggler or a slow link costs the step, exactly, at
+//! the price of one timeline per class of ranks that behave alike rather than the whole
+//! world.
 
 use crate::{atomic_write, bad, load_job, progress_spinner, JobArgs};
 use anyhow::{Context, Result};
@@ -28,8 +29,8 @@ pub struct EmulateArgs {
     /// connected), e.g. `0,17` or `0-3`.
     #[arg(long, value_name = "RANKS", required = true)]
     real_ranks: String,
-    /// Track every rank one by one instead of one shared timeline per pipeline stage for
-    /// the ranks nobody named (slow on large jobs; the exact reference).
+    /// Replay every rank on its own instead of one participant per class of ranks with
+    /// identical timelines (the same answer, slowly on large jobs).
     #[arg(long)]
     no_prune: bool,
     /// Slow ranks' compute: `RANKS:FACTOR[@FROM_MS[..UNTIL_MS]]`, e.g. `5:1.5` or
@@ -253,7 +254,6 @@ fn emulate_with<N: orrery_net::NetworkModel>(
         &timeline,
         &modelled,
         predicted.prediction.step_time,
-        !(perturb.slow.is_empty() && perturb.links.is_empty()),
     )
     .context("memory ledger")?;
     let labels = info
@@ -263,7 +263,7 @@ fn emulate_with<N: orrery_net::NetworkModel>(
             match (i.live, i.stands_for) {
                 (true, _) => format!("real rank {} (stage {stage})", i.rank.0),
                 (false, 1) => format!("virtual rank {} (stage {stage})", i.rank.0),
-                (false, n) => format!("stage {stage}: {n} virtual ranks"),
+                (false, n) => format!("{n} virtual ranks like rank {} (stage {stage})", i.rank.0),
             }
         })
         .collect();
@@ -292,12 +292,13 @@ fn render(job: &Job, r: &EmulationReport, live: &[RankId], perturb: &Perturbatio
     );
     let _ = writeln!(
         s,
-        "  {} participants ({})",
+        "  {} participants for {} ranks ({})",
         r.participants,
+        r.world_size,
         if r.pruned {
-            "tracked ranks, plus one shared timeline per pipeline stage for the others"
+            "one per class of ranks with identical timelines; real and perturbed ranks on their own"
         } else {
-            "every rank tracked"
+            "every rank on its own"
         }
     );
     for p in &perturb.slow {
@@ -352,18 +353,15 @@ fn render(job: &Job, r: &EmulationReport, live: &[RankId], perturb: &Perturbatio
     for c in &r.shared {
         let _ = writeln!(
             s,
-            "  {:>6}  {:>5}  {:>7}  {:>13}  {:>13}  {:>7.2} GiB   (stands for {} ranks)",
+            "  {:>6}  {:>5}  {:>7}  {:>13}  {:>13}  {:>7.2} GiB   (and {} more like it)",
             format!("{}*", c.representative),
             c.stage,
-            "shared",
+            "virtual",
             ms(c.end),
             "-",
             c.peak_memory.0 as f64 / (1u64 << 30) as f64,
-            c.ranks
+            c.ranks - 1
         );
-    }
-    for w in &r.warnings {
-        let _ = writeln!(s, "\nwarning: {w}");
     }
     s
 }

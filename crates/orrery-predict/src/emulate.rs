@@ -15,27 +15,25 @@
 //! ## Who is replayed one by one ([`Pruning`])
 //!
 //! - [`Pruning::None`]: every rank is its own participant (the all-rank replay, with the
-//!   live ranks live). Exact, and its cost grows with the world size.
-//! - [`Pruning::Classes`]: only the *materialized* ranks (the live ones and those a
-//!   perturbation names) are participants of their own. Every other rank is stood for by
-//!   its symmetry class's *shared* participant, which replays the class once, unperturbed,
-//!   as the predictor's class mode does. The cost grows with the number of materialized
-//!   ranks and classes, not with the world size.
+//!   live ranks live). Its cost grows with the world size.
+//! - [`Pruning::Classes`]: one participant per *timeline class*: a set of ranks that
+//!   provably run identical timelines. The live ranks and every rank a perturbation names
+//!   are singled out (each is a class of its own). Then the classes are refined until
+//!   stable (colour refinement, as in graph isomorphism testing): two ranks stay together
+//!   only if they are in the same class and, for every role, their groups have the same
+//!   placement and the same multiset of member classes, and their pipeline neighbours are
+//!   in the same classes. Without singled-out ranks this gives the pipeline stages (the
+//!   predictor's symmetry classes). With them, it gives the ranks that relate to them
+//!   alike: their tensor-parallel peers, their data-parallel peers, the rest of their
+//!   pipeline, everyone else. The number of classes depends on the layout's shape and
+//!   on how many ranks are singled out, not on the world size: a 70B job with one real
+//!   rank has 16 from 1,024 to 8,192 GPUs (`orrery bench --emulate`).
 //!
-//!   Shared participants never wait for materialized ones: they are the virtual world as
-//!   it would run without them. A materialized rank's collective waits for its materialized
-//!   members and for the *arrival* of the shared participants standing for its other
-//!   members (their `k`-th collective of the same role), and a materialized rank's
-//!   receive from a virtual peer completes when the peer's class sends. The approximation:
-//!   a virtual rank that shares a group with a slow materialized rank would itself be held
-//!   back by it, and through it the ranks it meets later; pruning ignores that second-hand
-//!   effect (the materialized ranks still wait for the slow one). Without perturbations the
-//!   materialized ranks' timelines equal the all-rank replay's exactly (tested).
-//!
-//!   Shared participants stand for one *column* of the pipeline (the same tensor, context
-//!   and data-parallel coordinates on every stage) that holds no materialized rank, so that
-//!   their groups and pipeline peers line up as in class mode. If every column holds a
-//!   materialized rank the emulation is not pruned.
+//!   Each class is replayed once, from its lowest rank. A collective waits for every class
+//!   among its group's members: all ranks of a class arrive together, so this is exact. A
+//!   send goes to the class of the receiving rank. Pruned emulation is therefore not an
+//!   approximation: every rank's timeline equals the unpruned one, with perturbations too
+//!   (`tests/emulate.rs`, over random layouts, real ranks, slow ranks and degraded links).
 //!
 //! ## Perturbations ([`Perturbations`])
 //!
@@ -53,11 +51,11 @@ use crate::replay::{
     job_participants, Engine, Link, Participant, ReplayError, ReplayMode, SlowWindow, Timeline,
 };
 use orrery_graph::collect::Collected;
-use orrery_graph::{JobGraphs, Op, OpKind};
+use orrery_graph::{GroupRole, JobGraphs, Layout, Op, OpKind, PeerStage};
 use orrery_net::{GroupPlacement, NetworkModel};
 use orrery_units::{Bytes, ClassId, Picos, RankId};
 use serde::Serialize;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Which virtual ranks are replayed one by one (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,11 +140,11 @@ pub enum EmulationStep {
 /// Who each participant of an emulation is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParticipantInfo {
-    /// The rank it replays (a shared participant's representative).
+    /// The rank it replays (the lowest rank of its timeline class).
     pub rank: RankId,
     pub class: ClassId,
     pub live: bool,
-    /// How many ranks it stands for (1 unless shared).
+    /// How many ranks it stands for (its timeline class's size).
     pub stands_for: u32,
 }
 
@@ -155,6 +153,8 @@ pub struct Emulation<'a, N: NetworkModel> {
     engine: Engine<'a, N>,
     info: Vec<ParticipantInfo>,
     pruned: bool,
+    /// Each rank's colour (its participant), when pruned.
+    colour: Option<Vec<u32>>,
     seeded: bool,
 }
 
@@ -222,13 +222,13 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             materialized.extend(s.ranks.iter().map(|r| r.0));
         }
         materialized.extend(perturb.links.iter().map(|l| l.rank.0));
-        let plan = match pruning {
-            Pruning::Classes => pruned_plan(graphs, &materialized),
+        let colour = match pruning {
+            Pruning::Classes => Some(colours(&graphs.layout, &materialized)),
             Pruning::None => None,
         };
-        let pruned = plan.is_some();
-        let (mut participants, info, hybrid) = match plan {
-            Some(plan) => build_pruned(graphs, &plan, live),
+        let pruned = colour.is_some();
+        let (mut participants, info) = match &colour {
+            Some(colour) => build_pruned(graphs, colour, live),
             None => build_unpruned(graphs, live),
         };
         if let Some(m) = measured {
@@ -237,7 +237,6 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             }
         }
         let mut engine = Engine::new(participants, cost, net, ReplayMode::AllRanks);
-        engine.hybrid = hybrid;
         let of_rank: HashMap<u32, u32> = info
             .iter()
             .enumerate()
@@ -257,7 +256,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         }
         for l in &perturb.links {
             if let Some(&p) = of_rank.get(&l.rank.0) {
-                degrade(&mut engine, graphs, &info, p, l.factor);
+                degrade(&mut engine, graphs, &info, p, l.rank, l.factor);
             }
         }
         for (p, i) in info.iter().enumerate() {
@@ -269,6 +268,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             engine,
             info,
             pruned,
+            colour,
             seeded: false,
         })
     }
@@ -278,8 +278,18 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         &self.info
     }
 
-    /// Whether virtual ranks share class timelines ([`Pruning::Classes`] asked for and a
-    /// pipeline column free of materialized ranks found).
+    /// The rank whose participant's timeline is `rank`'s (itself unless pruned).
+    pub fn stands_for(&self, rank: RankId) -> RankId {
+        match &self.colour {
+            Some(c) => c
+                .get(rank.index())
+                .and_then(|&k| self.info.get(k as usize))
+                .map_or(rank, |i| i.rank),
+            None => rank,
+        }
+    }
+
+    /// Whether ranks share timelines ([`Pruning::Classes`]).
     pub fn pruned(&self) -> bool {
         self.pruned
     }
@@ -418,46 +428,80 @@ fn check_inputs(
     }
 }
 
-/// Which ranks a pruned emulation replays one by one, and the column its shared
-/// participants stand for.
-struct PrunedPlan {
-    materialized: Vec<u32>,
-    /// Shared participant representative of each class.
-    representative: Vec<RankId>,
-}
-
-/// The plan, or `None` if every pipeline column holds a materialized rank.
-fn pruned_plan(graphs: &JobGraphs, materialized: &BTreeSet<u32>) -> Option<PrunedPlan> {
-    let layout = &graphs.layout;
-    let classes = layout.num_classes();
-    // Columns in rank order of their stage-0 rank; a column is free when none of its
-    // stages' ranks is materialized.
-    let column = (0..layout.world_size()).map(RankId).find(|&r| {
-        layout.class_of(r) == ClassId(0)
-            && (0..classes).all(|c| {
-                let mut k = layout.coords(r);
-                k.pp = c;
-                !materialized.contains(&layout.rank(k).0)
-            })
-    })?;
-    let representative = (0..classes)
-        .map(|c| {
-            let mut k = layout.coords(column);
-            k.pp = c;
-            layout.rank(k)
-        })
+/// The timeline classes of a world in which `materialized` ranks are singled out: ranks
+/// that provably run identical timelines share a colour (see the module docs). Colours are
+/// dense, numbered in order of their lowest rank.
+fn colours(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
+    let world = layout.world_size();
+    let mut colour = dense((0..world).map(|r| {
+        let rank = RankId(r);
+        vec![
+            u64::from(layout.class_of(rank).0),
+            if materialized.contains(&r) {
+                u64::from(r)
+            } else {
+                u64::MAX
+            },
+        ]
+    }));
+    let groups: Vec<(orrery_units::GroupId, GroupRole, Vec<RankId>)> = layout
+        .all_groups()
+        .map(|(g, role, m)| (g, role, m.to_vec()))
         .collect();
-    Some(PrunedPlan {
-        materialized: materialized.iter().copied().collect(),
-        representative,
-    })
+    loop {
+        let count = colour.iter().max().map_or(0, |&c| c + 1);
+        // Each group's signature: role, placement and the multiset of its members' colours.
+        let mut group_sig: HashMap<orrery_units::GroupId, u64> = HashMap::new();
+        let mut sig_ids: BTreeMap<Vec<u64>, u64> = BTreeMap::new();
+        for (g, role, members) in &groups {
+            let pl = layout.placement_of(members);
+            let mut key = vec![
+                role.index() as u64,
+                u64::from(pl.size),
+                u64::from(pl.nodes),
+                u64::from(pl.max_per_node),
+            ];
+            let mut cs: Vec<u64> = members
+                .iter()
+                .map(|m| u64::from(colour[m.index()]))
+                .collect();
+            cs.sort_unstable();
+            key.extend(cs);
+            let next = sig_ids.len() as u64;
+            let id = *sig_ids.entry(key).or_insert(next);
+            group_sig.insert(*g, id);
+        }
+        let refined = dense((0..world).map(|r| {
+            let rank = RankId(r);
+            let mut sig = vec![u64::from(colour[r as usize])];
+            for role in GroupRole::ALL {
+                sig.push(group_sig[&layout.group_id(rank, role)]);
+            }
+            for dir in [PeerStage::Next, PeerStage::Prev] {
+                sig.push(u64::from(colour[layout.peer(rank, dir).index()]));
+            }
+            sig
+        }));
+        let refined_count = refined.iter().max().map_or(0, |&c| c + 1);
+        // Refinement only ever splits colours: the same count means nothing changed.
+        if refined_count == count {
+            return refined;
+        }
+        colour = refined;
+    }
 }
 
-type Built<'g> = (
-    Vec<Participant<'g>>,
-    Vec<ParticipantInfo>,
-    crate::replay::Hybrid,
-);
+/// Dense ids for keys, in order of first appearance.
+fn dense(keys: impl Iterator<Item = Vec<u64>>) -> Vec<u32> {
+    let mut ids: BTreeMap<Vec<u64>, u32> = BTreeMap::new();
+    keys.map(|k| {
+        let next = ids.len() as u32;
+        *ids.entry(k).or_insert(next)
+    })
+    .collect()
+}
+
+type Built<'g> = (Vec<Participant<'g>>, Vec<ParticipantInfo>);
 
 /// Every rank its own participant (all-rank replay links), live ranks marked.
 fn build_unpruned<'g>(graphs: &'g JobGraphs, live: &[RankId]) -> Built<'g> {
@@ -471,68 +515,42 @@ fn build_unpruned<'g>(graphs: &'g JobGraphs, live: &[RankId]) -> Built<'g> {
             stands_for: 1,
         })
         .collect();
-    (participants, info, crate::replay::Hybrid::default())
+    (participants, info)
 }
 
-/// Materialized ranks first (in rank order), then one shared participant per class.
-fn build_pruned<'g>(graphs: &'g JobGraphs, plan: &PrunedPlan, live: &[RankId]) -> Built<'g> {
+/// One participant per colour, replaying the colour's lowest rank (see the module docs).
+fn build_pruned<'g>(graphs: &'g JobGraphs, colour: &[u32], live: &[RankId]) -> Built<'g> {
     let layout = &graphs.layout;
-    let world = layout.world_size();
-    let m = plan.materialized.len() as u32;
-    let mut of_rank: HashMap<u32, u32> = HashMap::new();
-    for (i, &r) in plan.materialized.iter().enumerate() {
-        of_rank.insert(r, i as u32);
-    }
-    let shared_of = |class: ClassId| m + class.0;
-    let participant_of = |r: RankId| -> u32 {
-        of_rank
-            .get(&r.0)
-            .copied()
-            .unwrap_or_else(|| shared_of(layout.class_of(r)))
-    };
-    let mut class_sizes = vec![0u32; layout.num_classes() as usize];
-    for r in 0..world {
-        if !of_rank.contains_key(&r) {
-            class_sizes[layout.class_of(RankId(r)).index()] += 1;
+    let colours = colour.iter().max().map_or(0, |&c| c as usize + 1);
+    let mut representative = vec![RankId(u32::MAX); colours];
+    let mut size = vec![0u32; colours];
+    for (r, &c) in colour.iter().enumerate() {
+        if size[c as usize] == 0 {
+            representative[c as usize] = RankId(r as u32);
         }
+        size[c as usize] += 1;
     }
-    let mut hybrid = crate::replay::Hybrid::default();
-    let mut participants = Vec::new();
-    let mut info = Vec::new();
-    let ranks: Vec<(RankId, bool)> = plan
-        .materialized
-        .iter()
-        .map(|&r| (RankId(r), true))
-        .chain(plan.representative.iter().map(|&r| (r, false)))
-        .collect();
-    for (p, &(rank, materialized)) in ranks.iter().enumerate() {
-        let p = p as u32;
+    // Rendezvous ids: one per (role, set of member colours).
+    let mut rendezvous_ids: BTreeMap<Vec<u32>, u32> = BTreeMap::new();
+    let mut participants = Vec::with_capacity(colours);
+    let mut info = Vec::with_capacity(colours);
+    for (p, &rank) in representative.iter().enumerate() {
         let class = layout.class_of(rank);
         let graph = graphs.class(class);
-        // The k-th collective of each role, counted along the graph.
-        let mut seq_on_role: HashMap<u8, u32> = HashMap::new();
-        let mut links = Vec::with_capacity(graph.len());
-        for (op_index, op) in graph.ops().iter().enumerate() {
-            let op_index = op_index as u32;
-            let link = match op.kind {
+        let mut seq_on_role: HashMap<GroupRole, u32> = HashMap::new();
+        let links = graph
+            .ops()
+            .iter()
+            .map(|op| match op.kind {
                 OpKind::Send { peer, .. } => {
                     let q = layout.peer(rank, peer);
-                    let target = participant_of(q);
-                    // Shared participants wait for no materialized one: a materialized
-                    // rank's data for a virtual peer is delivered to nobody.
-                    let target = if materialized && target >= m {
-                        u32::MAX
-                    } else {
-                        target
-                    };
                     Link::Send {
-                        target,
+                        target: colour[q.index()],
                         same_node: layout.same_node(rank, q),
                     }
                 }
                 OpKind::Collective { group, .. } => {
-                    let role = group.index() as u8;
-                    let seq = seq_on_role.entry(role).or_insert(0);
+                    let seq = seq_on_role.entry(group).or_insert(0);
                     let k = *seq;
                     *seq += 1;
                     let members = layout.group_members(rank, group);
@@ -542,82 +560,32 @@ fn build_pruned<'g>(graphs: &'g JobGraphs, plan: &PrunedPlan, live: &[RankId]) -
                         nodes: pl.nodes,
                         max_per_node: pl.max_per_node,
                     };
-                    let gid = layout.group_id(rank, group);
-                    if materialized {
-                        let mut mat: Vec<u32> = members
-                            .iter()
-                            .filter_map(|r| of_rank.get(&r.0).copied())
-                            .collect();
-                        mat.sort_unstable();
-                        mat.dedup();
-                        let mut shared: Vec<u32> = members
-                            .iter()
-                            .filter(|r| !of_rank.contains_key(&r.0))
-                            .map(|&r| shared_of(layout.class_of(r)))
-                            .collect();
-                        shared.sort_unstable();
-                        shared.dedup();
-                        if !shared.is_empty() {
-                            let watch: Vec<crate::replay::Arrival> =
-                                shared.iter().map(|&s| (s, role, k)).collect();
-                            for &(s, role, k) in &watch {
-                                if let Some(sop) =
-                                    nth_collective(graphs, layout, s, m, plan, role, k)
-                                {
-                                    hybrid.observe.insert((s, sop), (role, k));
-                                }
-                            }
-                            hybrid.watch.insert((p, op_index), watch);
-                        }
+                    let mut set: Vec<u32> = members.iter().map(|m| colour[m.index()]).collect();
+                    set.sort_unstable();
+                    set.dedup();
+                    if set.len() <= 1 {
+                        // Every member runs this participant's timeline.
                         Link::Collective {
-                            rendezvous: Some((gid.0, k)),
-                            members: mat.len() as u32,
+                            rendezvous: None,
+                            members: 1,
                             placement,
                         }
                     } else {
-                        let mut shared: Vec<u32> = members
-                            .iter()
-                            .filter(|r| !of_rank.contains_key(&r.0))
-                            .map(|&r| shared_of(layout.class_of(r)))
-                            .collect();
-                        shared.sort_unstable();
-                        shared.dedup();
-                        if shared.len() <= 1 {
-                            Link::Collective {
-                                rendezvous: None,
-                                members: 1,
-                                placement,
-                            }
-                        } else {
-                            // Offset so that it never meets a materialized rendezvous of
-                            // the same group (shared ones do not wait for those).
-                            Link::Collective {
-                                rendezvous: Some((gid.0, k | 1 << 31)),
-                                members: shared.len() as u32,
-                                placement,
-                            }
+                        let members = set.len() as u32;
+                        let mut key = vec![group.index() as u32];
+                        key.extend(set);
+                        let next = rendezvous_ids.len() as u32;
+                        let id = *rendezvous_ids.entry(key).or_insert(next);
+                        Link::Collective {
+                            rendezvous: Some((id, k)),
+                            members,
+                            placement,
                         }
                     }
-                }
-                OpKind::Recv { peer, tag, .. } if materialized => {
-                    let q = layout.peer(rank, peer);
-                    let source = participant_of(q);
-                    if source >= m {
-                        // A virtual peer: its class's send delivers here too.
-                        if let Some(sop) = send_with_tag(graphs, layout, plan, source - m, tag) {
-                            hybrid
-                                .extra_targets
-                                .entry((source, sop))
-                                .or_default()
-                                .push(p);
-                        }
-                    }
-                    Link::None
                 }
                 _ => Link::None,
-            };
-            links.push(link);
-        }
+            })
+            .collect();
         participants.push(Participant {
             graph,
             rank,
@@ -628,71 +596,26 @@ fn build_pruned<'g>(graphs: &'g JobGraphs, plan: &PrunedPlan, live: &[RankId]) -
         info.push(ParticipantInfo {
             rank,
             class,
-            live: materialized && live.contains(&rank),
-            stands_for: if materialized {
-                1
-            } else {
-                class_sizes[class.index()]
-            },
+            live: size[p] == 1 && live.contains(&rank),
+            stands_for: size[p],
         });
     }
-    (participants, info, hybrid)
+    (participants, info)
 }
 
-/// The op index of the `k`-th collective of `role` in shared participant `s`'s graph.
-fn nth_collective(
-    graphs: &JobGraphs,
-    layout: &orrery_graph::Layout,
-    s: u32,
-    m: u32,
-    plan: &PrunedPlan,
-    role: u8,
-    k: u32,
-) -> Option<u32> {
-    let rep = *plan.representative.get((s - m) as usize)?;
-    let graph = graphs.class(layout.class_of(rep));
-    graph
-        .ops()
-        .iter()
-        .enumerate()
-        .filter(|(_, o)| matches!(o.kind, OpKind::Collective { group, .. } if group.index() as u8 == role))
-        .nth(k as usize)
-        .map(|(i, _)| i as u32)
-}
-
-/// The op index of class `class`'s send with `tag`.
-fn send_with_tag(
-    graphs: &JobGraphs,
-    layout: &orrery_graph::Layout,
-    plan: &PrunedPlan,
-    class: u32,
-    tag: u64,
-) -> Option<u32> {
-    let rep = *plan.representative.get(class as usize)?;
-    graphs
-        .class(layout.class_of(rep))
-        .ops()
-        .iter()
-        .position(|o| matches!(o.kind, OpKind::Send { tag: t, .. } if t == tag))
-        .map(|i| i as u32)
-}
-
-/// Every collective of participant `p` whose group holds a rank of `p`, and every send of
-/// `p`, takes `factor` times as long; so does every collective of another materialized
-/// participant whose group holds `p`'s rank.
+/// Participant `p` (standing for `rank`, or for its colour) has a slower link: every
+/// collective whose group holds `rank`, of every participant, and every send of `p`, takes
+/// `factor` times as long.
 fn degrade<N: NetworkModel>(
     engine: &mut Engine<'_, N>,
     graphs: &JobGraphs,
     info: &[ParticipantInfo],
     p: u32,
+    rank: RankId,
     factor: f64,
 ) {
     let layout = &graphs.layout;
-    let rank = info[p as usize].rank;
     for (q, i) in info.iter().enumerate() {
-        if i.stands_for != 1 {
-            continue;
-        }
         let graph = graphs.class(i.class);
         for (op, o) in graph.ops().iter().enumerate() {
             let hit = match o.kind {
@@ -712,12 +635,13 @@ fn degrade<N: NetworkModel>(
     }
 }
 
-/// One materialized rank of an emulated step.
+/// One rank replayed on its own in an emulated step (a real rank, a perturbed one, or one
+/// whose timeline class has no other member).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RankReport {
     pub rank: u32,
     pub stage: u32,
-    /// A live (real) rank, rather than a virtual one materialized for a perturbation.
+    /// A live (real) rank, rather than a virtual one.
     pub real: bool,
     /// When its last op ended.
     pub end: Picos,
@@ -728,7 +652,8 @@ pub struct RankReport {
     pub peak_memory: Bytes,
 }
 
-/// One shared participant (a class of virtual ranks) of an emulated step.
+/// One participant standing for several virtual ranks (a timeline class) of an emulated
+/// step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SharedReport {
     pub stage: u32,
@@ -743,7 +668,7 @@ pub struct SharedReport {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EmulationReport {
     pub world_size: u32,
-    /// Whether virtual ranks shared class timelines (see [`Pruning`]).
+    /// Whether ranks shared timelines (see [`Pruning`]).
     pub pruned: bool,
     pub participants: usize,
     /// The emulated step: when the last op of any participant ended.
@@ -752,7 +677,6 @@ pub struct EmulationReport {
     pub predicted_step_time: Picos,
     pub ranks: Vec<RankReport>,
     pub shared: Vec<SharedReport>,
-    pub warnings: Vec<String>,
 }
 
 /// Reads an emulated timeline back per participant. `modelled` holds the cost model's
@@ -765,7 +689,6 @@ pub fn report(
     timeline: &Timeline,
     modelled: &HashMap<(u32, u32), Picos>,
     predicted_step_time: Picos,
-    perturbed: bool,
 ) -> Result<EmulationReport, crate::memory::LedgerError> {
     let mut ranks = Vec::new();
     let mut shared = Vec::new();
@@ -810,10 +733,5 @@ pub fn report(
         predicted_step_time,
         ranks,
         shared,
-        warnings: if pruned && perturbed {
-            vec!["pruned: a perturbation reaches the tracked ranks that share a group with the perturbed ones, but not the virtual ranks behind them (the shared timelines run unperturbed); --no-prune for its full effect".to_string()]
-        } else {
-            Vec::new()
-        },
     })
 }

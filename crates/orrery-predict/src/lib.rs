@@ -11,7 +11,7 @@
 //!   network model and replay mode.
 //! - [`replay::replay`]: the discrete-event replay engine (class mode and all-rank mode).
 //! - [`emulate::Emulation`]: the same engine with live participants (real ranks of hybrid
-//!   emulation), pruned to materialized ranks plus one shared timeline per class, with
+//!   emulation), one participant per class of ranks with identical timelines (exact), with
 //!   perturbations (slow ranks, degraded links).
 //! - [`CostModel`]: per-op roofline with shape-dependent GEMM efficiency and a flash
 //!   attention model; every constant documented where it is defined.

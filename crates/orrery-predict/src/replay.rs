@@ -313,36 +313,16 @@ struct Waiting {
     arrived: u32,
     members: Vec<(u32, u32)>,
     signature: (CollectiveOp, Bytes),
-    /// Arrivals of shared participants still to be seen (hybrid emulation only).
-    unseen: u32,
-    placement: GroupPlacement,
-    started: bool,
 }
 
-/// What hybrid emulation adds to a replay ([`crate::emulate`]); empty for a plain replay.
-///
-/// Shared participants (symmetry classes standing for many virtual ranks) never wait for
-/// materialized ones, but a materialized participant's collective waits for the arrival of
-/// the shared participants standing for its other members: the `watch` of that op. A
-/// shared participant's arrival at its `k`-th collective of a role is recorded when some
-/// op watches it (`observe`).
+/// The perturbations of hybrid emulation ([`crate::emulate`]); empty for a plain replay.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Hybrid {
-    /// (participant, op) -> the (shared participant, role, k) arrivals it waits for.
-    pub watch: HashMap<(u32, u32), Vec<Arrival>>,
-    /// (shared participant, op) -> (role, k) of that collective, recorded on arrival.
-    pub observe: HashMap<(u32, u32), (u8, u32)>,
-    /// (participant, send op) -> further participants its data is delivered to.
-    pub extra_targets: HashMap<(u32, u32), Vec<u32>>,
     /// (participant, op) -> factor on the network time of that collective or send.
     pub net_scale: HashMap<(u32, u32), f64>,
     /// participant -> windows of simulated time in which its compute is slower.
     pub slow: HashMap<u32, Vec<SlowWindow>>,
 }
-
-/// A shared participant's arrival at its `k`-th collective of a role:
-/// (participant, role index, k).
-pub(crate) type Arrival = (u32, u8, u32);
 
 /// A window of simulated time in which a participant's compute ops take `factor` times as
 /// long (an op counts in the window its start falls in).
@@ -385,14 +365,6 @@ pub struct Engine<'a, N: NetworkModel> {
     error: Option<ReplayError>,
     events: u64,
     pub(crate) hybrid: Hybrid,
-    /// Whether `hybrid` holds anything (set when the replay starts), so that a plain replay
-    /// pays no lookups for it.
-    hybrid_on: bool,
-    /// Recorded arrivals of shared participants: (participant, role, k) -> time.
-    observed: HashMap<Arrival, Picos>,
-    /// Rendezvous waiting for a shared participant's arrival: (participant, role, k) ->
-    /// rendezvous keys.
-    watchers: HashMap<Arrival, Vec<(u32, u32)>>,
     /// Compute ops of live participants waiting for their duration: (participant, op,
     /// the sequence number reserved for their completion, so that ties at equal times
     /// resolve as in a replay with the duration known, and the duration the models give).
@@ -456,9 +428,6 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             error: None,
             events: 0,
             hybrid: Hybrid::default(),
-            hybrid_on: false,
-            observed: HashMap::new(),
-            watchers: HashMap::new(),
             parked: Vec::new(),
         }
     }
@@ -509,12 +478,6 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
 
     /// Releases every op with no dependencies, in participant then issue order.
     pub(crate) fn seed(&mut self) {
-        let h = &self.hybrid;
-        self.hybrid_on = !(h.watch.is_empty()
-            && h.observe.is_empty()
-            && h.extra_targets.is_empty()
-            && h.net_scale.is_empty()
-            && h.slow.is_empty());
         for p in 0..self.states.len() as u32 {
             let n = self.states[p as usize].graph.len();
             for op in 0..n as u32 {
@@ -664,21 +627,14 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                     members,
                     placement,
                 },
-            ) => {
-                if self.hybrid_on {
-                    if let Some(&(role, k)) = self.hybrid.observe.get(&(p, op)) {
-                        self.observe(now, (p, role, k));
-                    }
+            ) => match rendezvous {
+                None => {
+                    let d = self.collective_time(cop, bytes, placement);
+                    let d = self.net_scaled(p, op, d);
+                    self.schedule(now + d, p, op);
                 }
-                match rendezvous {
-                    None => {
-                        let d = self.collective_time(cop, bytes, placement);
-                        let d = self.net_scaled(p, op, d);
-                        self.schedule(now + d, p, op);
-                    }
-                    Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
-                }
-            }
+                Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
+            },
             // An unresolved send or collective (a participant built without links) takes
             // no time rather than hanging the replay.
             _ => self.schedule(now, p, op),
@@ -716,34 +672,11 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         members: u32,
         (cop, bytes, placement): (CollectiveOp, Bytes, GroupPlacement),
     ) {
-        let unseen: Vec<Arrival> = match self.hybrid.watch.get(&(p, op)) {
-            Some(watch) if self.hybrid_on => watch
-                .iter()
-                .copied()
-                .filter(|w| !self.observed.contains_key(w))
-                .collect(),
-            _ => Vec::new(),
-        };
-        let fresh = !self.rendezvous.contains_key(&key);
         let w = self.rendezvous.entry(key).or_insert_with(|| Waiting {
             arrived: 0,
             members: Vec::new(),
             signature: (cop, bytes),
-            unseen: 0,
-            placement,
-            started: false,
         });
-        if fresh {
-            // The first member to arrive registers what the collective waits to see;
-            // every materialized member of a group watches the same arrivals.
-            w.unseen = unseen.len() as u32;
-            for u in unseen {
-                self.watchers.entry(u).or_default().push(key);
-            }
-        }
-        let Some(w) = self.rendezvous.get_mut(&key) else {
-            return;
-        };
         if w.signature != (cop, bytes) {
             self.error = Some(ReplayError::CollectiveMismatch {
                 group: key.0,
@@ -756,42 +689,14 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         w.arrived += 1;
         w.members.push((p, op));
         if w.arrived >= members {
-            w.started = true;
-            self.try_start_rendezvous(now, key);
-        }
-    }
-
-    /// Starts a rendezvous whose members have all arrived once it has seen every shared
-    /// arrival it waits for.
-    fn try_start_rendezvous(&mut self, now: Picos, key: (u32, u32)) {
-        let ready = self
-            .rendezvous
-            .get(&key)
-            .is_some_and(|w| w.started && w.unseen == 0);
-        if !ready {
-            return;
-        }
-        if let Some(w) = self.rendezvous.remove(&key) {
-            let (cop, bytes) = w.signature;
-            let d = self.collective_time(cop, bytes, w.placement);
-            let d = match w.members.first() {
-                Some(&(mp, mop)) => self.net_scaled(mp, mop, d),
-                None => d,
-            };
-            for (mp, mop) in w.members {
-                self.schedule(now + d, mp, mop);
+            if let Some(w) = self.rendezvous.remove(&key) {
+                let d = self.collective_time(cop, bytes, placement);
+                // Every member of a degraded group carries the same factor.
+                let d = self.net_scaled(p, op, d);
+                for (mp, mop) in w.members {
+                    self.schedule(now + d, mp, mop);
+                }
             }
-        }
-    }
-
-    /// A shared participant arrived at a collective some materialized one waits to see.
-    fn observe(&mut self, now: Picos, what: Arrival) {
-        self.observed.insert(what, now);
-        for key in self.watchers.remove(&what).unwrap_or_default() {
-            if let Some(w) = self.rendezvous.get_mut(&key) {
-                w.unseen = w.unseen.saturating_sub(1);
-            }
-            self.try_start_rendezvous(now, key);
         }
     }
 
@@ -839,26 +744,10 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             kind,
             self.states[p as usize].links.get(op as usize).copied(),
         ) {
-            let extra = if self.hybrid_on {
-                self.hybrid
-                    .extra_targets
-                    .get(&(p, op))
-                    .cloned()
-                    .unwrap_or_default()
-            } else {
-                Vec::new()
-            };
-            // A target of `u32::MAX` is nobody: in hybrid emulation a materialized rank's
-            // data for a shared participant, which does not wait for it.
-            for target in std::iter::once(target).chain(extra) {
-                if target == u32::MAX {
-                    continue;
-                }
-                match self.waiting_recv.remove(&(target, tag)) {
-                    Some(recv) => self.schedule(now, target, recv),
-                    None => {
-                        self.arrivals.insert((target, tag), now);
-                    }
+            match self.waiting_recv.remove(&(target, tag)) {
+                Some(recv) => self.schedule(now, target, recv),
+                None => {
+                    self.arrivals.insert((target, tag), now);
                 }
             }
         }

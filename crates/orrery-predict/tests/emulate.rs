@@ -82,6 +82,17 @@ fn all_rank_replay(overrides: &[String]) -> Timeline {
     replay(&graphs, &cost, &net, ReplayMode::AllRanks).unwrap()
 }
 
+/// The timeline of `rank` in an emulation: its own participant's, or that of the
+/// participant standing for it (the lowest rank of its timeline class, which the pruned
+/// emulation replays).
+fn timing_in(
+    t: &Timeline,
+    rank: RankId,
+    stands_for: &dyn Fn(RankId) -> RankId,
+) -> Vec<(Picos, Picos)> {
+    timing_of(t, stands_for(rank))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -101,34 +112,96 @@ proptest! {
         for r in live {
             prop_assert_eq!(timing_of(&pruned, r), timing_of(&reference, r), "rank {}", r.0);
         }
+        prop_assert_eq!(pruned.step_time(), reference.step_time());
+    }
+
+    /// Pruning is exact under perturbations too: every rank's timeline in the pruned
+    /// emulation (through the participant standing for it) equals the unpruned one.
+    #[test]
+    fn pruned_equals_unpruned_under_perturbations(
+        overrides in layouts(),
+        live_pick in 0u32..64,
+        slow_pick in 0u32..64,
+        link_pick in 0u32..64,
+        factor in 1.1f64..3.0,
+        window in any::<bool>(),
+    ) {
+        let reference = all_rank_replay(&overrides);
+        let world = reference.participants.len() as u32;
+        let mid = Picos(reference.step_time().0 / 3);
+        let perturb = Perturbations {
+            slow: vec![SlowRanks {
+                ranks: vec![RankId(slow_pick % world)],
+                factor,
+                from: if window { mid } else { Picos::ZERO },
+                until: None,
+            }],
+            links: vec![DegradedLink { rank: RankId(link_pick % world), factor: 2.0 }],
+        };
+        let live = [RankId(live_pick % world)];
+        let (unpruned, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
+        let (pruned, stands_for) = emulate_with_map(&overrides, &live, &perturb);
+        prop_assert_eq!(pruned.step_time(), unpruned.step_time());
+        for r in 0..world {
+            prop_assert_eq!(
+                timing_in(&pruned, RankId(r), &|x| stands_for[x.index()]),
+                timing_of(&unpruned, RankId(r)),
+                "rank {}", r
+            );
+        }
     }
 }
 
+/// A pruned emulation fed the models' durations, and for each rank the rank whose
+/// participant stands for it.
+fn emulate_with_map(
+    overrides: &[String],
+    live: &[RankId],
+    perturb: &Perturbations,
+) -> (Timeline, Vec<RankId>) {
+    let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    let job = small_job(&refs);
+    let graphs = build(&job);
+    let cost = CostModel::for_gpu(&job.cluster().gpu);
+    let net = AnalyticalNetwork::new(fabric_for(&job), AlgorithmChoice::Auto);
+    let emu = Emulation::new(&graphs, &cost, &net, live, Pruning::Classes, perturb).unwrap();
+    let map = (0..graphs.layout.world_size())
+        .map(|r| emu.stands_for(RankId(r)))
+        .collect();
+    (emu.run_with(|_, _, modelled| modelled).unwrap(), map)
+}
+
 #[test]
-fn pruned_emulation_grows_with_classes_not_with_the_world() {
-    let overrides: Vec<String> = [
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.dp=64",
-        "training.global_batch=256",
-        "cluster.gpus_per_node=8",
-        "cluster.nodes=32",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+fn pruned_emulation_grows_with_timeline_classes_not_with_the_world() {
+    let job = |dp: u64| -> Vec<String> {
+        vec![
+            "parallel.tp=2".to_string(),
+            "parallel.pp=2".to_string(),
+            format!("parallel.dp={dp}"),
+            format!("training.global_batch={}", 4 * dp),
+            "cluster.gpus_per_node=8".to_string(),
+            format!("cluster.nodes={}", dp / 2),
+        ]
+    };
     let live = [RankId(0), RankId(17)];
-    let (pruned, participants) = emulate_modelled(
-        &overrides,
-        &live,
-        Pruning::Classes,
-        &Perturbations::default(),
-    );
-    // Two live ranks and one shared timeline per pipeline stage.
-    assert_eq!(participants, 2 + 2);
-    let (unpruned, all) =
-        emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
+    let perturb = Perturbations {
+        slow: vec![SlowRanks {
+            ranks: vec![RankId(6)],
+            factor: 1.5,
+            from: Picos::ZERO,
+            until: None,
+        }],
+        links: vec![],
+    };
+    let (_, at_32) = emulate_modelled(&job(32), &live, Pruning::Classes, &perturb);
+    let (pruned, at_64) = emulate_modelled(&job(64), &live, Pruning::Classes, &perturb);
+    // The same participants for 128 and 256 GPUs: the live and perturbed ranks and the
+    // classes of ranks that relate to them alike.
+    assert_eq!(at_32, at_64);
+    assert!(at_64 < 20, "{at_64} participants");
+    let (unpruned, all) = emulate_modelled(&job(64), &live, Pruning::None, &perturb);
     assert_eq!(all, 256);
+    assert_eq!(pruned.step_time(), unpruned.step_time());
     for r in live {
         assert_eq!(timing_of(&pruned, r), timing_of(&unpruned, r));
     }
@@ -451,7 +524,8 @@ mod collected {
         };
         let (pruned, n_pruned) = run(Pruning::Classes);
         let (all, n_all) = run(Pruning::None);
-        assert_eq!((n_pruned, n_all), (3, 8));
+        // Eight ranks, one of them live: every rank relates to it differently.
+        assert_eq!((n_pruned, n_all), (8, 8));
         let of = |t: &orrery_predict::replay::Timeline, r: u32| {
             t.participants
                 .iter()
