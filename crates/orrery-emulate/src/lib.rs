@@ -20,10 +20,15 @@
 //! from the reports, so the program may run as fast as the machine lets it, and the
 //! coordinator never holds a rank that another real rank is waiting for.
 //!
+//! - [`memory::CountingAlloc`] counts the bytes each thread allocates, so that a real rank
+//!   on the CPU reports its measured peak memory (the only unsafe code in orrery: a
+//!   `GlobalAlloc` that forwards to the system allocator).
+//!
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
 //! does, from collected graphs or the cost model) or make a real rank's wall time follow
 //! simulated time. It reads the wall clock only for its timeouts.
 
 pub mod coordinator;
+pub mod memory;
 
 pub use coordinator::{Coordinator, CoordinatorError, RankReporter, Report};
