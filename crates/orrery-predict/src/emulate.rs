@@ -29,6 +29,11 @@
 //!   on how many ranks are singled out, not on the world size: a 70B job with one real
 //!   rank has 16 from 1,024 to 8,192 GPUs (`orrery bench --emulate`).
 //!
+//!   Why the ranks of a class run identical timelines: a rank's timeline follows from its
+//!   own graph (its stage's), its perturbations and the arrivals of its group members and
+//!   pipeline peers, which is a message-passing computation over the layout; ranks that
+//!   colour refinement cannot tell apart see, round after round, the same messages.
+//!
 //!   Each class is replayed once, from its lowest rank. A collective waits for every class
 //!   among its group's members: all ranks of a class arrive together, so this is exact. A
 //!   send goes to the class of the receiving rank. Pruned emulation is therefore not an
@@ -57,12 +62,13 @@ use orrery_units::{Bytes, ClassId, Picos, RankId};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-/// Which virtual ranks are replayed one by one (see the module docs).
+/// Which ranks are replayed one by one (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pruning {
     /// Every rank is its own participant.
     None,
-    /// Materialized ranks are their own participants; every other rank shares its class's.
+    /// One participant per class of ranks with identical timelines; real and perturbed
+    /// ranks are classes of their own.
     Classes,
 }
 
@@ -77,8 +83,8 @@ pub struct SlowRanks {
     pub until: Option<Picos>,
 }
 
-/// A rank whose network link is slower: its collectives and sends take `factor` times as
-/// long.
+/// A rank whose network link is slower: every collective whose group holds it, and every
+/// send from it, takes `factor` times as long.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DegradedLink {
     pub rank: RankId,
