@@ -1,4 +1,5 @@
-//! Collective communication between data-parallel ranks.
+//! Communication between the ranks of a training run: collectives over the whole world,
+//! point-to-point messages, and collectives over groups of ranks.
 //!
 //! [`Communicator`] is the small blocking, rank-ordered interface the trainer needs: every rank
 //! calls the same collectives in the same order, each call returns when the collective is
@@ -7,13 +8,38 @@
 //! `MPI_Allgatherv` rather than `MPI_Allreduce`, whose summation order is the library's
 //! choice); an emulated backend (real ranks among virtual ones) fits the same shape.
 //!
-//! Two backends live here: [`SingleRank`] (world of one; every collective is the identity) and
-//! [`ThreadComm`] (ranks are threads of one process sharing a mutex-protected exchange area).
-//! The third, `MpiComm` (one rank per process, over MPI), is in `comm_mpi` behind the `mpi`
-//! feature. Sums are always taken in rank order `((x0 + x1) + x2) + ...` and every rank computes
+//! Model parallelism adds two kinds of operation:
+//!
+//! - **Point-to-point** ([`Communicator::send_f32`], [`Communicator::recv_f32`],
+//!   [`Communicator::send_recv_f32`]): pipeline stages pass activations forward and gradients
+//!   backward. Messages from one rank to another arrive in the order they were sent.
+//! - **Group collectives** over a [`Group`], an ordered list of distinct ranks:
+//!   [`Communicator::group_all_reduce_sum_f32`] (tensor-parallel partial sums, data-parallel
+//!   gradient averaging inside one pipeline stage), [`Communicator::group_all_gather_f32`] and
+//!   [`Communicator::group_all_to_all_v_f32`] (expert-parallel token dispatch). Sums are taken
+//!   in group order, so every member gets the same bits whatever the timing.
+//!
+//! Every operation is a named trait method, even where a default implementation built on
+//! point-to-point messages serves (the group collectives), so that a communicator wrapping
+//! another — one that records what a rank does, one that emulates absent peers — sees each
+//! operation with its kind, group, peer and size instead of the messages it is made of. Such a
+//! wrapper must forward every method to the wrapped communicator; a method it leaves at the
+//! default would be carried out as point-to-point messages through the wrapper itself.
+//!
+//! Two backends live here: [`SingleRank`] (world of one; every collective is the identity, and
+//! there is no peer to message) and [`ThreadComm`] (ranks are threads of one process sharing a
+//! mutex-protected exchange area and one mailbox per ordered pair of ranks). The third,
+//! `MpiComm` (one rank per process, over MPI), is in `comm_mpi` behind the `mpi` feature. Sums
+//! are always taken in rank (or group) order `((x0 + x1) + x2) + ...` and every rank computes
 //! the same sum, so results never depend on thread timing or on the backend and are identical
 //! on all ranks.
+//!
+//! What this module does not do: no non-blocking operations (a pipeline schedule that needs a
+//! send and a receive at once uses [`Communicator::send_recv_f32`]), no sub-communicator
+//! objects (a group is a plain rank list, validated by [`Group::new`]), and no reductions other
+//! than the sum.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use thiserror::Error;
@@ -35,6 +61,96 @@ pub enum CommError {
     Poisoned,
     #[error("a message of {elements} elements is too long for the communicator")]
     TooLarge { elements: usize },
+    #[error("peer rank {peer} is this rank or outside a world of {world}")]
+    BadPeer { peer: usize, world: usize },
+    #[error("rank {rank} is not a member of the group {group:?}")]
+    NotInGroup { rank: usize, group: Vec<usize> },
+    #[error("{what} has {found} entries, the group has {members} members")]
+    GroupShape {
+        what: &'static str,
+        found: usize,
+        members: usize,
+    },
+    #[error("{what} covers {counted} elements, the buffer holds {len}")]
+    CountMismatch {
+        what: &'static str,
+        counted: usize,
+        len: usize,
+    },
+}
+
+/// Why a list of ranks is not a group.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum GroupError {
+    #[error("a group needs at least one rank")]
+    Empty,
+    #[error("rank {rank} is outside a world of {world}")]
+    OutOfRange { rank: usize, world: usize },
+    #[error("rank {rank} appears twice")]
+    Duplicate { rank: usize },
+}
+
+/// An ordered list of distinct ranks of one world: the members of a group collective. The
+/// order is the summation order of [`Communicator::group_all_reduce_sum_f32`] and the order of
+/// the pieces of [`Communicator::group_all_gather_f32`]; a member's index in the list is its
+/// position in the group.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Group {
+    ranks: Vec<usize>,
+}
+
+impl Group {
+    /// The group of `ranks` (in this order) within a world of `world` ranks.
+    pub fn new(ranks: Vec<usize>, world: usize) -> Result<Self, GroupError> {
+        if ranks.is_empty() {
+            return Err(GroupError::Empty);
+        }
+        let mut seen = vec![false; world];
+        for &rank in &ranks {
+            let slot = seen
+                .get_mut(rank)
+                .ok_or(GroupError::OutOfRange { rank, world })?;
+            if std::mem::replace(slot, true) {
+                return Err(GroupError::Duplicate { rank });
+            }
+        }
+        Ok(Self { ranks })
+    }
+
+    /// Every rank of a world of `world` (at least one), in rank order.
+    pub fn world(world: usize) -> Self {
+        Self {
+            ranks: (0..world.max(1)).collect(),
+        }
+    }
+
+    /// The members, in group order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// Number of members (never 0).
+    pub fn len(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Always false: a group has at least one member.
+    pub fn is_empty(&self) -> bool {
+        self.ranks.is_empty()
+    }
+
+    /// The position of `rank` in the group, if it is a member.
+    pub fn position(&self, rank: usize) -> Option<usize> {
+        self.ranks.iter().position(|&r| r == rank)
+    }
+
+    /// This rank's position, or the error every group collective reports for a non-member.
+    fn position_of(&self, rank: usize) -> Result<usize, CommError> {
+        self.position(rank).ok_or_else(|| CommError::NotInGroup {
+            rank,
+            group: self.ranks.clone(),
+        })
+    }
 }
 
 /// Blocking, rank-ordered collectives over a fixed group of ranks.
@@ -52,6 +168,232 @@ pub trait Communicator: Send {
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// Sends `buf` to rank `dest` (not this rank). Messages from one rank to another are
+    /// received in the order they were sent. Whether the call waits for the receiver is the
+    /// backend's choice (threads never wait; MPI may, for long messages), so two ranks must not
+    /// both send to each other before receiving: use [`Self::send_recv_f32`] for that.
+    fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError>;
+
+    /// Whether [`Self::send_f32`] always returns without waiting for the receiver (the message
+    /// is buffered), so that a schedule may post sends in any order. Schedules that rely on it
+    /// (interleaved 1F1B) refuse communicators that answer `false`, the default; `ThreadComm`
+    /// and `SingleRank` answer `true`, MPI `false` (`MPI_Send` may wait for long messages).
+    fn sends_never_wait(&self) -> bool {
+        false
+    }
+
+    /// Receives the next message from rank `src` (not this rank) into `buf`, whose length must
+    /// be the message's ([`CommError::LengthMismatch`] otherwise; the message is consumed).
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError>;
+
+    /// Sends `send` to `dest` and receives the next message from `src` into `recv`, as one
+    /// operation that cannot deadlock against a peer doing the mirror-image call (MPI's
+    /// `MPI_Sendrecv`). The default sends first, which is right only for backends whose sends
+    /// never wait for the receiver; backends whose sends can wait must override it.
+    fn send_recv_f32(
+        &mut self,
+        dest: usize,
+        send: &[f32],
+        src: usize,
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.send_f32(dest, send)?;
+        self.recv_f32(src, recv)
+    }
+
+    /// Replaces `buf` on every member of `group` by the element-wise sum over the members,
+    /// summed in group order, identical on every member. Every member passes the same group
+    /// and the same length; ranks outside the group do not call it.
+    ///
+    /// The default is a reduce-scatter and an all-gather of pairwise exchanges
+    /// ([`Self::send_recv_f32`]): member `j` sums slice `j` of everyone's buffer, front to
+    /// back, and hands the sum to the others.
+    fn group_all_reduce_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &mut [f32],
+    ) -> Result<(), CommError> {
+        default_group_all_reduce(self, group, buf)
+    }
+
+    /// Concatenates every member's `mine` (all the same length) in group order into `out`
+    /// (`group.len() * mine.len()` elements) on every member.
+    fn group_all_gather_f32(
+        &mut self,
+        group: &Group,
+        mine: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        default_group_all_gather(self, group, mine, out)
+    }
+
+    /// Personalised exchange with variable sizes (`MPI_Alltoallv`): `send` holds one piece per
+    /// member, in group order, of `send_counts[j]` elements for member `j`; `recv` receives
+    /// one piece from each member, in group order, of `recv_counts[j]` elements from member
+    /// `j`. Counts must agree pairwise (what `i` sends to `j` is what `j` expects from `i`);
+    /// callers that do not know them exchange them first (with this call, one count each).
+    fn group_all_to_all_v_f32(
+        &mut self,
+        group: &Group,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        default_group_all_to_all_v(self, group, send, send_counts, recv, recv_counts)
+    }
+}
+
+/// Offsets of consecutive pieces of `counts`, with the total last.
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    let mut at = 0;
+    let mut v = Vec::with_capacity(counts.len() + 1);
+    for &c in counts {
+        v.push(at);
+        at += c;
+    }
+    v.push(at);
+    v
+}
+
+/// `n` elements cut into `parts` contiguous pieces whose sizes differ by at most one.
+fn even_counts(n: usize, parts: usize) -> Vec<usize> {
+    (0..parts)
+        .map(|j| n / parts + usize::from(j < n % parts))
+        .collect()
+}
+
+/// [`Communicator::group_all_to_all_v_f32`] from pairwise exchanges: in round `k` member `p`
+/// sends to member `p + k` and receives from member `p - k` (mod the group size), so every
+/// round pairs each sender with a receiver doing the mirror-image call.
+pub fn default_group_all_to_all_v<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    send: &[f32],
+    send_counts: &[usize],
+    recv: &mut [f32],
+    recv_counts: &[usize],
+) -> Result<(), CommError> {
+    let n = group.len();
+    let p = group.position_of(comm.rank())?;
+    for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
+        if counts.len() != n {
+            return Err(CommError::GroupShape {
+                what,
+                found: counts.len(),
+                members: n,
+            });
+        }
+    }
+    let so = offsets(send_counts);
+    let ro = offsets(recv_counts);
+    if so[n] != send.len() {
+        return Err(CommError::CountMismatch {
+            what: "send_counts",
+            counted: so[n],
+            len: send.len(),
+        });
+    }
+    if ro[n] != recv.len() {
+        return Err(CommError::CountMismatch {
+            what: "recv_counts",
+            counted: ro[n],
+            len: recv.len(),
+        });
+    }
+    if send_counts[p] != recv_counts[p] {
+        return Err(CommError::LengthMismatch {
+            rank: comm.rank(),
+            expected: recv_counts[p],
+            found: send_counts[p],
+        });
+    }
+    recv[ro[p]..ro[p + 1]].copy_from_slice(&send[so[p]..so[p + 1]]);
+    for k in 1..n {
+        let to = (p + k) % n;
+        let from = (p + n - k) % n;
+        comm.send_recv_f32(
+            group.ranks()[to],
+            &send[so[to]..so[to + 1]],
+            group.ranks()[from],
+            &mut recv[ro[from]..ro[from + 1]],
+        )?;
+    }
+    Ok(())
+}
+
+/// [`Communicator::group_all_gather_f32`] from pairwise exchanges.
+pub fn default_group_all_gather<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    mine: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    let n = group.len();
+    let p = group.position_of(comm.rank())?;
+    let m = mine.len();
+    if out.len() != n * m {
+        return Err(CommError::CountMismatch {
+            what: "the gathered pieces",
+            counted: n * m,
+            len: out.len(),
+        });
+    }
+    out[p * m..(p + 1) * m].copy_from_slice(mine);
+    for k in 1..n {
+        let to = (p + k) % n;
+        let from = (p + n - k) % n;
+        comm.send_recv_f32(
+            group.ranks()[to],
+            mine,
+            group.ranks()[from],
+            &mut out[from * m..(from + 1) * m],
+        )?;
+    }
+    Ok(())
+}
+
+/// [`Communicator::group_all_reduce_sum_f32`] as a reduce-scatter and an all-gather.
+pub fn default_group_all_reduce<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    buf: &mut [f32],
+) -> Result<(), CommError> {
+    let n = group.len();
+    let p = group.position_of(comm.rank())?;
+    if n == 1 {
+        return Ok(());
+    }
+    let counts = even_counts(buf.len(), n);
+    let mine = counts[p];
+    // Slice `p` of every member, in group order.
+    let mut pieces = vec![0.0f32; mine * n];
+    default_group_all_to_all_v(comm, group, buf, &counts, &mut pieces, &vec![mine; n])?;
+    let (acc, rest) = pieces.split_at_mut(mine);
+    if mine > 0 {
+        for piece in rest.chunks_exact(mine) {
+            for (a, x) in acc.iter_mut().zip(piece) {
+                *a += *x;
+            }
+        }
+    }
+    // Pieces differ in length by one, so gather them one exchange at a time rather than
+    // through the equal-length all-gather.
+    let o = offsets(&counts);
+    buf[o[p]..o[p + 1]].copy_from_slice(acc);
+    let acc = acc.to_vec();
+    for k in 1..n {
+        let to = (p + k) % n;
+        let from = (p + n - k) % n;
+        comm.send_recv_f32(
+            group.ranks()[to],
+            &acc,
+            group.ranks()[from],
+            &mut buf[o[from]..o[from + 1]],
+        )?;
+    }
+    Ok(())
 }
 
 /// The communicator of a run with one rank.
@@ -80,6 +422,21 @@ impl Communicator for SingleRank {
     fn barrier(&mut self) -> Result<(), CommError> {
         Ok(())
     }
+    fn sends_never_wait(&self) -> bool {
+        true
+    }
+    fn send_f32(&mut self, dest: usize, _buf: &[f32]) -> Result<(), CommError> {
+        Err(CommError::BadPeer {
+            peer: dest,
+            world: 1,
+        })
+    }
+    fn recv_f32(&mut self, src: usize, _buf: &mut [f32]) -> Result<(), CommError> {
+        Err(CommError::BadPeer {
+            peer: src,
+            world: 1,
+        })
+    }
 }
 
 fn check_root(root: usize, world: usize) -> Result<(), CommError> {
@@ -95,11 +452,14 @@ struct State {
     /// Incremented each time every rank has arrived at a barrier.
     generation: u64,
     arrived: usize,
-    /// Set when a rank drops its communicator; peers waiting for it then fail instead of
-    /// hanging.
-    departed: bool,
+    /// Set for a rank when it drops its communicator; peers waiting for it then fail instead
+    /// of hanging (a collective fails when any rank left, a receive when its sender did).
+    departed: Vec<bool>,
     floats: Vec<Vec<f32>>,
     bytes: Vec<Vec<u8>>,
+    /// Point-to-point messages in flight, one queue per ordered pair: `mail[src * world +
+    /// dst]`. Unbounded, so a send never waits.
+    mail: Vec<VecDeque<Vec<f32>>>,
 }
 
 #[derive(Debug)]
@@ -126,9 +486,10 @@ impl ThreadComm {
             state: Mutex::new(State {
                 generation: 0,
                 arrived: 0,
-                departed: false,
+                departed: vec![false; world],
                 floats: vec![Vec::new(); world],
                 bytes: vec![Vec::new(); world],
+                mail: vec![VecDeque::new(); world * world],
             }),
             cv: Condvar::new(),
         });
@@ -145,6 +506,17 @@ impl ThreadComm {
     }
 
     /// Waits until every rank has arrived; returns the guard re-acquired after the wait.
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        if peer == self.rank || peer >= self.shared.world {
+            Err(CommError::BadPeer {
+                peer,
+                world: self.shared.world,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
     fn wait_all<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -160,7 +532,7 @@ impl ThreadComm {
         // `departed` is checked before every wait: a peer that left before we arrived has
         // already sent its notification.
         while st.generation == gen {
-            if st.departed {
+            if st.departed.iter().any(|&d| d) {
                 return Err(CommError::PeerGone);
             }
             st = self.shared.cv.wait(st).map_err(|_| CommError::Poisoned)?;
@@ -172,7 +544,7 @@ impl ThreadComm {
 impl Drop for ThreadComm {
     fn drop(&mut self) {
         if let Ok(mut st) = self.shared.state.lock() {
-            st.departed = true;
+            st.departed[self.rank] = true;
         }
         self.shared.cv.notify_all();
     }
@@ -274,6 +646,45 @@ impl Communicator for ThreadComm {
         let _st = self.wait_all(st)?;
         Ok(())
     }
+
+    fn sends_never_wait(&self) -> bool {
+        true
+    }
+
+    fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
+        self.check_peer(dest)?;
+        let mut st = self.lock()?;
+        let world = self.shared.world;
+        st.mail[self.rank * world + dest].push_back(buf.to_vec());
+        drop(st);
+        self.shared.cv.notify_all();
+        Ok(())
+    }
+
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        self.check_peer(src)?;
+        let slot = src * self.shared.world + self.rank;
+        let mut st = self.lock()?;
+        // A message already sent is delivered even when its sender has left since.
+        let msg = loop {
+            if let Some(m) = st.mail[slot].pop_front() {
+                break m;
+            }
+            if st.departed[src] {
+                return Err(CommError::PeerGone);
+            }
+            st = self.shared.cv.wait(st).map_err(|_| CommError::Poisoned)?;
+        };
+        if msg.len() != buf.len() {
+            return Err(CommError::LengthMismatch {
+                rank: src,
+                expected: buf.len(),
+                found: msg.len(),
+            });
+        }
+        buf.copy_from_slice(&msg);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -362,6 +773,221 @@ mod tests {
         assert!(out
             .iter()
             .all(|r| matches!(r, Err(CommError::LengthMismatch { .. }))));
+    }
+
+    #[test]
+    fn point_to_point_messages_arrive_in_order() {
+        let out = run(3, |mut c| {
+            match c.rank() {
+                0 => {
+                    for i in 0..20 {
+                        c.send_f32(2, &[i as f32, -(i as f32)]).unwrap();
+                    }
+                    Vec::new()
+                }
+                1 => {
+                    for i in 0..20 {
+                        c.send_f32(2, &[100.0 + i as f32]).unwrap();
+                    }
+                    Vec::new()
+                }
+                _ => {
+                    let mut got = Vec::new();
+                    let (mut a, mut b) = ([0.0f32; 2], [0.0f32; 1]);
+                    for _ in 0..20 {
+                        // Interleaving the two senders does not reorder either's messages.
+                        c.recv_f32(1, &mut b).unwrap();
+                        c.recv_f32(0, &mut a).unwrap();
+                        got.push((a[0], b[0]));
+                    }
+                    got
+                }
+            }
+        });
+        assert_eq!(out[2].len(), 20);
+        for (i, &(a, b)) in out[2].iter().enumerate() {
+            assert_eq!((a, b), (i as f32, 100.0 + i as f32));
+        }
+    }
+
+    #[test]
+    fn receive_with_the_wrong_length_is_reported() {
+        let out = run(2, |mut c| {
+            if c.rank() == 0 {
+                c.send_f32(1, &[1.0, 2.0, 3.0]).unwrap();
+                Ok(())
+            } else {
+                let mut buf = [0.0f32; 2];
+                c.recv_f32(0, &mut buf)
+            }
+        });
+        assert_eq!(
+            out[1],
+            Err(CommError::LengthMismatch {
+                rank: 0,
+                expected: 2,
+                found: 3
+            })
+        );
+    }
+
+    #[test]
+    fn a_departed_sender_fails_the_receive_after_its_messages() {
+        let out = run(2, |mut c| {
+            if c.rank() == 0 {
+                c.send_f32(1, &[7.0]).unwrap();
+                drop(c);
+                return (Ok(()), Ok(()));
+            }
+            let mut buf = [0.0f32];
+            let first = c.recv_f32(0, &mut buf).map(|()| assert_eq!(buf, [7.0]));
+            (first, c.recv_f32(0, &mut buf))
+        });
+        assert_eq!(out[1], (Ok(()), Err(CommError::PeerGone)));
+    }
+
+    #[test]
+    fn a_departed_member_fails_the_group_collective_instead_of_hanging() {
+        let out = run(3, |mut c| {
+            let g = Group::new(vec![0, 1], 3).unwrap();
+            if c.rank() == 1 {
+                drop(c);
+                return Ok(());
+            }
+            if c.rank() == 2 {
+                return Ok(());
+            }
+            let mut buf = [1.0f32; 4];
+            c.group_all_reduce_sum_f32(&g, &mut buf)
+        });
+        assert_eq!(out[0], Err(CommError::PeerGone));
+    }
+
+    #[test]
+    fn peers_are_checked() {
+        let mut comms = ThreadComm::group(2);
+        let c = &mut comms[0];
+        assert_eq!(
+            c.send_f32(0, &[1.0]),
+            Err(CommError::BadPeer { peer: 0, world: 2 })
+        );
+        assert_eq!(
+            c.recv_f32(5, &mut [0.0]),
+            Err(CommError::BadPeer { peer: 5, world: 2 })
+        );
+        assert!(SingleRank.send_f32(0, &[1.0]).is_err());
+    }
+
+    #[test]
+    fn groups_are_validated() {
+        assert_eq!(Group::new(vec![], 4), Err(GroupError::Empty));
+        assert_eq!(
+            Group::new(vec![1, 4], 4),
+            Err(GroupError::OutOfRange { rank: 4, world: 4 })
+        );
+        assert_eq!(
+            Group::new(vec![2, 1, 2], 4),
+            Err(GroupError::Duplicate { rank: 2 })
+        );
+        let g = Group::new(vec![3, 1], 4).unwrap();
+        assert_eq!((g.len(), g.position(1), g.position(0)), (2, Some(1), None));
+        assert_eq!(Group::world(3).ranks(), &[0, 1, 2]);
+    }
+
+    /// Two disjoint groups of a world of 5 reduce concurrently; each member's sum is taken in
+    /// the group's order (not rank order) and is the same bits on every member.
+    #[test]
+    fn group_all_reduce_sums_in_group_order() {
+        let values = [1e8f32, 1.0, -1e8, 3.0, 0.5];
+        let out = run(5, |mut c| {
+            let group = if c.rank() % 2 == 0 {
+                Group::new(vec![4, 0, 2], 5).unwrap()
+            } else {
+                Group::new(vec![3, 1], 5).unwrap()
+            };
+            let r = c.rank();
+            let mut results = Vec::new();
+            for len in [0usize, 1, 2, 7] {
+                let mut buf: Vec<f32> = (0..len).map(|i| values[r] + i as f32 * 0.25).collect();
+                c.group_all_reduce_sum_f32(&group, &mut buf).unwrap();
+                results.push(buf);
+            }
+            results
+        });
+        for (li, len) in [0usize, 1, 2, 7].into_iter().enumerate() {
+            let expect = |order: &[usize]| -> Vec<f32> {
+                (0..len)
+                    .map(|i| {
+                        let mut acc = values[order[0]] + i as f32 * 0.25;
+                        for &r in &order[1..] {
+                            acc += values[r] + i as f32 * 0.25;
+                        }
+                        acc
+                    })
+                    .collect()
+            };
+            for r in [0, 2, 4] {
+                assert_eq!(out[r][li], expect(&[4, 0, 2]), "rank {r} len {len}");
+            }
+            for r in [1, 3] {
+                assert_eq!(out[r][li], expect(&[3, 1]), "rank {r} len {len}");
+            }
+        }
+    }
+
+    #[test]
+    fn group_all_gather_and_all_to_all_v() {
+        let out = run(3, |mut c| {
+            let g = Group::new(vec![2, 0, 1], 3).unwrap();
+            let r = c.rank();
+            let mut gathered = vec![0.0f32; 6];
+            c.group_all_gather_f32(&g, &[r as f32, 10.0 * r as f32], &mut gathered)
+                .unwrap();
+            // Member at position p sends p + q + 1 copies of (10 r + q) to member q.
+            let p = g.position(r).unwrap();
+            let send_counts: Vec<usize> = (0..3).map(|q| p + q + 1).collect();
+            let send: Vec<f32> = (0..3)
+                .flat_map(|q| std::iter::repeat_n((10 * r + q) as f32, p + q + 1))
+                .collect();
+            let recv_counts: Vec<usize> = (0..3).map(|q| q + p + 1).collect();
+            let mut recv = vec![0.0f32; recv_counts.iter().sum()];
+            c.group_all_to_all_v_f32(&g, &send, &send_counts, &mut recv, &recv_counts)
+                .unwrap();
+            (gathered, recv)
+        });
+        let order = [2usize, 0, 1];
+        for (r, (gathered, recv)) in out.iter().enumerate() {
+            assert_eq!(gathered, &vec![2.0, 20.0, 0.0, 0.0, 1.0, 10.0]);
+            let p = order.iter().position(|&x| x == r).unwrap();
+            let expect: Vec<f32> = order
+                .iter()
+                .enumerate()
+                .flat_map(|(q, &src)| std::iter::repeat_n((10 * src + p) as f32, q + p + 1))
+                .collect();
+            assert_eq!(recv, &expect, "rank {r}");
+        }
+    }
+
+    #[test]
+    fn group_collectives_check_membership_and_counts() {
+        let mut c = SingleRank;
+        let g = Group::new(vec![0], 1).unwrap();
+        let mut buf = [1.0f32, 2.0];
+        c.group_all_reduce_sum_f32(&g, &mut buf).unwrap();
+        assert_eq!(buf, [1.0, 2.0]);
+        let mut out = [0.0f32; 2];
+        c.group_all_gather_f32(&g, &buf, &mut out).unwrap();
+        assert_eq!(out, buf);
+        assert!(matches!(
+            c.group_all_to_all_v_f32(&g, &buf, &[1, 1], &mut out, &[2]),
+            Err(CommError::GroupShape { .. })
+        ));
+        let mut comms = ThreadComm::group(3);
+        let outside = Group::new(vec![1, 2], 3).unwrap();
+        assert!(matches!(
+            comms[0].group_all_reduce_sum_f32(&outside, &mut buf),
+            Err(CommError::NotInGroup { rank: 0, .. })
+        ));
     }
 
     #[test]

@@ -17,6 +17,15 @@
 //! - `broadcast_f32`, `broadcast_bytes`: `MPI_Bcast` (the byte variant sends the length first).
 //! - `all_gather_bytes`: the lengths with `MPI_Allgather`, then the bytes with `MPI_Allgatherv`.
 //! - `barrier`: `MPI_Barrier`.
+//! - `send_f32`, `recv_f32`: `MPI_Send` and `MPI_Recv` on `MPI_COMM_WORLD` (MPI keeps the
+//!   messages of one pair in order). A message is a header with its length, then the data in
+//!   segments, so a receiver with the wrong buffer length drains the message and reports
+//!   `LengthMismatch` instead of MPI aborting on truncation. `MPI_Send` may wait for the
+//!   receiver, so `send_recv_f32` posts the sends as `MPI_Isend`, receives, then waits for
+//!   the sends: two ranks exchanging with each other cannot deadlock.
+//! - The group collectives use the trait's defaults, pairwise `send_recv_f32` exchanges
+//!   summed in group order. No MPI sub-communicators are created: a group is only a rank list,
+//!   so forming one costs nothing and every rank can use any number of groups.
 //!
 //! Argument checks that need the other ranks' view (equal lengths) exchange the lengths first,
 //! so every rank reaches the same verdict and no rank enters a collective its peers skip.
@@ -32,6 +41,7 @@ use std::sync::Arc;
 use mpi::collective::CommunicatorCollectives as _;
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::{Threading, Universe};
+use mpi::point_to_point::{Destination as _, Source as _};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::Root as _;
 use mpi::{Count, Rank};
@@ -230,6 +240,45 @@ impl MpiComm {
         }
     }
 
+    /// The MPI rank of a point-to-point peer: any other rank of the world.
+    fn peer(&self, peer: usize) -> Result<Rank, CommError> {
+        let bad = CommError::BadPeer {
+            peer,
+            world: self.world,
+        };
+        if peer >= self.world || peer == self.rank {
+            return Err(bad);
+        }
+        Rank::try_from(peer).map_err(|_| bad)
+    }
+
+    /// Receives one message (header, then segments) from `src` into `buf`. A message of
+    /// another length is received in full and dropped, so the pair's next message still lines
+    /// up, and reported.
+    fn receive_message(&self, src: Rank, peer: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let w = comm_world();
+        let process = w.process_at_rank(src);
+        let mut header = 0u64;
+        process.receive_into(&mut header);
+        let found = usize::try_from(header).unwrap_or(usize::MAX);
+        if found == buf.len() {
+            for seg in buf.chunks_mut(SEGMENT) {
+                process.receive_into(seg);
+            }
+            return Ok(());
+        }
+        let mut rest = found;
+        while rest > 0 {
+            let (piece, _status) = process.receive_vec::<f32>();
+            rest = rest.saturating_sub(piece.len().max(1));
+        }
+        Err(CommError::LengthMismatch {
+            rank: peer,
+            expected: buf.len(),
+            found,
+        })
+    }
+
     /// Rank-order sum of one segment (see the module documentation for the scheme).
     fn all_reduce_segment(&mut self, seg: &mut [f32]) -> Result<(), CommError> {
         let world = self.world;
@@ -354,6 +403,53 @@ impl Communicator for MpiComm {
     fn barrier(&mut self) -> Result<(), CommError> {
         comm_world().barrier();
         Ok(())
+    }
+
+    fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
+        let dest = self.peer(dest)?;
+        let w = comm_world();
+        let process = w.process_at_rank(dest);
+        process.send(&(buf.len() as u64));
+        for seg in buf.chunks(SEGMENT) {
+            process.send(seg);
+        }
+        Ok(())
+    }
+
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let rank = self.peer(src)?;
+        self.receive_message(rank, src, buf)
+    }
+
+    fn send_recv_f32(
+        &mut self,
+        dest: usize,
+        send: &[f32],
+        src: usize,
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let dest_rank = self.peer(dest)?;
+        let src_rank = self.peer(src)?;
+        let w = comm_world();
+        let to = w.process_at_rank(dest_rank);
+        let header = send.len() as u64;
+        mpi::request::scope(|scope| {
+            // Post every send first, then receive: the peer doing the mirror-image call can
+            // always make progress, whatever MPI's eager limit.
+            let mut requests = vec![to.immediate_send(scope, &header)];
+            let mut segments = Vec::new();
+            for seg in send.chunks(SEGMENT) {
+                segments.push(to.immediate_send(scope, seg));
+            }
+            let received = self.receive_message(src_rank, src, recv);
+            for r in requests.drain(..) {
+                r.wait();
+            }
+            for r in segments {
+                r.wait();
+            }
+            received
+        })
     }
 }
 

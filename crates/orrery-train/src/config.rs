@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+pub use crate::parallel::ParallelConfig;
+
 /// Normalisation layer of every block (and the final one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -62,6 +64,30 @@ pub struct ModelConfig {
     /// Standard deviation of the normal weight initialisation (residual output projections are
     /// scaled down by `sqrt(2 * n_layers)`, as in GPT-2).
     pub init_std: f64,
+    /// A mixture of experts in place of every block's MLP; `None` (the default, not written)
+    /// keeps the dense MLP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+}
+
+/// The mixture-of-experts feed-forward: `experts` MLPs of the model's `mlp` kind and `d_ff`
+/// width; a linear router's softmax picks each token's `top_k` experts, whose outputs are
+/// summed weighted by their router probabilities renormalised over the chosen ones. There is
+/// no load-balancing loss and no capacity limit (no token is dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+}
+
+impl Default for MoeConfig {
+    fn default() -> Self {
+        Self {
+            experts: 4,
+            top_k: 2,
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -81,6 +107,7 @@ impl Default for ModelConfig {
             rope_theta: 10_000.0,
             norm_eps: 1e-5,
             init_std: 0.02,
+            moe: None,
         }
     }
 }
@@ -204,6 +231,11 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Where metrics, the loss curve and checkpoints go; `None` writes nothing.
     pub out_dir: Option<PathBuf>,
+    /// Tensor, pipeline and data parallelism ([`ParallelConfig`]). Absent: pure data
+    /// parallelism over the run's ranks. Not written when absent, so configurations and
+    /// checkpoints from before the section existed read back unchanged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<ParallelConfig>,
 }
 
 impl Default for TrainConfig {
@@ -226,6 +258,7 @@ impl Default for TrainConfig {
             eval_batches: 4,
             checkpoint_every: 0,
             out_dir: None,
+            parallel: None,
         }
     }
 }
@@ -326,6 +359,17 @@ impl TrainConfig {
         }
         if m.d_ff == 0 {
             bad("model.d_ff", "must be at least 1".into());
+        }
+        if let Some(moe) = &m.moe {
+            if moe.experts == 0 {
+                bad("model.moe.experts", "must be at least 1".into());
+            }
+            if moe.top_k == 0 || moe.top_k > moe.experts {
+                bad(
+                    "model.moe.top_k",
+                    format!("{} is not in 1..={}", moe.top_k, moe.experts),
+                );
+            }
         }
         if !(m.rope_theta.is_finite() && m.rope_theta > 1.0) {
             bad(
@@ -454,6 +498,9 @@ impl TrainConfig {
                 "must be at least 1 when eval_every is set".into(),
             );
         }
+        if let Some(par) = &self.parallel {
+            par.problems(m, self.batch_size, &mut p);
+        }
         if p.is_empty() {
             Ok(())
         } else {
@@ -505,6 +552,23 @@ mod tests {
             TrainConfig::from_toml_str("[model]\nn_layers = 0\n"),
             Err(ConfigLoadError::Invalid(e)) if e.mentions("model.n_layers")
         ));
+    }
+
+    #[test]
+    fn parallel_section_is_optional_and_checked() {
+        let text = toml::to_string(&TrainConfig::default()).unwrap();
+        assert!(!text.contains("parallel"), "{text}");
+        let c = TrainConfig::from_toml_str(
+            "batch_size = 8\n[model]\nn_layers = 4\n[parallel]\ntp = 2\npp = 2\nmicro_batches = 4\n",
+        )
+        .unwrap();
+        let par = c.parallel.unwrap();
+        assert_eq!((par.tp, par.pp, par.dp, par.micro_batches), (2, 2, 1, 4));
+        let r = TrainConfig::from_toml_str("[parallel]\ntp = 3\n");
+        assert!(
+            matches!(&r, Err(ConfigLoadError::Invalid(e)) if e.mentions("parallel.tp")),
+            "{r:?}"
+        );
     }
 
     #[test]

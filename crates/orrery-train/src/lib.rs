@@ -6,8 +6,8 @@
 //!
 //! - **Model** ([`model`]): a decoder-only GPT on burn (CPU `ndarray` backend with autodiff by
 //!   default; CUDA behind the `cuda` feature). Pre-norm blocks; LayerNorm or RMSNorm; RoPE or
-//!   learned positions; grouped-query attention (`n_kv_heads`); GeLU or SwiGLU; tied or untied
-//!   output head — all chosen in [`ModelConfig`].
+//!   learned positions; grouped-query attention (`n_kv_heads`); GeLU or SwiGLU, dense or a
+//!   top-k mixture of experts; tied or untied output head — all chosen in [`ModelConfig`].
 //! - **Parameters** ([`params::ParamStore`]): the canonical weights are named `f32` buffers,
 //!   not burn tensors. Each step builds the burn module from the store, runs forward and
 //!   backward with burn's autodiff, copies each parameter's gradient out by module path, and
@@ -30,6 +30,19 @@
 //!   (`comm_mpi::MpiComm`, run by [`train_with_comm`] under `mpirun`). Every rank draws the same
 //!   global batch and trains on its slice; gradients are averaged with an all-reduce that sums
 //!   in rank order, so results depend neither on timing nor on the backend.
+//! - **Tensor, pipeline and expert parallelism** ([`parallel`], [`model_parallel`]): an
+//!   optional `[parallel]` section ([`ParallelConfig`]) makes the run a `tp × pp × dp` grid
+//!   ([`Layout`]). Each rank holds its pipeline stage's layers with Megatron's column- and
+//!   row-parallel cuts of the attention and MLP matrices (embeddings, norms and head
+//!   replicated), runs its micro-batches with the 1F1B schedule (or interleaved 1F1B over
+//!   several model chunks per stage), passing activations and gradients to its pipeline
+//!   neighbours with point-to-point messages, and sums partial results over its
+//!   tensor-parallel group with group all-reduces of the [`Communicator`]. A
+//!   mixture-of-experts model ([`MoeConfig`]) may split its experts over an expert-parallel
+//!   group (`ep`), tokens dispatched to them and results combined with the group all-to-all.
+//!   Every layout trains the single-rank model's weights within float tolerance (every rank
+//!   cuts its shard from the same seeded full model), and its checkpoints hold the whole
+//!   model's weights and every rank's optimizer state, for a bit-exact resume.
 //!
 //! Determinism: the crate's own [`rng::Rng`] initialises weights and samples batches, burn's
 //! backend RNG is seeded too (nothing here draws from it: there is no dropout), and timing is
@@ -51,9 +64,9 @@
 //!
 //! What this crate does not do: it does not print (progress goes to a [`TrainObserver`]); it
 //! does not shard optimizer state across ranks (a split shares refresh work, and every rank
-//! still holds all the state); it has no tensor/pipeline parallelism, mixed precision,
-//! dropout, KV cache or sampling/generation; and it does not make the CPU fast — it is a
-//! faithful, reproducible reference trainer.
+//! still holds all the state; with model parallelism each rank holds its shard's); it has no
+//! sequence parallelism, mixed precision, dropout, KV cache or sampling/generation; and it
+//! does not make the CPU fast — it is a faithful, reproducible reference trainer.
 
 pub mod checkpoint;
 pub mod comm;
@@ -63,6 +76,8 @@ pub mod config;
 pub mod data;
 pub mod metrics;
 pub mod model;
+pub mod model_parallel;
+pub mod parallel;
 pub mod params;
 pub mod rng;
 pub mod schedule;
@@ -74,15 +89,16 @@ use std::sync::{mpsc, Arc};
 use orrery_optim::{OptimError, Optimizer, Param, StepReport};
 
 pub use checkpoint::{Checkpoint, CheckpointError};
-pub use comm::{CommError, Communicator, SingleRank, ThreadComm};
+pub use comm::{CommError, Communicator, Group, GroupError, SingleRank, ThreadComm};
 #[cfg(feature = "mpi")]
 pub use comm_mpi::{MpiAbort, MpiComm, MpiInitError};
 pub use config::{
     ConfigErrors, ConfigLoadError, ConfigProblem, DataConfig, DeviceKind, MlpKind, ModelConfig,
-    NormKind, OptimizerConfig, PositionKind, TokenizerKind, TrainConfig,
+    MoeConfig, NormKind, OptimizerConfig, PositionKind, TokenizerKind, TrainConfig,
 };
 pub use data::{Corpus, DataError, Tokenizer};
 pub use metrics::{loss_curve_svg, StepMetrics};
+pub use parallel::{Coords, Layout, ParallelConfig};
 pub use trainer::{
     Clock, FixedClock, MonotonicClock, NullObserver, OptimizerSummary, TrainError, TrainObserver,
     TrainSummary, Trainer, CHECKPOINT_FILE, LOSS_PLOT_FILE, METRICS_FILE,
@@ -490,7 +506,10 @@ where
             observer,
         );
     }
-    if !config.batch_size.is_multiple_of(ranks) {
+    // With tensor or pipeline parallelism the batch is split over the data-parallel replicas
+    // only; the trainer checks that against the `[parallel]` layout.
+    let split = config.parallel.is_some_and(|p| p.splits_model());
+    if !split && !config.batch_size.is_multiple_of(ranks) {
         return Err(TrainError::BatchNotDivisible {
             batch: config.batch_size,
             world: ranks,

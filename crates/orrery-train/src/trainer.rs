@@ -15,6 +15,8 @@ use crate::config::{ConfigErrors, TrainConfig};
 use crate::data::{even_starts, random_starts, Batch, Corpus, DataError};
 use crate::metrics::{loss_curve_svg, StepMetrics};
 use crate::model::{param_specs, Aux, BuildError, Gpt};
+use crate::model_parallel::{self as mp, MicroBatch, ModelParallel};
+use crate::parallel::Layout;
 use crate::params::{collect_grads, ParamStore};
 use crate::rng::Rng;
 use crate::schedule::lr_at;
@@ -155,6 +157,9 @@ pub struct Trainer<B: AutodiffBackend> {
     optim: OptimizerSummary,
     aux: Aux<B>,
     aux_eval: Aux<B::InnerBackend>,
+    /// This rank's place in a tensor/pipeline-parallel run; `None` for pure data parallelism,
+    /// where every rank holds the whole model.
+    mp: Option<ModelParallel>,
 }
 
 impl<B: AutodiffBackend> std::fmt::Debug for Trainer<B> {
@@ -180,7 +185,24 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<Self, TrainError> {
         config.validate()?;
         let world = comm.world_size();
-        if !config.batch_size.is_multiple_of(world) {
+        let rank = comm.rank();
+        // A `[parallel]` section must describe this run's ranks even when it splits nothing.
+        let layout = match &config.parallel {
+            Some(par) => Some(Layout::new(par, &config.model, config.batch_size, world)?),
+            None => None,
+        };
+        let split = config.parallel.is_some_and(|p| p.splits_model());
+        if config.parallel.is_some_and(|p| p.virtual_stages > 1) && !comm.sends_never_wait() {
+            return Err(TrainError::Config(ConfigErrors {
+                problems: vec![crate::config::ConfigProblem {
+                    path: "parallel.virtual_stages".into(),
+                    message: "interleaved 1F1B needs a communicator whose sends never wait for \
+                              the receiver (threads); this one's may (MPI)"
+                        .into(),
+                }],
+            }));
+        }
+        if !split && !config.batch_size.is_multiple_of(world) {
             return Err(TrainError::BatchNotDivisible {
                 batch: config.batch_size,
                 world,
@@ -189,10 +211,23 @@ impl<B: AutodiffBackend> Trainer<B> {
         B::seed(&device, config.seed);
         let specs = param_specs(&config.model);
         let mut store = ParamStore::init(&specs, &mut Rng::new(config.seed, STREAM_WEIGHTS));
-        let rank = comm.rank();
-        comm.broadcast_f32(0, store.flat_mut())
-            .map_err(|source| TrainError::Comm { rank, source })?;
-        let grads = ParamStore::zeros(&specs);
+        let mp = match layout {
+            Some(layout) if split => Some(ModelParallel::new(layout, rank)),
+            _ => None,
+        };
+        if let Some(m) = &mp {
+            // Every rank initialises the full model from the seed and keeps its shard, so the
+            // shards are the single-rank model's weights exactly; ranks hold different
+            // parameters, so there is no broadcast from rank 0.
+            store = mp::shard(&store, &config.model, &m.layout, m.coords);
+        } else {
+            comm.broadcast_f32(0, store.flat_mut())
+                .map_err(|source| TrainError::Comm { rank, source })?;
+        }
+        let grads = match &mp {
+            Some(m) => ParamStore::zeros(&mp::local_specs(&config.model, &m.layout, m.coords)),
+            None => ParamStore::zeros(&specs),
+        };
         let aux = Aux::new(&config.model, config.model.context, &device);
         let aux_eval = Aux::new(&config.model, config.model.context, &device);
         Ok(Self {
@@ -210,6 +245,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             optim: OptimizerSummary::default(),
             aux,
             aux_eval,
+            mp,
         })
     }
 
@@ -225,6 +261,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         device: B::Device,
     ) -> Result<Self, TrainError> {
         let saved = &checkpoint.meta.config;
+        let splits = |c: &TrainConfig| c.parallel.is_some_and(|p| p.splits_model());
+        // A model-parallel checkpoint holds the whole model's weights but one optimizer state
+        // per rank, which fits only the layout that wrote it.
+        if (splits(&config) || splits(saved)) && saved.parallel != config.parallel {
+            return Err(TrainError::Resume(
+                "the configuration's [parallel] layout differs from the checkpoint's; a \
+                 tensor-, pipeline- or expert-parallel run resumes with the same layout"
+                    .into(),
+            ));
+        }
         if saved.model != config.model {
             return Err(TrainError::Resume(
                 "the configuration's [model] differs from the checkpoint's".into(),
@@ -246,27 +292,94 @@ impl<B: AutodiffBackend> Trainer<B> {
             )));
         }
         let mut t = Self::new(config, corpus, optimizer, comm, device)?;
-        let names_match = checkpoint.meta.param_names == t.store.names()
-            && checkpoint
-                .meta
-                .param_shapes
-                .iter()
-                .enumerate()
-                .all(|(i, s)| i < t.store.len() && s == t.store.shape(i))
-            && checkpoint.meta.param_shapes.len() == t.store.len();
-        if !names_match || checkpoint.values.len() != t.store.numel() {
-            return Err(TrainError::Resume(
-                "the checkpoint's parameters do not match the model".into(),
-            ));
+        if t.mp.is_some() {
+            t.restore_model_parallel(&checkpoint)?;
+        } else {
+            t.restore_whole(&checkpoint)?;
         }
-        t.store.flat_mut().copy_from_slice(&checkpoint.values);
-        t.optimizer.load_state(&checkpoint.optimizer)?;
         t.data_rng = Rng::from_state(checkpoint.meta.data_rng);
         t.step = checkpoint.meta.step;
         t.tokens_seen = checkpoint.meta.tokens_seen;
         t.history = checkpoint.meta.history;
         t.optim = checkpoint.meta.optimizer;
         Ok(t)
+    }
+
+    /// Whether the checkpoint's parameter names and shapes are `store`'s.
+    fn layout_matches(checkpoint: &Checkpoint, store: &ParamStore) -> bool {
+        checkpoint.meta.param_names == store.names()
+            && checkpoint.meta.param_shapes.len() == store.len()
+            && checkpoint
+                .meta
+                .param_shapes
+                .iter()
+                .enumerate()
+                .all(|(i, s)| s == store.shape(i))
+            && checkpoint.values.len() == store.numel()
+    }
+
+    /// Weights and optimizer state of a checkpoint of the whole model on every rank.
+    fn restore_whole(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+        if !Self::layout_matches(checkpoint, &self.store) {
+            return Err(TrainError::Resume(
+                "the checkpoint's parameters do not match the model".into(),
+            ));
+        }
+        self.store.flat_mut().copy_from_slice(&checkpoint.values);
+        self.optimizer.load_state(&checkpoint.optimizer)?;
+        Ok(())
+    }
+
+    /// A model-parallel checkpoint: this rank's shard of its full weights, and its own
+    /// optimizer state out of the one per rank.
+    fn restore_model_parallel(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+        let Some(m) = self.mp.as_ref() else {
+            return self.restore_whole(checkpoint);
+        };
+        let mut full = ParamStore::zeros(&param_specs(&self.config.model));
+        if !Self::layout_matches(checkpoint, &full) {
+            return Err(TrainError::Resume(
+                "the checkpoint's parameters do not match the model".into(),
+            ));
+        }
+        full.flat_mut().copy_from_slice(&checkpoint.values);
+        self.store = mp::shard(&full, &self.config.model, &m.layout, m.coords);
+        let states = decode_states(&checkpoint.optimizer).ok_or_else(|| {
+            TrainError::Resume("the checkpoint's per-rank optimizer states are malformed".into())
+        })?;
+        let world = m.layout.world_size();
+        if states.len() != world {
+            return Err(TrainError::Resume(format!(
+                "the checkpoint holds optimizer states of {} ranks, the run has {world}",
+                states.len()
+            )));
+        }
+        self.optimizer.load_state(&states[m.rank])?;
+        Ok(())
+    }
+
+    /// The run's checkpoint on rank 0 (`None` on the others), collectively: with model
+    /// parallelism every rank must call it, the shards are put together into the whole
+    /// model's weights and every rank's optimizer state is kept, by rank.
+    pub fn gather_checkpoint(&mut self) -> Result<Option<Checkpoint>, TrainError> {
+        if self.mp.is_none() {
+            return Ok((self.comm.rank() == 0).then(|| self.checkpoint()));
+        }
+        let full = self.gather_params()?;
+        let rank = self.comm.rank();
+        let states = self
+            .comm
+            .all_gather_bytes(&self.optimizer.save_state())
+            .map_err(|source| TrainError::Comm { rank, source })?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        let mut c = self.checkpoint();
+        c.meta.param_names = full.names().to_vec();
+        c.meta.param_shapes = (0..full.len()).map(|i| full.shape(i).to_vec()).collect();
+        c.values = full.flat().to_vec();
+        c.optimizer = encode_states(&states);
+        Ok(Some(c))
     }
 
     pub fn config(&self) -> &TrainConfig {
@@ -278,6 +391,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.step
     }
 
+    /// This rank's parameters: the whole model with pure data parallelism, this rank's shard
+    /// with tensor, pipeline or expert parallelism (see [`Self::gather_params`]).
     pub fn params(&self) -> &ParamStore {
         &self.store
     }
@@ -339,6 +454,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             ctx,
             cfg.batch_size,
         );
+        if self.mp.is_some() {
+            return self.finish_step(clock, t0, lr, &starts);
+        }
         let batch = Batch::from_starts(
             &self.corpus.train,
             &starts[rank * local..(rank + 1) * local],
@@ -385,6 +503,59 @@ impl<B: AutodiffBackend> Trainer<B> {
             .map(|&g| f64::from(g) * f64::from(g))
             .sum::<f64>()
             .sqrt();
+        self.apply_update(clock, t0, lr, loss_value, norm)
+    }
+
+    /// The model-parallel step after the batch is drawn: this rank's replica's micro-batches
+    /// through [`mp::train_step`], then the update.
+    fn finish_step(
+        &mut self,
+        clock: &dyn Clock,
+        t0: f64,
+        lr: f64,
+        starts: &[usize],
+    ) -> Result<StepMetrics, TrainError> {
+        let Some(mpar) = self.mp.as_ref() else {
+            return Err(TrainError::Backend("not a model-parallel run".into()));
+        };
+        let ctx = self.config.model.context;
+        let (dp, m) = (mpar.layout.dp, mpar.layout.micro_batches);
+        let local = self.config.batch_size / dp;
+        let mine = &starts[mpar.coords.dp * local..(mpar.coords.dp + 1) * local];
+        let micro: Vec<MicroBatch> = mine
+            .chunks(local / m)
+            .map(|c| Batch::from_starts(&self.corpus.train, c, ctx).into())
+            .collect();
+        let out = mp::train_step::<B>(
+            mpar,
+            &self.config.model,
+            &self.store,
+            &mut self.grads,
+            self.comm.as_mut(),
+            &self.device,
+            &self.aux,
+            &micro,
+        )?;
+        if !out.loss.is_finite() {
+            return Err(TrainError::NonFinite {
+                step: self.step + 1,
+                loss: out.loss,
+            });
+        }
+        self.apply_update(clock, t0, lr, out.loss, out.grad_norm)
+    }
+
+    /// Clips the gradients to the global norm `norm`, steps the optimizer, and evaluates when
+    /// it is due.
+    fn apply_update(
+        &mut self,
+        clock: &dyn Clock,
+        t0: f64,
+        lr: f64,
+        loss_value: f32,
+        norm: f64,
+    ) -> Result<StepMetrics, TrainError> {
+        let ctx = self.config.model.context;
         let clip = self.config.grad_clip;
         if clip > 0.0 && norm > clip {
             let scale = (clip / (norm + 1e-6)) as f32;
@@ -396,10 +567,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         let optimizer = &mut self.optimizer;
         // The optimizer gets the communicator too, so that it can share preconditioner
         // refreshes across the ranks; optimizers that do not split anything ignore it.
-        let mut group = CommGroup(self.comm.as_mut());
-        let report = self.store.with_optim_params(grads, |params| {
-            optimizer.step_shared(lr as f32, params, &mut group)
-        })?;
+        let report = if self.mp.is_some() {
+            // Ranks of a model-parallel run hold different parameters, so a split refresh
+            // over all of them would mix shards; each rank refreshes its own.
+            self.store.with_optim_params(grads, |params| {
+                optimizer.step_shared(lr as f32, params, &mut SoloGroup)
+            })?
+        } else {
+            let mut group = CommGroup(self.comm.as_mut());
+            self.store.with_optim_params(grads, |params| {
+                optimizer.step_shared(lr as f32, params, &mut group)
+            })?
+        };
         self.optim.record(&report, self.optimizer.state_usage());
         let t1 = clock.now_seconds();
 
@@ -436,6 +615,9 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Mean loss over the fixed validation windows (`eval_batches * batch_size` of them,
     /// evenly spaced), split across ranks.
     pub fn evaluate(&mut self) -> Result<f32, TrainError> {
+        if self.mp.is_some() {
+            return self.evaluate_model_parallel();
+        }
         let cfg = &self.config;
         let ctx = cfg.model.context;
         let world = self.comm.world_size();
@@ -462,7 +644,84 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(sums[0] / sums[1].max(1.0))
     }
 
-    /// The full training state.
+    /// [`Self::evaluate`] through the pipeline: each data-parallel replica takes its share of
+    /// the windows, batch by batch, and the last stage's first tensor-parallel rank counts the
+    /// losses.
+    fn evaluate_model_parallel(&mut self) -> Result<f32, TrainError> {
+        let Some(mpar) = self.mp.as_ref() else {
+            return Err(TrainError::Backend("not a model-parallel run".into()));
+        };
+        let cfg = &self.config;
+        let ctx = cfg.model.context;
+        let dp = mpar.layout.dp;
+        let n = cfg.eval_batches.max(1) * cfg.batch_size;
+        let starts = even_starts(self.corpus.val.len(), ctx, n);
+        let d = mpar.coords.dp;
+        let mine = &starts[d * n / dp..(d + 1) * n / dp];
+        let chunk = (cfg.batch_size / dp).max(1);
+        let counts = mpar.is_last_stage() && mpar.coords.tp == 0;
+        let mut sums = [0.0f32, 0.0f32];
+        for part in mine.chunks(chunk) {
+            let b: MicroBatch = Batch::from_starts(&self.corpus.val, part, ctx).into();
+            let loss = mp::eval_forward::<B>(
+                mpar,
+                &cfg.model,
+                &self.store,
+                self.comm.as_mut(),
+                &self.device,
+                &self.aux,
+                &b,
+            )?;
+            if let (true, Some(l)) = (counts, loss) {
+                sums[0] += l * part.len() as f32;
+                sums[1] += part.len() as f32;
+            }
+        }
+        let rank = mpar.rank;
+        self.comm
+            .all_reduce_sum_f32(&mut sums)
+            .map_err(|source| TrainError::Comm { rank, source })?;
+        Ok(sums[0] / sums[1].max(1.0))
+    }
+
+    /// The full model's parameters on every rank: with tensor or pipeline parallelism the
+    /// shards of all ranks put together (a collective: every rank must call it), otherwise a
+    /// copy of this rank's store.
+    pub fn gather_params(&mut self) -> Result<ParamStore, TrainError> {
+        let Some(mpar) = self.mp.as_ref() else {
+            return Ok(self.store.clone());
+        };
+        let bytes: Vec<u8> = self
+            .store
+            .flat()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let rank = mpar.rank;
+        let all = self
+            .comm
+            .all_gather_bytes(&bytes)
+            .map_err(|source| TrainError::Comm { rank, source })?;
+        let locals: Vec<Vec<f32>> = all
+            .iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect();
+        Ok(mp::assemble(&self.config.model, &mpar.layout, &locals))
+    }
+
+    /// This rank's place in a tensor- or pipeline-parallel run (`None` for pure data
+    /// parallelism).
+    pub fn model_parallel(&self) -> Option<&ModelParallel> {
+        self.mp.as_ref()
+    }
+
+    /// The full training state. With tensor, pipeline or expert parallelism it holds only this
+    /// rank's shard and optimizer state: use [`Self::gather_checkpoint`] (what [`Self::run`]
+    /// writes) for a checkpoint that resumes.
     pub fn checkpoint(&self) -> Checkpoint {
         Checkpoint {
             meta: CheckpointMeta {
@@ -507,12 +766,18 @@ impl<B: AutodiffBackend> Trainer<B> {
                 writeln!(f, "{}", m.to_json_line())
                     .and_then(|()| f.flush())
                     .map_err(|source| TrainError::Output { path, source })?;
-                let every = self.config.checkpoint_every;
-                if (every > 0 && self.step.is_multiple_of(every)) || self.step == self.config.steps
-                {
-                    let path = dir.join(CHECKPOINT_FILE);
-                    self.checkpoint().save(&path)?;
-                    observer.on_checkpoint(self.step, &path);
+            }
+            let every = self.config.checkpoint_every;
+            let due =
+                (every > 0 && self.step.is_multiple_of(every)) || self.step == self.config.steps;
+            // Every rank decides alike: a model-parallel checkpoint is a collective.
+            if let (true, Some(dir)) = (due, self.config.out_dir.clone()) {
+                if self.mp.is_some() || out_dir.is_some() {
+                    if let Some(c) = self.gather_checkpoint()? {
+                        let path = dir.join(CHECKPOINT_FILE);
+                        c.save(&path)?;
+                        observer.on_checkpoint(self.step, &path);
+                    }
                 }
             }
         }
@@ -545,11 +810,48 @@ impl<B: AutodiffBackend> Trainer<B> {
             final_loss: self.history.last().map(|m| m.loss),
             final_val_loss: self.history.iter().rev().find_map(|m| m.val_loss),
             tokens_seen: self.tokens_seen,
-            num_params: self.store.numel(),
+            num_params: match &self.mp {
+                // The whole model's, not this rank's shard.
+                Some(_) => param_specs(&self.config.model)
+                    .iter()
+                    .map(|s| s.shape.iter().product::<usize>())
+                    .sum(),
+                None => self.store.numel(),
+            },
             history: self.history.clone(),
             optimizer: self.optim,
         }
     }
+}
+
+/// Every rank's optimizer state in one byte string: the count, then each state's length and
+/// bytes (little-endian `u64`s).
+fn encode_states(states: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(states.len() as u64).to_le_bytes());
+    for s in states {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s);
+    }
+    out
+}
+
+/// The states [`encode_states`] wrote, or `None` when the bytes are not such a string.
+fn decode_states(bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let mut at = 0usize;
+    let take_u64 = |at: &mut usize| -> Option<usize> {
+        let b: [u8; 8] = bytes.get(*at..*at + 8)?.try_into().ok()?;
+        *at += 8;
+        usize::try_from(u64::from_le_bytes(b)).ok()
+    };
+    let n = take_u64(&mut at)?;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let len = take_u64(&mut at)?;
+        out.push(bytes.get(at..at.checked_add(len)?)?.to_vec());
+        at += len;
+    }
+    (at == bytes.len()).then_some(out)
 }
 
 /// The trainer's communicator as the optimizer's [`RankGroup`].
@@ -570,6 +872,21 @@ impl RankGroup for CommGroup<'_> {
     }
 }
 
+/// A group of one, for optimizers of model-parallel ranks.
+struct SoloGroup;
+
+impl RankGroup for SoloGroup {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+        Ok(vec![mine.to_vec()])
+    }
+}
+
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainSummary {
@@ -577,6 +894,7 @@ pub struct TrainSummary {
     pub final_loss: Option<f32>,
     pub final_val_loss: Option<f32>,
     pub tokens_seen: u64,
+    /// Parameters of the whole model (with model parallelism too, not one rank's shard).
     pub num_params: usize,
     pub history: Vec<StepMetrics>,
     /// What the optimizer did over the whole run (carried across a resume by the checkpoint).

@@ -17,8 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_matches_single, bits, dp_config, run_single, run_single_with, run_threads,
-    run_threads_with, temp_dir,
+    assert_matches_single, bits, dp_config, mp_config, run_model_parallel_rank,
+    run_model_parallel_threads, run_single, run_single_with, run_threads, run_threads_with,
+    temp_dir,
 };
 use orrery_optim::{Optimizer, Soap, SoapConfig, SplitRefresh};
 use orrery_train::{
@@ -146,6 +147,24 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 optimizer: OptimizerSummary::default(),
             }
         }
+        // Tensor and pipeline parallelism (TP 2 × PP 2) with one process per rank.
+        "model_parallel" | "expert_parallel" => {
+            let config = if mode == "model_parallel" {
+                mp_config(2, 2, 1, 2)
+            } else {
+                moe_config()
+            };
+            let corpus = load_corpus(&config).unwrap();
+            let (history, weights) = run_model_parallel_rank(&config, corpus, Box::new(comm));
+            RankResult {
+                rank,
+                world,
+                history,
+                weights: bits(&weights),
+                observed_steps: 0,
+                optimizer: OptimizerSummary::default(),
+            }
+        }
         other => panic!("unknown {MODE_VAR} `{other}`"),
     }
 }
@@ -224,6 +243,84 @@ fn check_collectives(mut c: MpiComm) {
     let mut again = [1.0f32];
     c.all_reduce_sum_f32(&mut again).unwrap();
     assert_eq!(again, [3.0]);
+
+    check_point_to_point_and_groups(&mut c);
+}
+
+/// Point-to-point messages and group collectives over MPI (mirrors the `ThreadComm` unit tests
+/// in src/comm.rs), on a world of 3.
+fn check_point_to_point_and_groups(c: &mut MpiComm) {
+    use orrery_train::{CommError, Group};
+    let r = c.rank();
+    // Messages of one pair arrive in order; a receive of the wrong length drains the message
+    // and the next one still lines up.
+    if r == 0 {
+        for i in 0..3 {
+            c.send_f32(1, &[i as f32; 4]).unwrap();
+        }
+        c.send_f32(1, &[9.0; 5]).unwrap();
+        c.send_f32(1, &[10.0; 4]).unwrap();
+    } else if r == 1 {
+        let mut buf = [0.0f32; 4];
+        for i in 0..3 {
+            c.recv_f32(0, &mut buf).unwrap();
+            assert_eq!(buf, [i as f32; 4]);
+        }
+        assert_eq!(
+            c.recv_f32(0, &mut buf),
+            Err(CommError::LengthMismatch {
+                rank: 0,
+                expected: 4,
+                found: 5
+            })
+        );
+        c.recv_f32(0, &mut buf).unwrap();
+        assert_eq!(buf, [10.0; 4]);
+    }
+    assert_eq!(
+        c.send_f32(r, &[1.0]),
+        Err(CommError::BadPeer { peer: r, world: 3 })
+    );
+    // A ring of simultaneous exchanges far above any eager limit: send_recv must not deadlock.
+    let big = vec![r as f32; 1 << 20];
+    let mut got = vec![0.0f32; 1 << 20];
+    c.send_recv_f32((r + 1) % 3, &big, (r + 2) % 3, &mut got)
+        .unwrap();
+    assert!(got.iter().all(|&x| x == ((r + 2) % 3) as f32));
+
+    // A group of two (rank 1 sits out), summed in group order.
+    if r != 1 {
+        let g = Group::new(vec![2, 0], 3).unwrap();
+        let mut buf = if r == 2 {
+            vec![1.0f32, 1e8, 0.5]
+        } else {
+            vec![1e8, -1e8, 0.25]
+        };
+        c.group_all_reduce_sum_f32(&g, &mut buf).unwrap();
+        assert_eq!(buf, vec![1.0f32 + 1e8, 0.0, 0.75]);
+    }
+    let g = Group::new(vec![1, 2, 0], 3).unwrap();
+    let p = g.position(r).unwrap();
+    let mut gathered = vec![0.0f32; 6];
+    c.group_all_gather_f32(&g, &[r as f32, 10.0 * r as f32], &mut gathered)
+        .unwrap();
+    assert_eq!(gathered, vec![1.0, 10.0, 2.0, 20.0, 0.0, 0.0]);
+    // Member p sends p + q + 1 copies of (10 r + q) to member q.
+    let send_counts: Vec<usize> = (0..3).map(|q| p + q + 1).collect();
+    let send: Vec<f32> = (0..3)
+        .flat_map(|q| std::iter::repeat_n((10 * r + q) as f32, p + q + 1))
+        .collect();
+    let recv_counts: Vec<usize> = (0..3).map(|q| q + p + 1).collect();
+    let mut recv = vec![0.0f32; recv_counts.iter().sum()];
+    c.group_all_to_all_v_f32(&g, &send, &send_counts, &mut recv, &recv_counts)
+        .unwrap();
+    let expect: Vec<f32> = g
+        .ranks()
+        .iter()
+        .enumerate()
+        .flat_map(|(q, &src)| std::iter::repeat_n((10 * src + p) as f32, q + p + 1))
+        .collect();
+    assert_eq!(recv, expect);
 }
 
 /// The body of each rank process; an ordinary `cargo test` run passes through it doing nothing.
@@ -420,5 +517,55 @@ fn mpi_collectives_keep_the_trait_contract() {
     let ranks = launch("collectives", 3, &dir);
     for (i, r) in ranks.iter().enumerate() {
         assert_eq!((r.rank, r.world), (i, 3));
+    }
+}
+
+/// A mixture of experts laid out TP 2 × DP 2 × EP 2 (4 ranks).
+fn moe_config() -> orrery_train::TrainConfig {
+    let mut c = mp_config(2, 1, 2, 1);
+    c.model.moe = Some(orrery_train::MoeConfig {
+        experts: 4,
+        top_k: 2,
+    });
+    c.parallel = c
+        .parallel
+        .map(|p| orrery_train::ParallelConfig { ep: 2, ..p });
+    c
+}
+
+/// Tensor and pipeline parallelism over MPI: 4 processes laid out TP 2 × PP 2 train exactly
+/// the 4-thread run (the group collectives and the pipeline's messages are the same
+/// arithmetic on both backends), which `tests/model_parallel.rs` compares with one rank.
+#[test]
+fn model_parallel_over_mpi_equals_threads() {
+    let dir = temp_dir("mpi-model-parallel");
+    let ranks = launch("model_parallel", 4, &dir);
+    let threads = run_model_parallel_threads(&mp_config(2, 2, 1, 2));
+    for (r, t) in ranks.iter().zip(&threads) {
+        assert_eq!(r.history, t.0, "rank {}: MPI history = threads", r.rank);
+        assert_eq!(
+            r.weights,
+            bits(&t.1),
+            "rank {}: MPI weights = threads",
+            r.rank
+        );
+    }
+}
+
+/// Expert parallelism over MPI: the token dispatch and combine (group all-to-all) with one
+/// process per rank train exactly the 4-thread run.
+#[test]
+fn expert_parallel_over_mpi_equals_threads() {
+    let dir = temp_dir("mpi-expert-parallel");
+    let ranks = launch("expert_parallel", 4, &dir);
+    let threads = run_model_parallel_threads(&moe_config());
+    for (r, t) in ranks.iter().zip(&threads) {
+        assert_eq!(r.history, t.0, "rank {}: MPI history = threads", r.rank);
+        assert_eq!(
+            r.weights,
+            bits(&t.1),
+            "rank {}: MPI weights = threads",
+            r.rank
+        );
     }
 }

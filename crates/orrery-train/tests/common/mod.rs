@@ -146,3 +146,62 @@ pub fn assert_matches_single(
         .fold(0.0f32, f32::max);
     assert!(max_diff < 1e-4, "largest weight difference {max_diff}");
 }
+
+/// The model-parallel tests' run (`tests/model_parallel.rs`, and over MPI `tests/mpi.rs`): the
+/// tiny model with 4 layers, 3 steps, evaluation after the last, laid out `tp × pp × dp` with
+/// `micro_batches` per step and replica.
+pub fn mp_config(tp: usize, pp: usize, dp: usize, micro_batches: usize) -> TrainConfig {
+    let mut c = tiny();
+    c.model.n_layers = 4;
+    c.steps = 3;
+    c.warmup_steps = 1;
+    c.batch_size = 8;
+    c.eval_every = 3;
+    c.parallel = Some(orrery_train::ParallelConfig {
+        tp,
+        pp,
+        dp,
+        micro_batches,
+        virtual_stages: 1,
+        ep: 1,
+    });
+    c
+}
+
+/// Trains `config` (with a `[parallel]` section) step by step on one trainer built with
+/// `comm`; returns its history and the gathered full model's weights.
+pub fn run_model_parallel_rank(
+    config: &TrainConfig,
+    corpus: orrery_train::Corpus,
+    comm: Box<dyn orrery_train::Communicator>,
+) -> (Vec<StepMetrics>, Vec<f32>) {
+    let mut t = Trainer::<CpuBackend>::new(
+        config.clone(),
+        corpus,
+        make_optimizer(config).unwrap(),
+        comm,
+        Default::default(),
+    )
+    .unwrap();
+    for _ in 0..config.steps {
+        t.step(&FixedClock).unwrap();
+    }
+    let weights = t.gather_params().unwrap().flat().to_vec();
+    (t.history().to_vec(), weights)
+}
+
+/// [`run_model_parallel_rank`] on every rank of `config`'s layout, over threads.
+pub fn run_model_parallel_threads(config: &TrainConfig) -> Vec<(Vec<StepMetrics>, Vec<f32>)> {
+    let world = config.parallel.unwrap().world_size();
+    let corpus = load_corpus(config).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| {
+                let corpus = corpus.clone();
+                s.spawn(move || run_model_parallel_rank(config, corpus, Box::new(comm)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
