@@ -147,3 +147,108 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
     }
     Ok(())
 }
+
+/// `orrery bench --emulate-fidelity`: emulation with one real rank against the same step
+/// with every rank real, on worlds small enough to run here.
+pub fn run_fidelity_bench(runs: u32) -> Result<()> {
+    use orrery_emulate::drive::{collect, emulate, peak_and_compute, run_all_real};
+    use orrery_train::{Clock, ModelConfig, MonotonicClock, ParallelConfig, TrainConfig};
+    use std::sync::Arc;
+    let base = TrainConfig {
+        model: ModelConfig {
+            context: 64,
+            d_model: 128,
+            n_layers: 4,
+            n_heads: 4,
+            n_kv_heads: 2,
+            d_ff: 512,
+            ..ModelConfig::default()
+        },
+        steps: 8,
+        batch_size: 16,
+        warmup_steps: 1,
+        eval_every: 0,
+        ..TrainConfig::default()
+    };
+    let tp_pp = TrainConfig {
+        parallel: Some(ParallelConfig {
+            tp: 2,
+            pp: 2,
+            dp: 1,
+            micro_batches: 4,
+            ..ParallelConfig::default()
+        }),
+        ..base.clone()
+    };
+    let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
+    let cost = orrery_predict::CostModel::for_gpu(&orrery_spec::Gpu::from_preset(
+        orrery_spec::presets::gpu("H100-SXM").context("preset")?,
+    ));
+    outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
+    outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process\n");
+    outln!(
+        "{:<14} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "world",
+        "cores",
+        "all-real step",
+        "emulated step",
+        "error",
+        "all-real peak",
+        "emulated peak",
+        "error"
+    );
+    for (name, config, world) in [("DP 2", base.clone(), 2usize), ("TP 2 x PP 2", tp_pp, 4)] {
+        let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
+        let preset = orrery_spec::presets::gpu("H100-SXM").context("preset")?;
+        let cluster = orrery_spec::Cluster::of_preset(preset, world as u64, 1);
+        let net = orrery_net::AnalyticalNetwork::new(
+            orrery_predict::fabric_of(&cluster),
+            orrery_net::AlgorithmChoice::Auto,
+        );
+        let mut real_steps = Vec::new();
+        let mut real_peaks = Vec::new();
+        let mut emu_steps = Vec::new();
+        let mut emu_peaks = Vec::new();
+        for _ in 0..runs {
+            let all = run_all_real(&config, world, 1, clock())?;
+            real_steps.push(all.iter().map(|s| s.wall.0).max().unwrap_or(0));
+            real_peaks.push(peak_and_compute(&all[0].record).0);
+            let e = emulate(
+                &config,
+                &collection.collected,
+                &cost,
+                &net,
+                &[RankId(0)],
+                &Perturbations::default(),
+                1,
+                std::time::Duration::from_secs(600),
+                clock(),
+            )?;
+            emu_steps.push(e.step.timeline.step_time().0);
+            emu_peaks.push(
+                e.records
+                    .first()
+                    .map_or(0, |s| peak_and_compute(&s.record).0),
+            );
+        }
+        let median = |v: &mut Vec<u64>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
+        let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
+        let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
+        outln!(
+            "{:<14} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
+            format!("{name} ({world})"),
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            rs as f64 / 1e9,
+            es as f64 / 1e9,
+            err(rs, es),
+            rp,
+            ep,
+            err(rp, ep)
+        );
+    }
+    Ok(())
+}

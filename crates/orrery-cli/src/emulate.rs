@@ -33,14 +33,10 @@ pub struct EmulateArgs {
     /// identical timelines (the same answer, slowly on large jobs).
     #[arg(long)]
     no_prune: bool,
-    /// Slow ranks' compute: `RANKS:FACTOR[@FROM_MS[..UNTIL_MS]]`, e.g. `5:1.5` or
-    /// `4-7:2@10..20` (times in milliseconds of the step). Repeatable.
-    #[arg(long, value_name = "SPEC")]
-    slow: Vec<String>,
-    /// A slower network link: `RANK:FACTOR`; its collectives and sends take FACTOR times as
-    /// long. Repeatable.
-    #[arg(long, value_name = "SPEC")]
-    degrade_link: Vec<String>,
+    #[command(flatten)]
+    perturb: PerturbArgs,
+    #[command(flatten)]
+    train: crate::collect::TrainEmulateArgs,
     /// Network model (see `orrery predict --network`).
     #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
     network: String,
@@ -52,8 +48,37 @@ pub struct EmulateArgs {
     trace: Option<PathBuf>,
 }
 
+/// The perturbations of an emulation, as options.
+#[derive(clap::Args, Debug, Default)]
+pub struct PerturbArgs {
+    /// Slow ranks' compute: `RANKS:FACTOR[@FROM_MS[..UNTIL_MS]]`, e.g. `5:1.5` or
+    /// `4-7:2@10..20` (times in milliseconds of the step). Repeatable.
+    #[arg(long, value_name = "SPEC")]
+    slow: Vec<String>,
+    /// A slower network link: `RANK:FACTOR`; its collectives and sends take FACTOR times as
+    /// long. Repeatable.
+    #[arg(long, value_name = "SPEC")]
+    degrade_link: Vec<String>,
+}
+
+/// The perturbations the options describe.
+pub fn perturbations(args: &PerturbArgs) -> Result<Perturbations> {
+    Ok(Perturbations {
+        slow: args
+            .slow
+            .iter()
+            .map(|s| parse_slow(s))
+            .collect::<Result<_>>()?,
+        links: args
+            .degrade_link
+            .iter()
+            .map(|s| parse_link(s))
+            .collect::<Result<_>>()?,
+    })
+}
+
 /// `0,17`, `0-3`, `1,4-6`: ranks in the order given, duplicates dropped.
-fn parse_ranks(flag: &str, text: &str) -> Result<Vec<RankId>> {
+pub fn parse_ranks(flag: &str, text: &str) -> Result<Vec<RankId>> {
     let mut out = Vec::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let number = |s: &str| {
@@ -151,20 +176,17 @@ fn parse_link(text: &str) -> Result<DegradedLink> {
 }
 
 pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
+    if args.train.train.is_some() {
+        return crate::collect::run_train_emulation(
+            &args.train,
+            &args.real_ranks,
+            &args.perturb,
+            args.json,
+        );
+    }
     let job = load_job(&args.job)?;
     let live = parse_ranks("--real-ranks", &args.real_ranks)?;
-    let perturb = Perturbations {
-        slow: args
-            .slow
-            .iter()
-            .map(|s| parse_slow(s))
-            .collect::<Result<_>>()?,
-        links: args
-            .degrade_link
-            .iter()
-            .map(|s| parse_link(s))
-            .collect::<Result<_>>()?,
-    };
+    let perturb = perturbations(&args.perturb)?;
     let pruning = if args.no_prune {
         Pruning::None
     } else {

@@ -20,12 +20,18 @@ macro_rules! outln {
 mod bench_accel;
 mod bench_emulate;
 mod bench_train;
+mod collect;
 mod emulate;
 mod netsim;
 mod report;
 mod train;
 
 use anyhow::{Context, Result};
+
+/// Counts the bytes each thread holds, so that real ranks of hybrid emulation report their
+/// measured peak memory.
+#[global_allocator]
+static ALLOC: orrery_emulate::memory::CountingAlloc = orrery_emulate::memory::CountingAlloc;
 use clap::{Parser, Subcommand};
 use orrery_predict::{predict_with, ReplayMode};
 use orrery_spec::{hf, load_job_spec, preset_job_text, presets, Job, JobSpec};
@@ -61,6 +67,10 @@ enum Command {
     /// Emulate one training step with chosen ranks tracked one by one among virtual ones,
     /// under perturbations (slow ranks, degraded links), next to the prediction.
     Emulate(emulate::EmulateArgs),
+    /// Run the real training program (`orrery train`'s configuration) as one rank of each
+    /// pipeline stage among virtual peers, and record one step as the world's execution
+    /// graph, for `orrery emulate --train --graph`.
+    Collect(collect::CollectArgs),
     /// Replay Chakra execution traces (`PREFIX.<rank>.et` for every rank, plus a comm-group
     /// JSON) on orrery's cost and network models.
     Replay(ReplayArgs),
@@ -93,6 +103,10 @@ enum Command {
         /// real rank, pruned), against the real rank's compute.
         #[arg(long)]
         emulate: bool,
+        /// Instead: emulation of the real training program with one real rank against the
+        /// same step with every rank real, on 2 and 4 ranks.
+        #[arg(long)]
+        emulate_fidelity: bool,
         /// With --emulate: world sizes (multiples of 32).
         #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048, 4096, 8192])]
         emulate_gpus: Vec<u32>,
@@ -223,6 +237,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Validate { json } => run_validate(json),
         Command::Replay(args) => run_replay(&args),
         Command::Emulate(args) => emulate::run_emulate(&args),
+        Command::Collect(args) => collect::run_collect(&args),
         Command::Netsim(args) => netsim::run_netsim(&args),
         Command::Train(args) => train::run_train(&args),
         Command::Presets => {
@@ -236,6 +251,11 @@ fn run(cli: Cli) -> Result<()> {
             runs,
             ..
         } => bench_emulate::run_emulate_bench(runs.max(1), &emulate_gpus),
+        Command::Bench {
+            emulate_fidelity: true,
+            runs,
+            ..
+        } => bench_emulate::run_fidelity_bench(runs.max(1)),
         Command::Bench {
             accel: true,
             ring_mib,

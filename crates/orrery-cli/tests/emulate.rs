@@ -180,3 +180,105 @@ fn the_emulation_bench_replays_as_many_participants_at_any_world_size() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--emulate-gpus"), "{stderr}");
 }
+
+const TRAIN: &str = r#"
+batch_size = 8
+steps = 4
+warmup_steps = 1
+[model]
+context = 16
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+d_ff = 64
+[parallel]
+tp = 2
+pp = 2
+dp = 2
+micro_batches = 4
+"#;
+
+#[test]
+fn collect_then_emulate_the_real_program() {
+    let job = job_file("train");
+    let config = job.with_file_name("train.toml");
+    std::fs::write(&config, TRAIN).unwrap();
+    let coll = job.with_file_name("collection.bin");
+    let (c, p) = (config.to_str().unwrap(), coll.to_str().unwrap());
+    let (code, stdout, stderr) =
+        orrery(&["collect", c, "--ranks", "8", "--slots", "2", "--out", p]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("collected 2 ranks of 8"), "{stdout}");
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "8",
+        "--graph",
+        p,
+        "--real-ranks",
+        "5",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["world_size"], 8);
+    assert_eq!(v["real_ranks"][0]["rank"], 5);
+    assert!(v["step_time_ps"].as_u64().unwrap() > 0);
+    assert!(v["real_ranks"][0]["peak_memory_bytes"].as_u64().unwrap() > 0);
+    // A collection of another world, a damaged file and interleaving are refused.
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "4",
+        "--graph",
+        p,
+        "--real-ranks",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("the collection is of a world of 8"),
+        "{stderr}"
+    );
+    let mut bytes = std::fs::read(&coll).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    let damaged = job.with_file_name("damaged.bin");
+    std::fs::write(&damaged, &bytes).unwrap();
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "8",
+        "--graph",
+        damaged.to_str().unwrap(),
+        "--real-ranks",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("checksum mismatch"), "{stderr}");
+    let interleaved = job.with_file_name("interleaved.toml");
+    std::fs::write(
+        &interleaved,
+        TRAIN
+            .replace("micro_batches = 4", "micro_batches = 4\nvirtual_stages = 2")
+            .replace("n_layers = 2", "n_layers = 4"),
+    )
+    .unwrap();
+    let (code, _, stderr) = orrery(&[
+        "collect",
+        interleaved.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--out",
+        p,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("parallel.virtual_stages"), "{stderr}");
+}

@@ -7,28 +7,43 @@
 //! the bridge between it and the running program.
 //!
 //! Key types:
+//! - [`comm::VirtualPeers`] is the communicator of a real rank whose peers do not exist:
+//!   every operation returns at once with synthesised data (a virtual replica contributes
+//!   the rank's own gradient, a virtual neighbour sends small deterministic values), and
+//!   the rank's compute segments, memory and operations are recorded.
+//!   [`comm::Recorded`] records the same way around a real communicator.
+//! - [`drive`] runs the real program: [`drive::collect`] (`orrery collect`) records one
+//!   step of each pipeline stage's representative and stitches the world's graphs;
+//!   [`drive::emulate`] (`orrery emulate --train`) runs the chosen ranks live against them;
+//!   [`drive::run_all_real`] is the all-real reference.
 //! - [`Coordinator`] drives an `Emulation` from the real ranks' reports: each real rank
 //!   reports, in order, how long each compute segment between two communication calls took
 //!   ([`Report`]), and the coordinator hands those durations to the engine as it reaches
 //!   the rank's compute ops. A rank that stops reporting (hung) is an error after a
 //!   timeout, a rank whose program ended early (crashed) is an error at once, and a rank
 //!   that reports more or fewer segments than its graph has is an error naming the rank.
+//! - [`file::CollectionFile`]: a collection on disk (magic, version, length, CRC32).
 //!
 //! The real ranks never wait for the coordinator: a rank reports a segment when it enters
-//! its next communication call and goes on (its data exchange with other real ranks is
-//! real, with virtual ranks synthesised by its communicator). Simulated time only follows
-//! from the reports, so the program may run as fast as the machine lets it, and the
-//! coordinator never holds a rank that another real rank is waiting for.
+//! its next communication call and goes on. Simulated time only follows from the reports,
+//! so the program may run as fast as the machine lets it, and the coordinator never holds a
+//! rank that another real rank is waiting for.
 //!
 //! - [`memory::CountingAlloc`] counts the bytes each thread allocates, so that a real rank
 //!   on the CPU reports its measured peak memory (the only unsafe code in orrery: a
 //!   `GlobalAlloc` that forwards to the system allocator).
 //!
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
-//! does, from collected graphs or the cost model) or make a real rank's wall time follow
-//! simulated time. It reads the wall clock only for its timeouts.
+//! does, from collected graphs or the cost model), make a real rank's wall time follow
+//! simulated time, exchange real data between real ranks of one emulation (each real rank
+//! is alone among virtual peers), or size an emulated step's all-to-alls from the router's
+//! live token counts (the collected step's sizes are replayed). It reads the wall clock
+//! through a caller-supplied `orrery_train::Clock`, and for its timeouts.
 
+pub mod comm;
 pub mod coordinator;
+pub mod drive;
+pub mod file;
 pub mod memory;
 
 pub use coordinator::{Coordinator, CoordinatorError, RankReporter, Report};

@@ -31,6 +31,7 @@ fn collected() -> Collected {
                 name: name.into(),
                 phase,
                 duration: Picos::from_micros(us),
+                memory: None,
             };
             let all_reduce = |role, bytes| RecordedOp::Collective {
                 op: CollectiveOp::AllReduce,

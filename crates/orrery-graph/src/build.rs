@@ -433,6 +433,7 @@ impl<'a> StageBuilder<'a> {
             GroupRole::Ep => self.s.ep,
             GroupRole::ExpertDp => self.s.dp * self.s.cp / self.s.ep,
             GroupRole::Embedding => self.s.pp.min(2),
+            GroupRole::World => self.s.tp * self.s.cp * self.s.dp * self.s.pp,
         };
         if size <= 1 || bytes == 0 {
             return None;

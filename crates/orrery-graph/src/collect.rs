@@ -38,7 +38,7 @@ use thiserror::Error;
 /// Roles tried, in order, for a collective whose record does not say its role: groups of
 /// different roles can have the same members (data-parallel with and without context
 /// parallelism when `cp` is 1, say), and the first wins.
-pub const ROLE_PRIORITY: [GroupRole; 7] = [
+pub const ROLE_PRIORITY: [GroupRole; 8] = [
     GroupRole::Tp,
     GroupRole::Dp,
     GroupRole::Ep,
@@ -46,17 +46,21 @@ pub const ROLE_PRIORITY: [GroupRole; 7] = [
     GroupRole::Cp,
     GroupRole::DpCp,
     GroupRole::Embedding,
+    GroupRole::World,
 ];
 
 /// One recorded op of a rank, in issue order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RecordedOp {
-    /// Real work between two communication calls, with how long it took.
+    /// Real work between two communication calls, with how long it took and, where the
+    /// program measures memory, the bytes it held at the end and its peak during the work.
     Compute {
         name: String,
         phase: Phase,
         duration: Picos,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        memory: Option<MemorySample>,
     },
     /// An allocation; `id` names it for its free.
     Alloc {
@@ -88,6 +92,13 @@ pub enum RecordedOp {
         tag: u64,
         duration: Picos,
     },
+}
+
+/// Memory a rank held around a compute segment: `live` at its end, `peak` during it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemorySample {
+    pub live: Bytes,
+    pub peak: Bytes,
 }
 
 /// Everything one rank recorded.
@@ -273,63 +284,100 @@ fn difference(a: &[Lowered], b: &[Lowered]) -> Option<(usize, String)> {
 }
 
 /// One rank's record as graph ops (frees pointing at their allocation's index).
+///
+/// Memory samples become allocations and frees of [`MemoryCategory::Activations`] around
+/// their compute op: before it, the rank's level rises to the sample's peak; after it, it
+/// falls to the sample's live bytes (freeing the newest blocks first, and allocating any
+/// remainder), so the ledger sees the peak during the segment and the level after it.
 fn lower(layout: &Layout, rec: &RankRecord) -> Result<Vec<Lowered>, Vec<StitchError>> {
     let rank = RankId(rec.rank);
-    let mut out = Vec::with_capacity(rec.ops.len());
+    let mut out: Vec<Lowered> = Vec::with_capacity(rec.ops.len());
     let mut problems = Vec::new();
+    // Recorded allocations by id -> index in `out`.
     let mut live: HashMap<u64, usize> = HashMap::new();
+    // Blocks standing for sampled memory, newest last: (index in `out`, bytes).
+    let mut sampled: Vec<(usize, u64)> = Vec::new();
+    let mut level: u64 = 0;
+    let alloc = |out: &mut Vec<Lowered>, bytes: u64, category: MemoryCategory| {
+        out.push((
+            OpKind::Alloc {
+                bytes: Bytes(bytes),
+                category,
+            },
+            Stream::Compute,
+            Phase::Forward,
+            None,
+            format!("alloc {}", category.name()),
+        ));
+        out.len() - 1
+    };
+    let free = |out: &mut Vec<Lowered>, at: usize| {
+        out.push((
+            OpKind::Free {
+                alloc: OpId::from_index(at),
+            },
+            Stream::Compute,
+            Phase::Forward,
+            None,
+            "free".to_string(),
+        ));
+    };
     for (i, op) in rec.ops.iter().enumerate() {
-        let lowered: Option<Lowered> = match op {
+        match op {
             RecordedOp::Compute {
                 name,
                 phase,
                 duration,
-            } => Some((
-                OpKind::Compute {
-                    kind: ComputeKind::MemoryBound,
-                    flops: Flops(0.0),
-                    bytes: Bytes(0),
-                },
-                Stream::Compute,
-                *phase,
-                Some(*duration),
-                name.clone(),
-            )),
+                memory,
+            } => {
+                if let Some(m) = memory {
+                    if m.peak.0 > level {
+                        let at = alloc(&mut out, m.peak.0 - level, MemoryCategory::Activations);
+                        sampled.push((at, m.peak.0 - level));
+                        level = m.peak.0;
+                    }
+                }
+                out.push((
+                    OpKind::Compute {
+                        kind: ComputeKind::MemoryBound,
+                        flops: Flops(0.0),
+                        bytes: Bytes(0),
+                    },
+                    Stream::Compute,
+                    *phase,
+                    Some(*duration),
+                    name.clone(),
+                ));
+                if let Some(m) = memory {
+                    while level > m.live.0 {
+                        let Some((at, bytes)) = sampled.pop() else {
+                            break;
+                        };
+                        free(&mut out, at);
+                        level -= bytes;
+                    }
+                    if m.live.0 > level {
+                        let at = alloc(&mut out, m.live.0 - level, MemoryCategory::Activations);
+                        sampled.push((at, m.live.0 - level));
+                        level = m.live.0;
+                    }
+                }
+            }
             RecordedOp::Alloc {
                 id,
                 bytes,
                 category,
             } => {
-                live.insert(*id, i);
-                Some((
-                    OpKind::Alloc {
-                        bytes: *bytes,
-                        category: *category,
-                    },
-                    Stream::Compute,
-                    Phase::Forward,
-                    None,
-                    format!("alloc {}", category.name()),
-                ))
+                let at = alloc(&mut out, bytes.0, *category);
+                live.insert(*id, at);
             }
             RecordedOp::Free { id } => match live.remove(id) {
-                Some(at) => Some((
-                    OpKind::Free {
-                        alloc: OpId::from_index(at),
-                    },
-                    Stream::Compute,
-                    Phase::Forward,
-                    None,
-                    "free".to_string(),
-                )),
-                None => {
-                    problems.push(StitchError::BadFree {
-                        rank: rec.rank,
-                        op: i,
-                        id: *id,
-                    });
-                    None
-                }
+                Some(at) => free(&mut out, at),
+                None => problems.push(StitchError::BadFree {
+                    rank: rec.rank,
+                    op: i,
+                    id: *id,
+                }),
             },
             RecordedOp::Collective {
                 op: cop,
@@ -338,7 +386,7 @@ fn lower(layout: &Layout, rec: &RankRecord) -> Result<Vec<Lowered>, Vec<StitchEr
                 bytes,
                 ..
             } => match resolve_role(layout, rank, group, *role) {
-                Ok(role) => Some((
+                Ok(role) => out.push((
                     OpKind::Collective {
                         op: *cop,
                         group: role,
@@ -349,10 +397,7 @@ fn lower(layout: &Layout, rec: &RankRecord) -> Result<Vec<Lowered>, Vec<StitchEr
                     None,
                     format!("{} {:?}", role.name(), cop).to_lowercase(),
                 )),
-                Err(e) => {
-                    problems.push(e(rec.rank, i));
-                    None
-                }
+                Err(e) => problems.push(e(rec.rank, i)),
             },
             RecordedOp::Send {
                 peer, bytes, tag, ..
@@ -369,8 +414,7 @@ fn lower(layout: &Layout, rec: &RankRecord) -> Result<Vec<Lowered>, Vec<StitchEr
                 } else {
                     [PeerStage::Prev, PeerStage::Next]
                 };
-                let direction = order.into_iter().find(|&d| layout.peer(rank, d).0 == *peer);
-                match direction {
+                match order.into_iter().find(|&d| layout.peer(rank, d).0 == *peer) {
                     Some(peer) => {
                         let kind = if send {
                             OpKind::Send {
@@ -385,27 +429,21 @@ fn lower(layout: &Layout, rec: &RankRecord) -> Result<Vec<Lowered>, Vec<StitchEr
                                 tag: *tag,
                             }
                         };
-                        Some((
+                        out.push((
                             kind,
                             Stream::PpComm,
                             Phase::Forward,
                             None,
                             if send { "send" } else { "recv" }.to_string(),
-                        ))
+                        ));
                     }
-                    None => {
-                        problems.push(StitchError::NotAPeer {
-                            rank: rec.rank,
-                            op: i,
-                            peer: *peer,
-                        });
-                        None
-                    }
+                    None => problems.push(StitchError::NotAPeer {
+                        rank: rec.rank,
+                        op: i,
+                        peer: *peer,
+                    }),
                 }
             }
-        };
-        if let Some(l) = lowered {
-            out.push(l);
         }
     }
     if problems.is_empty() {
@@ -467,6 +505,7 @@ mod tests {
             name: "fwd".into(),
             phase: Phase::Forward,
             duration: Picos::from_micros(1000 * ms),
+            memory: None,
         }
     }
 
@@ -600,6 +639,45 @@ mod tests {
             text.contains("rank 3 op 2: group [2, 3] is not the rank's dp group"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn memory_samples_become_the_peak_during_a_segment_and_the_level_after_it() {
+        let layout = Layout::from_dims(1, 1, 1, 1, 1, 1);
+        let seg = |live: u64, peak: u64| RecordedOp::Compute {
+            name: "s".into(),
+            phase: Phase::Forward,
+            duration: Picos(10),
+            memory: Some(MemorySample {
+                live: Bytes(live),
+                peak: Bytes(peak),
+            }),
+        };
+        let rec = RankRecord {
+            rank: 0,
+            ops: vec![seg(100, 150), seg(40, 120), seg(90, 90)],
+        };
+        let c = stitch(layout, &[rec]).unwrap();
+        let g = &c.graphs.classes[0];
+        g.check().unwrap();
+        // Replay the level op by op (allocs and frees in issue order).
+        let mut level: i64 = 0;
+        let mut levels = Vec::new();
+        for op in g.ops() {
+            match op.kind {
+                OpKind::Alloc { bytes, .. } => level += bytes.0 as i64,
+                OpKind::Free { alloc } => {
+                    if let OpKind::Alloc { bytes, .. } = g.op(alloc).kind {
+                        level -= bytes.0 as i64;
+                    }
+                }
+                OpKind::Compute { .. } => levels.push(level),
+                _ => {}
+            }
+        }
+        // During each segment the level is its peak; the final level is the last live.
+        assert_eq!(levels, vec![150, 120, 90]);
+        assert_eq!(level, 90);
     }
 
     #[test]

@@ -57,10 +57,13 @@ pub enum GroupRole {
     /// The first and the last pipeline stage of one model replica, which both hold the tied
     /// word embeddings and all-reduce their gradients (a group of one on other stages).
     Embedding,
+    /// Every rank: what a real training program reduces over the whole job (the loss, the
+    /// gradient norm). The predictor's builder never issues it; collected graphs do.
+    World,
 }
 
 impl GroupRole {
-    pub const ALL: [GroupRole; 7] = [
+    pub const ALL: [GroupRole; 8] = [
         GroupRole::Tp,
         GroupRole::Cp,
         GroupRole::Dp,
@@ -68,6 +71,7 @@ impl GroupRole {
         GroupRole::Ep,
         GroupRole::ExpertDp,
         GroupRole::Embedding,
+        GroupRole::World,
     ];
 
     pub fn index(self) -> usize {
@@ -80,9 +84,11 @@ impl GroupRole {
             GroupRole::Tp => Stream::TpComm,
             GroupRole::Cp => Stream::CpComm,
             GroupRole::Ep => Stream::EpComm,
-            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp | GroupRole::Embedding => {
-                Stream::DpComm
-            }
+            GroupRole::Dp
+            | GroupRole::DpCp
+            | GroupRole::ExpertDp
+            | GroupRole::Embedding
+            | GroupRole::World => Stream::DpComm,
         }
     }
 
@@ -95,6 +101,7 @@ impl GroupRole {
             GroupRole::Ep => "ep",
             GroupRole::ExpertDp => "expert-dp",
             GroupRole::Embedding => "embedding",
+            GroupRole::World => "world",
         }
     }
 }

@@ -104,6 +104,7 @@ impl Layout {
                 (c.tp, c.cp, c.dp, u32::MAX)
             }
             GroupRole::Embedding => (c.tp, c.cp, c.dp, c.pp),
+            GroupRole::World => (u32::MAX, u32::MAX, u32::MAX, u32::MAX),
         }
     }
 
@@ -162,6 +163,7 @@ impl Layout {
             GroupRole::Ep => self.ep,
             GroupRole::ExpertDp => self.dp * self.cp / self.ep,
             GroupRole::Embedding => self.pp.min(2),
+            GroupRole::World => self.world_size(),
         }
     }
 

@@ -201,6 +201,7 @@ fn every_kind_of_op_round_trips_exactly() {
                     GroupRole::Ep => "ep",
                     GroupRole::ExpertDp => "expert-dp",
                     GroupRole::Embedding => "embedding",
+                    GroupRole::World => "world",
                 },
                 OpKind::Send { .. } => "send",
                 OpKind::Recv { .. } => "recv",

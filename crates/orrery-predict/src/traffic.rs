@@ -76,7 +76,11 @@ impl TrafficSelection {
             GroupRole::Tp => self.tp,
             GroupRole::Cp => self.cp,
             GroupRole::Ep => self.ep,
-            GroupRole::Dp | GroupRole::DpCp | GroupRole::ExpertDp | GroupRole::Embedding => self.dp,
+            GroupRole::Dp
+            | GroupRole::DpCp
+            | GroupRole::ExpertDp
+            | GroupRole::Embedding
+            | GroupRole::World => self.dp,
         }
     }
 }

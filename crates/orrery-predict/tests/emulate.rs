@@ -443,6 +443,7 @@ mod collected {
             name: name.into(),
             phase,
             duration: Picos::from_micros(us),
+            memory: None,
         };
         let coll = |role, bytes| RecordedOp::Collective {
             op: CollectiveOp::AllReduce,

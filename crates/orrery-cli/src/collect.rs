@@ -1,0 +1,271 @@
+//! `orrery collect` and `orrery emulate --train`: the real training program among virtual
+//! peers.
+//!
+//! `orrery collect CONFIG --ranks W` runs one representative rank of each pipeline stage of
+//! the W-rank world, `--slots` at a time, each as the only real rank of its world, and
+//! writes what they recorded (compute segments with their measured durations and memory,
+//! every collective and transfer) to a checksummed collection file. `orrery emulate --train
+//! CONFIG --ranks W --real-ranks R` runs the chosen ranks live among virtual ones replayed
+//! from a collection (`--graph`, or collected on the spot) and reports the emulated step.
+
+use crate::emulate::{parse_ranks, perturbations, PerturbArgs};
+use crate::{atomic_write, bad, progress_bar};
+use anyhow::Result;
+use orrery_emulate::drive::{collect, emulate, peak_and_compute, DriveError};
+use orrery_emulate::file::CollectionFile;
+use orrery_graph::collect::stitch;
+use orrery_graph::Layout;
+use orrery_train::{Clock, MonotonicClock, TrainConfig};
+use orrery_units::Picos;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct CollectArgs {
+    /// A training configuration TOML (docs/train.md); its `[parallel]` section is the world.
+    pub config: Option<PathBuf>,
+    /// Ranks of the world (tp x pp x dp of the `[parallel]` section; any count for pure
+    /// data parallelism).
+    #[arg(long)]
+    pub ranks: usize,
+    /// Real ranks run at a time.
+    #[arg(long, default_value_t = 1)]
+    pub slots: usize,
+    /// Untimed steps before the recorded one.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: u64,
+    /// Where the collection goes.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// The training configuration from a file, or the default one.
+pub fn train_config(path: Option<&Path>) -> Result<TrainConfig> {
+    let config = match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| bad(format!("cannot read {}: {e}", p.display())))?;
+            TrainConfig::from_toml_str(&text).map_err(|e| bad(e.to_string()))?
+        }
+        None => TrainConfig::default(),
+    };
+    config.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(config)
+}
+
+/// Maps errors of the input (configuration, layout) to exit status 2.
+fn input_error(e: DriveError) -> anyhow::Error {
+    match e {
+        DriveError::Config { .. } | DriveError::Stitch(_) | DriveError::Emulate(_) => {
+            bad(e.to_string())
+        }
+        other => anyhow::Error::new(other),
+    }
+}
+
+fn clock() -> Arc<dyn Clock> {
+    Arc::new(MonotonicClock::new())
+}
+
+fn run_collection(
+    config: &TrainConfig,
+    ranks: usize,
+    slots: usize,
+    warmup: u64,
+) -> Result<CollectionFile> {
+    let layout = orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
+    let bar = progress_bar(
+        u64::from(layout.num_classes()),
+        "collecting {bar:40} {pos}/{len} ranks",
+    );
+    let c = collect(config, ranks, slots, warmup, clock(), &mut |done, _| {
+        bar.set_position(done as u64)
+    })
+    .map_err(input_error)?;
+    bar.finish_and_clear();
+    let l = &c.collected.graphs.layout;
+    let c0 = l.coords(orrery_units::RankId(l.world_size() - 1));
+    Ok(CollectionFile {
+        tp: c0.tp + 1,
+        dp: c0.dp + 1,
+        pp: c0.pp + 1,
+        ep: config.parallel.map_or(1, |p| p.ep as u32),
+        records: c.records,
+    })
+}
+
+pub fn run_collect(args: &CollectArgs) -> Result<()> {
+    let config = train_config(args.config.as_deref())?;
+    if args.slots == 0 {
+        return Err(bad("--slots must be at least 1"));
+    }
+    let file = run_collection(&config, args.ranks, args.slots, args.warmup)?;
+    atomic_write(&args.out, &file.to_bytes())?;
+    let ops: usize = file.records.iter().map(|r| r.ops.len()).sum();
+    outln!(
+        "collected {} ranks of {} ({} recorded ops) into {}",
+        file.records.len(),
+        args.ranks,
+        ops,
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// `orrery emulate --train`'s own options.
+#[derive(clap::Args, Debug, Default)]
+pub struct TrainEmulateArgs {
+    /// Emulate the real training program with this configuration TOML (instead of a job):
+    /// the real ranks run it live.
+    #[arg(long, value_name = "CONFIG", conflicts_with_all = ["job", "preset", "hf_config"])]
+    pub train: Option<PathBuf>,
+    /// With --train: ranks of the world.
+    #[arg(long, requires = "train")]
+    pub ranks: Option<usize>,
+    /// With --train: the collection to replay virtual ranks from (`orrery collect`);
+    /// without it, one is collected first.
+    #[arg(long, value_name = "FILE", requires = "train")]
+    pub graph: Option<PathBuf>,
+    /// With --train: untimed steps before the emulated one.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: u64,
+    /// With --train: seconds a real rank may go without reporting before the emulation
+    /// fails (a hung rank).
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// With --train: the GPU preset whose cluster the virtual ranks' network is modelled
+    /// on (8 per node, its usual NIC).
+    #[arg(long, default_value = "H100-SXM")]
+    pub gpu: String,
+}
+
+pub fn run_train_emulation(
+    args: &TrainEmulateArgs,
+    real_ranks: &str,
+    perturb_args: &PerturbArgs,
+    json: bool,
+) -> Result<()> {
+    let config = train_config(args.train.as_deref())?;
+    let ranks = args.ranks.ok_or_else(|| bad("--train needs --ranks"))?;
+    let live = parse_ranks("--real-ranks", real_ranks)?;
+    let perturb = perturbations(perturb_args)?;
+    let file = match &args.graph {
+        Some(path) => {
+            let bytes = std::fs::read(path)
+                .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+            CollectionFile::from_bytes(&bytes)
+                .map_err(|e| bad(format!("{}: {e}", path.display())))?
+        }
+        None => run_collection(&config, ranks, 1, args.warmup)?,
+    };
+    let layout = Layout::from_dims(
+        file.tp,
+        1,
+        file.dp,
+        file.pp,
+        file.ep,
+        file.tp * file.dp * file.pp,
+    );
+    if layout.world_size() as usize != ranks {
+        return Err(bad(format!(
+            "--ranks {ranks}: the collection is of a world of {}",
+            layout.world_size()
+        )));
+    }
+    let collected = stitch(layout, &file.records).map_err(|e| bad(e.to_string()))?;
+    let preset = orrery_spec::presets::gpu(&args.gpu)
+        .ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
+    let per_node = (ranks as u64).min(8);
+    let cluster =
+        orrery_spec::Cluster::of_preset(preset, per_node, (ranks as u64).div_ceil(per_node));
+    let net = orrery_net::AnalyticalNetwork::new(
+        orrery_predict::fabric_of(&cluster),
+        orrery_net::AlgorithmChoice::Auto,
+    );
+    let cost = orrery_predict::CostModel::for_gpu(&cluster.gpu);
+    let run = emulate(
+        &config,
+        &collected,
+        &cost,
+        &net,
+        &live,
+        &perturb,
+        args.warmup,
+        Duration::from_secs(args.timeout.max(1)),
+        clock(),
+    )
+    .map_err(input_error)?;
+    let mut rows = Vec::new();
+    for rec in run.records.iter().map(|s| &s.record) {
+        let (peak, compute) = peak_and_compute(rec);
+        let recorded = run
+            .step
+            .segments
+            .iter()
+            .find(|(r, _)| r.0 == rec.rank)
+            .map_or(Picos::ZERO, |(_, s)| Picos(s.iter().map(|x| x.1 .0).sum()));
+        let end = run
+            .step
+            .timeline
+            .participants
+            .iter()
+            .find(|p| p.rank.0 == rec.rank)
+            .map_or(Picos::ZERO, |p| p.end());
+        rows.push((rec.rank, end, compute, recorded, peak));
+    }
+    let step = run.step.timeline.step_time();
+    if json {
+        let ranks_json: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|&(rank, end, compute, recorded, peak)| {
+                serde_json::json!({
+                    "rank": rank,
+                    "end_ps": end.0,
+                    "compute_ps": compute.0,
+                    "collected_compute_ps": recorded.0,
+                    "peak_memory_bytes": peak,
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "world_size": ranks,
+            "participants": run.step.timeline.participants.len(),
+            "step_time_ps": step.0,
+            "real_ranks": ranks_json,
+        });
+        outln!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "orrery emulate --train: {ranks} ranks, real ranks {real_ranks}, {} participants",
+        run.step.timeline.participants.len()
+    );
+    let _ = writeln!(
+        s,
+        "  virtual ranks replay the collected step; communication on the {} cluster model",
+        args.gpu
+    );
+    let _ = writeln!(s, "\nemulated step time: {:.3} ms\n", step.as_millis_f64());
+    let _ = writeln!(
+        s,
+        "  {:>5}  {:>12}  {:>14}  {:>18}  {:>12}",
+        "rank", "step end", "compute (now)", "compute (collected)", "peak memory"
+    );
+    for (rank, end, compute, recorded, peak) in rows {
+        let _ = writeln!(
+            s,
+            "  {:>5}  {:>9.3} ms  {:>11.3} ms  {:>15.3} ms  {:>8.2} MiB",
+            rank,
+            end.as_millis_f64(),
+            compute.as_millis_f64(),
+            recorded.as_millis_f64(),
+            peak as f64 / (1u64 << 20) as f64
+        );
+    }
+    out!("{s}");
+    Ok(())
+}

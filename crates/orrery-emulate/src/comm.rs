@@ -1,0 +1,790 @@
+//! A real rank among virtual peers: the communicator the real program runs on during graph
+//! collection and hybrid emulation.
+//!
+//! [`VirtualPeers`] implements `orrery_train::Communicator` for one rank of a world whose
+//! other ranks do not exist. Every operation returns at once, with data that keeps the
+//! program's numbers sane:
+//!
+//! - an all-reduce over a group sums, in group order, the rank's own contribution once per
+//!   member (a virtual data-parallel replica contributes the real rank's own gradient; a
+//!   virtual tensor-parallel peer its partial sum);
+//! - an all-gather fills every member's part with the rank's own;
+//! - an all-to-all receives from each member what the rank sends it (so expert traffic is
+//!   as large both ways as the real router makes it);
+//! - a broadcast keeps the rank's own data (the roots' copies are equal at initialisation);
+//! - a send is dropped; a receive is filled with small deterministic values (a virtual
+//!   pipeline neighbour's activations or gradients), seeded by the pair and the message's
+//!   place in their order.
+//!
+//! While it runs, it measures: the time between the end of one operation and the start of
+//! the next is a compute segment (read from a caller-supplied `orrery_train::Clock`), and
+//! with [`crate::memory::CountingAlloc`] installed, the bytes the thread held at the end of
+//! the segment and its peak during it. Between [`VirtualPeersHandle::start`] and
+//! [`VirtualPeersHandle::finish`] it records every segment and operation as a
+//! [`RankRecord`] (graph collection) and reports every segment to a [`RankReporter`] if it
+//! has one (hybrid emulation).
+//!
+//! Messages to and from pipeline neighbours carry a tag, the message's place among those
+//! from its sender to its receiver (twice, plus one when the sender is not the receiver's
+//! previous stage), so that in the stitched graph each receive meets its send.
+//!
+//! What it does not do: carry real data between real ranks (one real rank per world; real
+//! ranks of one slice are separate worlds), or emulate interleaved 1F1B, whose messages
+//! carry routing tags in their payload that synthetic data cannot provide (refused by the
+//! drivers).
+
+use crate::coordinator::RankReporter;
+use crate::memory;
+use orrery_graph::collect::{MemorySample, RankRecord, RecordedOp};
+use orrery_graph::{CollectiveOp, Layout, PeerStage, Phase};
+use orrery_train::{Clock, CommError, Communicator, Group};
+use orrery_units::{Bytes, Picos, RankId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The state shared by a [`VirtualPeers`] communicator and its handle.
+struct State {
+    rank: usize,
+    world: usize,
+    layout: Layout,
+    clock: Arc<dyn Clock>,
+    /// When the last operation ended (seconds on `clock`).
+    since: f64,
+    recording: bool,
+    ops: Vec<RecordedOp>,
+    segments: usize,
+    reporter: Option<RankReporter>,
+    /// Messages sent to and received from each peer so far.
+    sent: HashMap<usize, u64>,
+    received: HashMap<usize, u64>,
+    error: Option<String>,
+}
+
+impl State {
+    /// A compute segment ends now: record and report it.
+    fn segment_ends(&mut self) {
+        let now = self.clock.now_seconds();
+        let took = Picos::from_secs_f64((now - self.since).max(0.0));
+        if !self.recording {
+            return;
+        }
+        let sample = MemorySample {
+            live: Bytes(memory::thread_live().max(0) as u64),
+            peak: Bytes(memory::thread_peak().max(0) as u64),
+        };
+        memory::reset_thread_peak();
+        self.ops.push(RecordedOp::Compute {
+            name: format!("segment {}", self.segments),
+            phase: Phase::Forward,
+            duration: took,
+            memory: Some(sample),
+        });
+        self.segments += 1;
+        if let Some(r) = &self.reporter {
+            if r.segment(took).is_err() {
+                self.error = Some("the emulation stopped".into());
+            }
+        }
+    }
+
+    /// An operation ends now: the next segment starts.
+    fn op_ends(&mut self, op: RecordedOp) {
+        if self.recording {
+            self.ops.push(op);
+        }
+        self.since = self.clock.now_seconds();
+    }
+
+    /// The tag of the `seq`-th message from `src` to `dst` (see the module docs).
+    fn tag(&self, src: usize, dst: usize, seq: u64) -> u64 {
+        let prev = self.layout.peer(RankId(dst as u32), PeerStage::Prev).0 as usize;
+        2 * seq + u64::from(prev != src)
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        if peer >= self.world || peer == self.rank {
+            Err(CommError::BadPeer {
+                peer,
+                world: self.world,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn members(group: &Group) -> Vec<u32> {
+        group.ranks().iter().map(|&r| r as u32).collect()
+    }
+
+    fn world_group(&self) -> Vec<u32> {
+        (0..self.world as u32).collect()
+    }
+}
+
+/// The communicator of a real rank among virtual peers (see the module docs).
+pub struct VirtualPeers {
+    state: Arc<Mutex<State>>,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for VirtualPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualPeers")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+/// The driver's side of a [`VirtualPeers`] communicator: starts and ends the recorded step.
+#[derive(Clone)]
+pub struct VirtualPeersHandle {
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for VirtualPeersHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualPeersHandle").finish_non_exhaustive()
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A panic while holding the lock leaves plain data behind; keep going with it.
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl VirtualPeers {
+    /// Rank `rank` of the world `layout` describes, timing segments on `clock`, reporting
+    /// them to `reporter` if given.
+    pub fn new(
+        rank: usize,
+        layout: Layout,
+        clock: Arc<dyn Clock>,
+        reporter: Option<RankReporter>,
+    ) -> (VirtualPeers, VirtualPeersHandle) {
+        let world = layout.world_size() as usize;
+        let since = clock.now_seconds();
+        let state = Arc::new(Mutex::new(State {
+            rank,
+            world,
+            layout,
+            clock,
+            since,
+            recording: false,
+            ops: Vec::new(),
+            segments: 0,
+            reporter,
+            sent: HashMap::new(),
+            received: HashMap::new(),
+            error: None,
+        }));
+        (
+            VirtualPeers {
+                state: Arc::clone(&state),
+                rank,
+                world,
+            },
+            VirtualPeersHandle { state },
+        )
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+}
+
+impl VirtualPeersHandle {
+    /// From now on, segments and operations are recorded (and reported). Message counts
+    /// restart, so tags number the step's own messages.
+    pub fn start(&self) {
+        let mut s = lock(&self.state);
+        s.recording = true;
+        s.ops.clear();
+        s.segments = 0;
+        s.sent.clear();
+        s.received.clear();
+        s.since = s.clock.now_seconds();
+        memory::reset_thread_peak();
+    }
+
+    /// The step is over: records its last segment and returns the record. Must be called
+    /// on the rank's thread (the memory figures are the calling thread's).
+    pub fn finish(&self) -> RankRecord {
+        let mut s = lock(&self.state);
+        s.segment_ends();
+        s.recording = false;
+        if let Some(r) = &s.reporter {
+            let _ = r.done();
+        }
+        RankRecord {
+            rank: s.rank as u32,
+            ops: std::mem::take(&mut s.ops),
+        }
+    }
+
+    /// Why reporting failed, if it did (the coordinator stopped).
+    pub fn error(&self) -> Option<String> {
+        lock(&self.state).error.clone()
+    }
+}
+
+/// Sums `copies` copies of `x` in order, as a rank-ordered all-reduce of equal values does.
+fn repeated_sum(x: f32, copies: usize) -> f32 {
+    let mut acc = x;
+    for _ in 1..copies {
+        acc += x;
+    }
+    acc
+}
+
+/// Small deterministic values for a synthesised message (splitmix64 of the seed, mapped to
+/// [-0.02, 0.02)).
+fn synthesise(buf: &mut [f32], seed: u64) {
+    let mut z = seed;
+    for v in buf {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut x = z;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+        *v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04;
+    }
+}
+
+impl Communicator for VirtualPeers {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let mut s = self.state();
+        s.segment_ends();
+        for v in buf.iter_mut() {
+            *v = repeated_sum(*v, s.world);
+        }
+        let group = s.world_group();
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllReduce,
+            group,
+            role: None,
+            bytes: Bytes(4 * buf.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let mut s = self.state();
+        if root >= s.world {
+            return Err(CommError::BadRoot {
+                root,
+                world: s.world,
+            });
+        }
+        s.segment_ends();
+        let group = s.world_group();
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::Broadcast,
+            group,
+            role: None,
+            bytes: Bytes(4 * buf.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
+        let mut s = self.state();
+        if root >= s.world {
+            return Err(CommError::BadRoot {
+                root,
+                world: s.world,
+            });
+        }
+        s.segment_ends();
+        let group = s.world_group();
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::Broadcast,
+            group,
+            role: None,
+            bytes: Bytes(buf.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let mut s = self.state();
+        s.segment_ends();
+        let group = s.world_group();
+        let world = s.world;
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllGather,
+            group,
+            role: None,
+            bytes: Bytes((mine.len() * world) as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(vec![mine.to_vec(); world])
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let mut s = self.state();
+        s.segment_ends();
+        let group = s.world_group();
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllReduce,
+            group,
+            role: None,
+            bytes: Bytes(0),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
+        let mut s = self.state();
+        s.check_peer(dest)?;
+        s.segment_ends();
+        let src = s.rank;
+        let seq = {
+            let n = s.sent.entry(dest).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let tag = s.tag(src, dest, seq);
+        s.op_ends(RecordedOp::Send {
+            peer: dest as u32,
+            bytes: Bytes(4 * buf.len() as u64),
+            tag,
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn sends_never_wait(&self) -> bool {
+        true
+    }
+
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let mut s = self.state();
+        s.check_peer(src)?;
+        s.segment_ends();
+        let dst = s.rank;
+        let seq = {
+            let n = s.received.entry(src).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        synthesise(buf, ((src as u64) << 40) ^ ((dst as u64) << 20) ^ seq);
+        let tag = s.tag(src, dst, seq);
+        s.op_ends(RecordedOp::Recv {
+            peer: src as u32,
+            bytes: Bytes(4 * buf.len() as u64),
+            tag,
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn send_recv_f32(
+        &mut self,
+        dest: usize,
+        send: &[f32],
+        src: usize,
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        // One segment ends; the send and the receive are recorded back to back, as
+        // [`Recorded`] records them.
+        let mut s = self.state();
+        s.check_peer(dest)?;
+        s.check_peer(src)?;
+        s.segment_ends();
+        let me = s.rank;
+        let sseq = {
+            let n = s.sent.entry(dest).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let rseq = {
+            let n = s.received.entry(src).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        synthesise(recv, ((src as u64) << 40) ^ ((me as u64) << 20) ^ rseq);
+        let (stag, rtag) = (s.tag(me, dest, sseq), s.tag(src, me, rseq));
+        if s.recording {
+            s.ops.push(RecordedOp::Send {
+                peer: dest as u32,
+                bytes: Bytes(4 * send.len() as u64),
+                tag: stag,
+                duration: Picos::ZERO,
+            });
+        }
+        s.op_ends(RecordedOp::Recv {
+            peer: src as u32,
+            bytes: Bytes(4 * recv.len() as u64),
+            tag: rtag,
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn group_all_reduce_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &mut [f32],
+    ) -> Result<(), CommError> {
+        let mut s = self.state();
+        if group.position(s.rank).is_none() {
+            return Err(CommError::NotInGroup {
+                rank: s.rank,
+                group: group.ranks().to_vec(),
+            });
+        }
+        s.segment_ends();
+        for v in buf.iter_mut() {
+            *v = repeated_sum(*v, group.len());
+        }
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllReduce,
+            group: State::members(group),
+            role: None,
+            bytes: Bytes(4 * buf.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn group_all_gather_f32(
+        &mut self,
+        group: &Group,
+        mine: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let mut s = self.state();
+        if group.position(s.rank).is_none() {
+            return Err(CommError::NotInGroup {
+                rank: s.rank,
+                group: group.ranks().to_vec(),
+            });
+        }
+        if out.len() != mine.len() * group.len() {
+            return Err(CommError::CountMismatch {
+                what: "out",
+                counted: mine.len() * group.len(),
+                len: out.len(),
+            });
+        }
+        s.segment_ends();
+        for part in out.chunks_mut(mine.len().max(1)) {
+            part.copy_from_slice(&mine[..part.len()]);
+        }
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllGather,
+            group: State::members(group),
+            role: None,
+            bytes: Bytes(4 * out.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn group_all_to_all_v_f32(
+        &mut self,
+        group: &Group,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let mut s = self.state();
+        if group.position(s.rank).is_none() {
+            return Err(CommError::NotInGroup {
+                rank: s.rank,
+                group: group.ranks().to_vec(),
+            });
+        }
+        let n = group.len();
+        for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
+            if counts.len() != n {
+                return Err(CommError::GroupShape {
+                    what,
+                    found: counts.len(),
+                    members: n,
+                });
+            }
+        }
+        for (what, counts, len) in [
+            ("send_counts", send_counts, send.len()),
+            ("recv_counts", recv_counts, recv.len()),
+        ] {
+            let counted: usize = counts.iter().sum();
+            if counted != len {
+                return Err(CommError::CountMismatch { what, counted, len });
+            }
+        }
+        s.segment_ends();
+        // From each member, what this rank sends it (cut or zero-padded to the expected
+        // count).
+        let (mut at_send, mut at_recv) = (0, 0);
+        for j in 0..n {
+            let (sc, rc) = (send_counts[j], recv_counts[j]);
+            let from = &send[at_send..at_send + sc];
+            let to = &mut recv[at_recv..at_recv + rc];
+            let k = sc.min(rc);
+            to[..k].copy_from_slice(&from[..k]);
+            to[k..].fill(0.0);
+            at_send += sc;
+            at_recv += rc;
+        }
+        s.op_ends(RecordedOp::Collective {
+            op: CollectiveOp::AllToAll,
+            group: State::members(group),
+            role: None,
+            bytes: Bytes(4 * send.len() as u64),
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+}
+
+/// A real communicator that records like [`VirtualPeers`]: every operation is carried out by
+/// the wrapped communicator (real data between real ranks) and recorded with its segment,
+/// so that a run with every rank real can be compared with its emulation.
+pub struct Recorded<C: Communicator> {
+    inner: C,
+    state: Arc<Mutex<State>>,
+}
+
+impl<C: Communicator> std::fmt::Debug for Recorded<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorded")
+            .field("rank", &self.inner.rank())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Communicator> Recorded<C> {
+    /// Wraps `inner`, a rank of the world `layout` describes, timing segments on `clock`.
+    pub fn new(
+        inner: C,
+        layout: Layout,
+        clock: Arc<dyn Clock>,
+    ) -> (Recorded<C>, VirtualPeersHandle) {
+        let (v, handle) = VirtualPeers::new(inner.rank(), layout, clock, None);
+        (
+            Recorded {
+                inner,
+                state: v.state,
+            },
+            handle,
+        )
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Runs `f` on the inner communicator between the end of a segment and the record of
+    /// `op`.
+    fn around<T>(
+        &mut self,
+        op: impl FnOnce(&State) -> RecordedOp,
+        f: impl FnOnce(&mut C) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        self.state().segment_ends();
+        let out = f(&mut self.inner)?;
+        let mut s = self.state();
+        let op = op(&s);
+        s.op_ends(op);
+        Ok(out)
+    }
+}
+
+fn collective(op: CollectiveOp, group: Vec<u32>, bytes: u64) -> RecordedOp {
+    RecordedOp::Collective {
+        op,
+        group,
+        role: None,
+        bytes: Bytes(bytes),
+        duration: Picos::ZERO,
+    }
+}
+
+impl<C: Communicator> Communicator for Recorded<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        self.around(
+            |s| collective(CollectiveOp::AllReduce, s.world_group(), bytes),
+            |c| c.all_reduce_sum_f32(buf),
+        )
+    }
+
+    fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        self.around(
+            |s| collective(CollectiveOp::Broadcast, s.world_group(), bytes),
+            |c| c.broadcast_f32(root, buf),
+        )
+    }
+
+    fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
+        let bytes = buf.len() as u64;
+        self.around(
+            |s| collective(CollectiveOp::Broadcast, s.world_group(), bytes),
+            |c| c.broadcast_bytes(root, buf),
+        )
+    }
+
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let bytes = (mine.len() * self.inner.world_size()) as u64;
+        self.around(
+            |s| collective(CollectiveOp::AllGather, s.world_group(), bytes),
+            |c| c.all_gather_bytes(mine),
+        )
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.around(
+            |s| collective(CollectiveOp::AllReduce, s.world_group(), 0),
+            |c| c.barrier(),
+        )
+    }
+
+    fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        self.around(
+            |s| {
+                let seq = s.sent.get(&dest).copied().unwrap_or(0);
+                RecordedOp::Send {
+                    peer: dest as u32,
+                    bytes: Bytes(bytes),
+                    tag: s.tag(s.rank, dest, seq),
+                    duration: Picos::ZERO,
+                }
+            },
+            |c| c.send_f32(dest, buf),
+        )?;
+        *self.state().sent.entry(dest).or_insert(0) += 1;
+        Ok(())
+    }
+
+    fn sends_never_wait(&self) -> bool {
+        self.inner.sends_never_wait()
+    }
+
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        self.around(
+            |s| {
+                let seq = s.received.get(&src).copied().unwrap_or(0);
+                RecordedOp::Recv {
+                    peer: src as u32,
+                    bytes: Bytes(bytes),
+                    tag: s.tag(src, s.rank, seq),
+                    duration: Picos::ZERO,
+                }
+            },
+            |c| c.recv_f32(src, buf),
+        )?;
+        *self.state().received.entry(src).or_insert(0) += 1;
+        Ok(())
+    }
+
+    fn send_recv_f32(
+        &mut self,
+        dest: usize,
+        send: &[f32],
+        src: usize,
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        // Recorded as the send and the receive it is, carried out together (so that the
+        // inner communicator may overlap them).
+        let (sb, rb) = (4 * send.len() as u64, 4 * recv.len() as u64);
+        self.state().segment_ends();
+        self.inner.send_recv_f32(dest, send, src, recv)?;
+        let mut s = self.state();
+        let (sseq, rseq) = (
+            s.sent.get(&dest).copied().unwrap_or(0),
+            s.received.get(&src).copied().unwrap_or(0),
+        );
+        let (stag, rtag) = (s.tag(s.rank, dest, sseq), s.tag(src, s.rank, rseq));
+        *s.sent.entry(dest).or_insert(0) += 1;
+        *s.received.entry(src).or_insert(0) += 1;
+        // No segment between the two: the receive follows the send at once.
+        if s.recording {
+            s.ops.push(RecordedOp::Send {
+                peer: dest as u32,
+                bytes: Bytes(sb),
+                tag: stag,
+                duration: Picos::ZERO,
+            });
+        }
+        s.op_ends(RecordedOp::Recv {
+            peer: src as u32,
+            bytes: Bytes(rb),
+            tag: rtag,
+            duration: Picos::ZERO,
+        });
+        Ok(())
+    }
+
+    fn group_all_reduce_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &mut [f32],
+    ) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        let members = State::members(group);
+        self.around(
+            |_| collective(CollectiveOp::AllReduce, members, bytes),
+            |c| c.group_all_reduce_sum_f32(group, buf),
+        )
+    }
+
+    fn group_all_gather_f32(
+        &mut self,
+        group: &Group,
+        mine: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let bytes = 4 * out.len() as u64;
+        let members = State::members(group);
+        self.around(
+            |_| collective(CollectiveOp::AllGather, members, bytes),
+            |c| c.group_all_gather_f32(group, mine, out),
+        )
+    }
+
+    fn group_all_to_all_v_f32(
+        &mut self,
+        group: &Group,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let bytes = 4 * send.len() as u64;
+        let members = State::members(group);
+        self.around(
+            |_| collective(CollectiveOp::AllToAll, members, bytes),
+            |c| c.group_all_to_all_v_f32(group, send, send_counts, recv, recv_counts),
+        )
+    }
+}

@@ -1,0 +1,351 @@
+//! Running the real training program for graph collection and hybrid emulation.
+//!
+//! - [`collect`] (`orrery collect`): runs one representative rank of each timeline class of
+//!   the program's world (its pipeline stages), `slots` of them at a time, each as the only
+//!   real rank of its world ([`VirtualPeers`]); after `warmup` steps it records one step and
+//!   stitches the records into the world's graphs with their measured durations.
+//! - [`emulate`] (`orrery emulate --train`): runs the chosen real ranks live, each among
+//!   virtual peers, reporting their segments to a [`Coordinator`] that replays every other
+//!   rank from the collected graphs.
+//! - [`run_all_real`]: the same step with every rank real (threads over
+//!   `orrery_train::ThreadComm`), recorded, as the reference emulation is compared with.
+//!
+//! Every real rank runs on its own thread with its own burn CPU backend; with
+//! [`crate::memory::CountingAlloc`] installed, its measured peak memory is its thread's.
+
+use crate::comm::{Recorded, VirtualPeers, VirtualPeersHandle};
+use crate::coordinator::{CoordinatedStep, Coordinator, CoordinatorError, RankReporter};
+use orrery_graph::collect::{stitch, Collected, RankRecord, RecordedOp, StitchErrors};
+use orrery_graph::Layout;
+use orrery_net::NetworkModel;
+use orrery_predict::emulate::{EmulateError, Emulation, Perturbations, Pruning};
+use orrery_predict::CostModel;
+use orrery_train::{
+    load_corpus, make_optimizer, Clock, Communicator, CpuBackend, ThreadComm, TrainConfig,
+    TrainError, Trainer,
+};
+use orrery_units::{ClassId, Picos, RankId};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Why a collection or an emulation failed.
+#[derive(Debug, Error)]
+pub enum DriveError {
+    #[error("{field}: {message}")]
+    Config {
+        field: &'static str,
+        message: String,
+    },
+    #[error("rank {rank}: {source}")]
+    Train { rank: u32, source: TrainError },
+    #[error("rank {rank}'s thread panicked")]
+    Panicked { rank: u32 },
+    #[error(transparent)]
+    Stitch(#[from] StitchErrors),
+    #[error(transparent)]
+    Emulate(#[from] EmulateError),
+    #[error(transparent)]
+    Coordinator(#[from] CoordinatorError),
+}
+
+/// The world of a training configuration run on `ranks` ranks: its `[parallel]` layout, or
+/// pure data parallelism over the ranks.
+pub fn layout_of(config: &TrainConfig, ranks: usize) -> Result<Layout, DriveError> {
+    let (tp, pp, dp, ep) = match &config.parallel {
+        Some(p) => {
+            if p.world_size() != ranks {
+                return Err(DriveError::Config {
+                    field: "ranks",
+                    message: format!(
+                        "the [parallel] layout has {} ranks (tp {} x pp {} x dp {}), not {ranks}",
+                        p.world_size(),
+                        p.tp,
+                        p.pp,
+                        p.dp
+                    ),
+                });
+            }
+            if p.virtual_stages > 1 {
+                return Err(DriveError::Config {
+                    field: "parallel.virtual_stages",
+                    message: "interleaved 1F1B cannot run among virtual peers (its messages \
+                              carry routing tags that synthetic data cannot provide)"
+                        .into(),
+                });
+            }
+            (p.tp, p.pp, p.dp, p.ep)
+        }
+        None => (1, 1, ranks, 1),
+    };
+    if ranks == 0 {
+        return Err(DriveError::Config {
+            field: "ranks",
+            message: "must be at least 1".into(),
+        });
+    }
+    let n = |x: usize| x as u32;
+    Ok(Layout::from_dims(
+        n(tp),
+        1,
+        n(dp),
+        n(pp),
+        n(ep),
+        n(tp * dp * pp),
+    ))
+}
+
+/// One real rank's recorded step and how long the step took on the wall clock.
+#[derive(Debug, Clone)]
+pub struct RankStep {
+    pub record: RankRecord,
+    pub wall: Picos,
+}
+
+/// What a real rank does: `warmup` untimed steps, then one recorded step.
+fn run_rank(
+    config: &TrainConfig,
+    comm: Box<dyn Communicator>,
+    handle: &VirtualPeersHandle,
+    clock: &Arc<dyn Clock>,
+    warmup: u64,
+) -> Result<RankStep, TrainError> {
+    let corpus = load_corpus(config)?;
+    let optimizer = make_optimizer(config)?;
+    let mut trainer =
+        Trainer::<CpuBackend>::new(config.clone(), corpus, optimizer, comm, Default::default())?;
+    for _ in 0..warmup {
+        trainer.step(clock.as_ref())?;
+    }
+    handle.start();
+    let t0 = clock.now_seconds();
+    trainer.step(clock.as_ref())?;
+    let wall = Picos::from_secs_f64((clock.now_seconds() - t0).max(0.0));
+    Ok(RankStep {
+        record: handle.finish(),
+        wall,
+    })
+}
+
+/// The configuration a driven rank runs: no evaluation, no files, enough steps.
+fn driven(config: &TrainConfig, warmup: u64) -> TrainConfig {
+    let mut c = config.clone();
+    c.eval_every = 0;
+    c.out_dir = None;
+    c.steps = c.steps.max(warmup + 1);
+    c
+}
+
+/// Runs `work` for each rank in `ranks`, `slots` at a time, each on its own thread.
+fn in_slots<T: Send>(
+    ranks: &[u32],
+    slots: usize,
+    work: impl Fn(u32) -> Result<T, DriveError> + Sync,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<T>, DriveError> {
+    let mut out = Vec::with_capacity(ranks.len());
+    for chunk in ranks.chunks(slots.max(1)) {
+        let results: Vec<Result<T, DriveError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|&r| {
+                    let work = &work;
+                    (r, scope.spawn(move || work(r)))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(r, h)| h.join().unwrap_or(Err(DriveError::Panicked { rank: r })))
+                .collect()
+        });
+        for r in results {
+            out.push(r?);
+        }
+        progress(out.len(), ranks.len());
+    }
+    Ok(out)
+}
+
+/// A finished collection.
+#[derive(Debug)]
+pub struct Collection {
+    pub collected: Collected,
+    /// The records stitched, by rank.
+    pub records: Vec<RankRecord>,
+}
+
+/// Collects the world's graphs from its pipeline stages' representatives (see the module
+/// docs). `progress` hears (ranks done, ranks to run).
+pub fn collect(
+    config: &TrainConfig,
+    ranks: usize,
+    slots: usize,
+    warmup: u64,
+    clock: Arc<dyn Clock>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Collection, DriveError> {
+    let layout = layout_of(config, ranks)?;
+    let config = driven(config, warmup);
+    let representatives: Vec<u32> = (0..layout.num_classes())
+        .map(|c| layout.representative(ClassId(c)).0)
+        .collect();
+    let records = in_slots(
+        &representatives,
+        slots,
+        |r| {
+            let (comm, handle) = VirtualPeers::new(r as usize, layout.clone(), clock.clone(), None);
+            run_rank(&config, Box::new(comm), &handle, &clock, warmup)
+                .map(|s| s.record)
+                .map_err(|source| DriveError::Train { rank: r, source })
+        },
+        progress,
+    )?;
+    let collected = stitch(layout, &records)?;
+    Ok(Collection { collected, records })
+}
+
+/// A finished emulation.
+#[derive(Debug)]
+pub struct Emulated {
+    pub step: CoordinatedStep,
+    /// Each real rank's record of the emulated step (its segments and operations) and its
+    /// wall time.
+    pub records: Vec<RankStep>,
+}
+
+/// Emulates one step with `live` ranks real among virtual ones replayed from `collected`
+/// (see the module docs). A real rank that reports nothing for `timeout` is an error.
+#[allow(clippy::too_many_arguments)]
+pub fn emulate<N: NetworkModel + Sync>(
+    config: &TrainConfig,
+    collected: &Collected,
+    cost: &CostModel,
+    net: &N,
+    live: &[RankId],
+    perturb: &Perturbations,
+    warmup: u64,
+    timeout: Duration,
+    clock: Arc<dyn Clock>,
+) -> Result<Emulated, DriveError> {
+    let layout = collected.graphs.layout.clone();
+    let config = driven(config, warmup);
+    let emulation = Emulation::collected(collected, cost, net, live, Pruning::Classes, perturb)?;
+    let (coordinator, reporters) = Coordinator::new(emulation, timeout);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = reporters
+            .into_iter()
+            .map(|reporter: RankReporter| {
+                let (layout, config, clock) = (layout.clone(), &config, clock.clone());
+                scope.spawn(move || {
+                    let rank = reporter.rank();
+                    let (comm, handle) = VirtualPeers::new(
+                        rank.index(),
+                        layout,
+                        clock.clone(),
+                        Some(reporter.clone()),
+                    );
+                    match run_rank(config, Box::new(comm), &handle, &clock, warmup) {
+                        Ok(rec) => Ok(rec),
+                        Err(e) => {
+                            let _ = reporter.failed(e.to_string());
+                            Err(DriveError::Train {
+                                rank: rank.0,
+                                source: e,
+                            })
+                        }
+                    }
+                })
+            })
+            .collect();
+        let step = coordinator.run();
+        let mut records = Vec::new();
+        let mut first_error = None;
+        for t in threads {
+            match t.join() {
+                Ok(Ok(rec)) => records.push(rec),
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_error.get_or_insert(DriveError::Panicked { rank: u32::MAX });
+                }
+            }
+        }
+        // The coordinator's error names the rank that stopped it; a rank's own error says
+        // why.
+        match (step, first_error) {
+            (Ok(step), None) => Ok(Emulated { step, records }),
+            (_, Some(e)) => Err(e),
+            (Err(e), None) => Err(e.into()),
+        }
+    })
+}
+
+/// Every rank real: `ranks` threads over a `ThreadComm`, each recorded; returns the records
+/// (by rank) of the step after `warmup`.
+pub fn run_all_real(
+    config: &TrainConfig,
+    ranks: usize,
+    warmup: u64,
+    clock: Arc<dyn Clock>,
+) -> Result<Vec<RankStep>, DriveError> {
+    let layout = layout_of(config, ranks)?;
+    let config = driven(config, warmup);
+    let comms = ThreadComm::group(ranks);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let (layout, config, clock) = (layout.clone(), &config, clock.clone());
+                scope.spawn(move || {
+                    let (comm, handle) = Recorded::new(comm, layout, clock.clone());
+                    run_rank(config, Box::new(comm), &handle, &clock, warmup).map_err(|source| {
+                        DriveError::Train {
+                            rank: r as u32,
+                            source,
+                        }
+                    })
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                t.join()
+                    .unwrap_or(Err(DriveError::Panicked { rank: r as u32 }))
+            })
+            .collect()
+    })
+}
+
+/// A record's communication, without its segments: what "the same collective order"
+/// compares.
+pub fn communication(record: &RankRecord) -> Vec<RecordedOp> {
+    record
+        .ops
+        .iter()
+        .filter(|o| !matches!(o, RecordedOp::Compute { .. }))
+        .cloned()
+        .collect()
+}
+
+/// A record's measured peak memory (the highest sampled peak), and the sum of its
+/// segments.
+pub fn peak_and_compute(record: &RankRecord) -> (u64, Picos) {
+    let mut peak = 0;
+    let mut compute = 0;
+    for o in &record.ops {
+        if let RecordedOp::Compute {
+            duration, memory, ..
+        } = o
+        {
+            compute += duration.0;
+            if let Some(m) = memory {
+                peak = peak.max(m.peak.0);
+            }
+        }
+    }
+    (peak, Picos(compute))
+}

@@ -1,0 +1,130 @@
+//! The real program among virtual peers: collection, emulation with one real rank, and the
+//! all-real reference (threads), on worlds small enough to run every rank here.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use orrery_emulate::drive::{collect, communication, emulate, peak_and_compute, run_all_real};
+use orrery_emulate::memory::CountingAlloc;
+use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
+use orrery_predict::emulate::Perturbations;
+use orrery_predict::CostModel;
+use orrery_train::{Clock, ModelConfig, MonotonicClock, ParallelConfig, TrainConfig};
+use orrery_units::RankId;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+fn tiny() -> TrainConfig {
+    TrainConfig {
+        model: ModelConfig {
+            context: 16,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            d_ff: 64,
+            ..ModelConfig::default()
+        },
+        steps: 4,
+        batch_size: 8,
+        lr: 1e-2,
+        warmup_steps: 1,
+        eval_every: 0,
+        eval_batches: 1,
+        ..TrainConfig::default()
+    }
+}
+
+fn tp2_pp2() -> TrainConfig {
+    TrainConfig {
+        parallel: Some(ParallelConfig {
+            tp: 2,
+            pp: 2,
+            dp: 1,
+            micro_batches: 4,
+            ..ParallelConfig::default()
+        }),
+        ..tiny()
+    }
+}
+
+fn clock() -> Arc<dyn Clock> {
+    Arc::new(MonotonicClock::new())
+}
+
+fn models() -> (CostModel, AnalyticalNetwork) {
+    let text = orrery_spec::preset_job_text("llama3-70b-h100x1024").unwrap();
+    let job = orrery_spec::Job::from_spec(&orrery_spec::load_job_spec(text, &[]).unwrap()).unwrap();
+    (
+        CostModel::for_gpu(&job.cluster().gpu),
+        AnalyticalNetwork::new(orrery_predict::fabric_for(&job), AlgorithmChoice::Auto),
+    )
+}
+
+#[test]
+fn collected_ranks_issue_the_all_real_collectives_in_order() {
+    for (config, world) in [(tiny(), 2), (tp2_pp2(), 4)] {
+        let all_real = run_all_real(&config, world, 1, clock()).unwrap();
+        let c = collect(&config, world, 2, 1, clock(), &mut |_, _| {}).unwrap();
+        for rec in &c.records {
+            let reference = &all_real[rec.rank as usize].record;
+            assert_eq!(
+                communication(rec),
+                communication(reference),
+                "rank {} of {world}",
+                rec.rank
+            );
+        }
+        // Every stage's graph was built.
+        assert_eq!(
+            c.collected.graphs.classes.len(),
+            config.parallel.map_or(1, |p| p.pp)
+        );
+    }
+}
+
+#[test]
+fn emulation_with_one_real_rank_matches_the_all_real_run() {
+    let config = tp2_pp2();
+    let (cost, net) = models();
+    let collection = collect(&config, 4, 2, 1, clock(), &mut |_, _| {}).unwrap();
+    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
+    for live in [RankId(0), RankId(3)] {
+        let run = emulate(
+            &config,
+            &collection.collected,
+            &cost,
+            &net,
+            &[live],
+            &Perturbations::default(),
+            1,
+            Duration::from_secs(60),
+            clock(),
+        )
+        .unwrap();
+        let rec = &run.records[0].record;
+        let reference = &all_real[live.index()].record;
+        // The same collectives and transfers, in the same order.
+        assert_eq!(
+            communication(rec),
+            communication(reference),
+            "rank {}",
+            live.0
+        );
+        // Every segment the real rank reported reached the engine.
+        assert_eq!(run.step.segments[0].0, live);
+        let (peak, _) = peak_and_compute(rec);
+        let (reference_peak, _) = peak_and_compute(reference);
+        eprintln!(
+            "rank {}: peak {} B emulated, {} B all real; step {} ps",
+            live.0,
+            peak,
+            reference_peak,
+            run.step.timeline.step_time().0
+        );
+        assert!(peak > 0);
+        assert!(run.step.timeline.step_time().0 > 0);
+    }
+}
