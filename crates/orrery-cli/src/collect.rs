@@ -39,6 +39,10 @@ pub struct CollectArgs {
     /// Where the collection goes.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+    /// Also export every rank's collected graph as Chakra ET, with the measured durations:
+    /// `PREFIX.<rank>.et` plus `PREFIX.groups.json`.
+    #[arg(long, value_name = "PREFIX")]
+    pub chakra: Option<PathBuf>,
 }
 
 /// The training configuration from a file, or the default one.
@@ -103,6 +107,9 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
     }
     let file = run_collection(&config, args.ranks, args.slots, args.warmup)?;
     atomic_write(&args.out, &file.to_bytes())?;
+    if let Some(prefix) = &args.chakra {
+        export_collected(&file, prefix)?;
+    }
     let ops: usize = file.records.iter().map(|r| r.ops.len()).sum();
     outln!(
         "collected {} ranks of {} ({} recorded ops) into {}",
@@ -110,6 +117,54 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
         args.ranks,
         ops,
         args.out.display()
+    );
+    Ok(())
+}
+
+/// The world's graphs of a collection.
+fn stitched(file: &CollectionFile) -> Result<orrery_graph::collect::Collected> {
+    let layout = Layout::from_dims(
+        file.tp,
+        1,
+        file.dp,
+        file.pp,
+        file.ep,
+        file.tp * file.dp * file.pp,
+    );
+    stitch(layout, &file.records).map_err(|e| bad(e.to_string()))
+}
+
+/// Every rank's collected graph as Chakra ET with its measured durations.
+fn export_collected(file: &CollectionFile, prefix: &Path) -> Result<()> {
+    use orrery_graph::chakra::{comm_groups_json, export_rank_with_times, OpTime};
+    let c = stitched(file)?;
+    let layout = &c.graphs.layout;
+    let with_suffix = |s: &str| {
+        let mut p = prefix.as_os_str().to_owned();
+        p.push(s);
+        PathBuf::from(p)
+    };
+    for r in 0..layout.world_size() {
+        let rank = orrery_units::RankId(r);
+        let times: Vec<OpTime> = c.measured[layout.class_of(rank).index()]
+            .iter()
+            .map(|d| OpTime {
+                start: Picos::ZERO,
+                duration: d.unwrap_or(Picos::ZERO),
+            })
+            .collect();
+        let mut buf = Vec::new();
+        export_rank_with_times(&c.graphs, rank, &times, &mut buf)?;
+        atomic_write(&with_suffix(&format!(".{r}.et")), &buf)?;
+    }
+    atomic_write(
+        &with_suffix(".groups.json"),
+        comm_groups_json(&c.graphs).as_bytes(),
+    )?;
+    eprintln!(
+        "wrote {} Chakra ET files with prefix {}",
+        layout.world_size(),
+        prefix.display()
     );
     Ok(())
 }
@@ -160,21 +215,13 @@ pub fn run_train_emulation(
         }
         None => run_collection(&config, ranks, 1, args.warmup)?,
     };
-    let layout = Layout::from_dims(
-        file.tp,
-        1,
-        file.dp,
-        file.pp,
-        file.ep,
-        file.tp * file.dp * file.pp,
-    );
-    if layout.world_size() as usize != ranks {
+    let world = (file.tp * file.dp * file.pp) as usize;
+    if world != ranks {
         return Err(bad(format!(
-            "--ranks {ranks}: the collection is of a world of {}",
-            layout.world_size()
+            "--ranks {ranks}: the collection is of a world of {world}"
         )));
     }
-    let collected = stitch(layout, &file.records).map_err(|e| bad(e.to_string()))?;
+    let collected = stitched(&file)?;
     let preset = orrery_spec::presets::gpu(&args.gpu)
         .ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
     let per_node = (ranks as u64).min(8);

@@ -206,10 +206,25 @@ fn collect_then_emulate_the_real_program() {
     std::fs::write(&config, TRAIN).unwrap();
     let coll = job.with_file_name("collection.bin");
     let (c, p) = (config.to_str().unwrap(), coll.to_str().unwrap());
-    let (code, stdout, stderr) =
-        orrery(&["collect", c, "--ranks", "8", "--slots", "2", "--out", p]);
+    let prefix = job.with_file_name("collected");
+    let (code, stdout, stderr) = orrery(&[
+        "collect",
+        c,
+        "--ranks",
+        "8",
+        "--slots",
+        "2",
+        "--out",
+        p,
+        "--chakra",
+        prefix.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("collected 2 ranks of 8"), "{stdout}");
+    // The Chakra export replays: `orrery replay` reads the eight ranks back.
+    let (code, stdout, stderr) = orrery(&["replay", prefix.to_str().unwrap(), "--measured"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("8 ranks"), "{stdout}");
     let (code, stdout, stderr) = orrery(&[
         "emulate",
         "--train",

@@ -58,6 +58,10 @@ struct State {
     sent: HashMap<usize, u64>,
     received: HashMap<usize, u64>,
     error: Option<String>,
+    /// Bytes the wrapped communicator's calls left this thread holding (its own buffers,
+    /// and messages allocated here but freed by a peer thread, or the reverse): not the
+    /// program's memory, so memory samples leave them out ([`Recorded`] only).
+    comm_bytes: i64,
 }
 
 impl State {
@@ -69,8 +73,8 @@ impl State {
             return;
         }
         let sample = MemorySample {
-            live: Bytes(memory::thread_live().max(0) as u64),
-            peak: Bytes(memory::thread_peak().max(0) as u64),
+            live: Bytes((memory::thread_live() - self.comm_bytes).max(0) as u64),
+            peak: Bytes((memory::thread_peak() - self.comm_bytes).max(0) as u64),
         };
         memory::reset_thread_peak();
         self.ops.push(RecordedOp::Compute {
@@ -180,6 +184,7 @@ impl VirtualPeers {
             sent: HashMap::new(),
             received: HashMap::new(),
             error: None,
+            comm_bytes: 0,
         }));
         (
             VirtualPeers {
@@ -558,7 +563,10 @@ impl Communicator for VirtualPeers {
 
 /// A real communicator that records like [`VirtualPeers`]: every operation is carried out by
 /// the wrapped communicator (real data between real ranks) and recorded with its segment,
-/// so that a run with every rank real can be compared with its emulation.
+/// so that a run with every rank real can be compared with its emulation. Its memory
+/// samples leave out what the wrapped communicator's calls leave the thread holding (the
+/// backend's buffers, messages allocated by one thread and freed by another), so that both
+/// runs measure the program's own memory.
 pub struct Recorded<C: Communicator> {
     inner: C,
     state: Arc<Mutex<State>>,
@@ -601,10 +609,15 @@ impl<C: Communicator> Recorded<C> {
         f: impl FnOnce(&mut C) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         self.state().segment_ends();
+        let before = memory::thread_live();
         let out = f(&mut self.inner)?;
+        let retained = memory::thread_live() - before;
         let mut s = self.state();
+        s.comm_bytes += retained;
         let op = op(&s);
         s.op_ends(op);
+        // The call's transient buffers are not the program's peak either.
+        memory::reset_thread_peak();
         Ok(out)
     }
 }
@@ -718,8 +731,12 @@ impl<C: Communicator> Communicator for Recorded<C> {
         // inner communicator may overlap them).
         let (sb, rb) = (4 * send.len() as u64, 4 * recv.len() as u64);
         self.state().segment_ends();
+        let before = memory::thread_live();
         self.inner.send_recv_f32(dest, send, src, recv)?;
+        let retained = memory::thread_live() - before;
+        memory::reset_thread_peak();
         let mut s = self.state();
+        s.comm_bytes += retained;
         let (sseq, rseq) = (
             s.sent.get(&dest).copied().unwrap_or(0),
             s.received.get(&src).copied().unwrap_or(0),
