@@ -67,6 +67,12 @@ struct State {
 impl State {
     /// A compute segment ends now: record and report it.
     fn segment_ends(&mut self) {
+        self.segment_ends_before(None);
+    }
+
+    /// A compute segment ends now, before an operation moving `bytes` (if known): record
+    /// and report it.
+    fn segment_ends_before(&mut self, bytes: Option<u64>) {
         let now = self.clock.now_seconds();
         let took = Picos::from_secs_f64((now - self.since).max(0.0));
         if !self.recording {
@@ -85,7 +91,11 @@ impl State {
         });
         self.segments += 1;
         if let Some(r) = &self.reporter {
-            if r.segment(took).is_err() {
+            let sent = match bytes {
+                Some(b) => r.segment_before(took, b),
+                None => r.segment(took),
+            };
+            if sent.is_err() {
                 self.error = Some("the emulation stopped".into());
             }
         }
@@ -536,7 +546,8 @@ impl Communicator for VirtualPeers {
                 return Err(CommError::CountMismatch { what, counted, len });
             }
         }
-        s.segment_ends();
+        // The router's choices size this exchange: the engine replays it at this size.
+        s.segment_ends_before(Some(4 * send.len() as u64));
         // From each member, what this rank sends it (cut or zero-padded to the expected
         // count).
         let (mut at_send, mut at_recv) = (0, 0);

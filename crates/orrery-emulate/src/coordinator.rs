@@ -20,8 +20,10 @@ use thiserror::Error;
 /// What a real rank tells the coordinator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Report {
-    /// A compute segment finished; it took this long.
-    Segment(Picos),
+    /// A compute segment finished; it took this long. The second field is the bytes the
+    /// operation that ends the segment moves, where the program knows them (an expert
+    /// all-to-all's size follows the router's choices, step by step).
+    Segment(Picos, Option<u64>),
     /// The rank's step is over (no more segments).
     Done,
     /// The rank's program failed; the reason is shown to the user.
@@ -75,7 +77,14 @@ impl RankReporter {
     /// Reports a finished compute segment. Never blocks; fails only if the coordinator has
     /// stopped (then the emulation is over and the rank may stop too).
     pub fn segment(&self, took: Picos) -> Result<(), Report> {
-        self.tx.send(Report::Segment(took)).map_err(|e| e.0)
+        self.tx.send(Report::Segment(took, None)).map_err(|e| e.0)
+    }
+
+    /// Reports a finished compute segment and the bytes of the operation that ends it.
+    pub fn segment_before(&self, took: Picos, bytes: u64) -> Result<(), Report> {
+        self.tx
+            .send(Report::Segment(took, Some(bytes)))
+            .map_err(|e| e.0)
     }
 
     pub fn done(&self) -> Result<(), Report> {
@@ -174,16 +183,19 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
                     modelled,
                     ..
                 } => {
-                    let took = self.next_segment(rank)?;
+                    let (took, bytes) = self.next_segment(rank)?;
                     segments.entry(rank.0).or_default().push((took, modelled));
                     self.emulation.supply(participant, op, took)?;
+                    if let Some(b) = bytes {
+                        self.emulation.size_next_all_to_all(participant, op, b);
+                    }
                 }
             }
         }
     }
 
     /// The next segment `rank` reports, waiting up to the timeout.
-    fn next_segment(&mut self, rank: RankId) -> Result<Picos, CoordinatorError> {
+    fn next_segment(&mut self, rank: RankId) -> Result<(Picos, Option<u64>), CoordinatorError> {
         let timeout = self.timeout;
         let live = self
             .live
@@ -198,9 +210,9 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
             });
         }
         match live.rx.recv_timeout(timeout) {
-            Ok(Report::Segment(d)) => {
+            Ok(Report::Segment(d, bytes)) => {
                 live.reported += 1;
-                Ok(d)
+                Ok((d, bytes))
             }
             Ok(Report::Done) => {
                 live.done = true;
@@ -240,7 +252,7 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
             }
             match live.rx.recv_timeout(timeout) {
                 Ok(Report::Done) => live.done = true,
-                Ok(Report::Segment(_)) => {
+                Ok(Report::Segment(..)) => {
                     return Err(CoordinatorError::TooMany {
                         rank: r,
                         reported: live.reported + 1,

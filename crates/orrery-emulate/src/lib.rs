@@ -36,8 +36,9 @@
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
 //! does, from collected graphs or the cost model), make a real rank's wall time follow
 //! simulated time, exchange real data between real ranks of one emulation (each real rank
-//! is alone among virtual peers), or size an emulated step's all-to-alls from the router's
-//! live token counts (the collected step's sizes are replayed). It reads the wall clock
+//! is alone among virtual peers). A real rank's expert all-to-all is sized from its router's
+//! choices of the step (reported with the segment before it); virtual ranks' shares are
+//! the collected step's. It reads the wall clock
 //! through a caller-supplied `orrery_train::Clock`, and for its timeouts.
 
 pub mod comm;

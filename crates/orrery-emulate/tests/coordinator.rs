@@ -253,3 +253,73 @@ fn failed_and_miscounting_ranks_are_named() {
         "{e}"
     );
 }
+
+/// DP 2 with expert parallelism over both ranks: compute, the expert all-to-all, compute.
+fn moe_collected() -> Collected {
+    let layout = Layout::from_dims(1, 1, 2, 1, 2, 2);
+    let records: Vec<RankRecord> = (0..2)
+        .map(|rank| RankRecord {
+            rank,
+            ops: vec![
+                RecordedOp::Compute {
+                    name: "router".into(),
+                    phase: Phase::Forward,
+                    duration: Picos::from_micros(100),
+                    memory: None,
+                },
+                RecordedOp::Collective {
+                    op: CollectiveOp::AllToAll,
+                    group: vec![0, 1],
+                    role: Some(GroupRole::Ep),
+                    bytes: Bytes(1 << 20),
+                    duration: Picos::ZERO,
+                },
+                RecordedOp::Compute {
+                    name: "experts".into(),
+                    phase: Phase::Forward,
+                    duration: Picos::from_micros(100),
+                    memory: None,
+                },
+            ],
+        })
+        .collect();
+    stitch(layout, &records).unwrap()
+}
+
+#[test]
+fn a_real_routers_all_to_all_size_reaches_the_engine() {
+    let c = moe_collected();
+    let (cost, net) = models();
+    let step_with = |bytes: Option<u64>| {
+        let emu = Emulation::collected(
+            &c,
+            &cost,
+            &net,
+            &[RankId(0)],
+            Pruning::Classes,
+            &Perturbations::default(),
+        )
+        .unwrap();
+        let (coordinator, reporters) = Coordinator::new(emu, Duration::from_secs(30));
+        let r = reporters.into_iter().next().unwrap();
+        let t = std::thread::spawn(move || {
+            let first = Picos::from_micros(100);
+            match bytes {
+                Some(b) => r.segment_before(first, b).unwrap(),
+                None => r.segment(first).unwrap(),
+            }
+            r.segment(Picos::from_micros(100)).unwrap();
+            r.done().unwrap();
+        });
+        let step = coordinator.run().unwrap();
+        t.join().unwrap();
+        step.timeline.step_time()
+    };
+    let as_collected = step_with(None);
+    // The router sent what the collection saw: nothing changes.
+    assert_eq!(step_with(Some(1 << 20)), as_collected);
+    // A skewed router (64 times the rows) makes the exchange, and the step, longer.
+    assert!(step_with(Some(64 << 20)) > as_collected);
+    // Fewer rows than the virtual peer's share: the peer's share sets the pace.
+    assert_eq!(step_with(Some(1 << 10)), as_collected);
+}

@@ -356,6 +356,29 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         Ok(())
     }
 
+    /// The next all-to-all after compute op `op` of live participant `participant` moves
+    /// `bytes` this step (its real router's choices) instead of what its graph says; a
+    /// later all-to-all of the same exchange waits for the largest share. Nothing happens
+    /// if the next communication op is not an all-to-all.
+    pub fn size_next_all_to_all(&mut self, participant: u32, op: u32, bytes: u64) {
+        let next = (op + 1..)
+            .map_while(|i| self.engine.op_of(participant, i).map(|(_, o)| (i, o.kind)))
+            .find(|(_, k)| {
+                matches!(
+                    k,
+                    OpKind::Collective { .. } | OpKind::Send { .. } | OpKind::Recv { .. }
+                )
+            });
+        if let Some((i, OpKind::Collective { op: c, .. })) = next {
+            if c == orrery_graph::CollectiveOp::AllToAll {
+                self.engine
+                    .hybrid
+                    .bytes
+                    .insert((participant, i), Bytes(bytes));
+            }
+        }
+    }
+
     /// Runs the emulation to the end, asking `measure` for each live compute op's
     /// duration (given the rank, the op and the modelled duration).
     pub fn run_with(

@@ -322,6 +322,9 @@ pub(crate) struct Hybrid {
     pub net_scale: HashMap<(u32, u32), f64>,
     /// participant -> windows of simulated time in which its compute is slower.
     pub slow: HashMap<u32, Vec<SlowWindow>>,
+    /// (participant, op) -> the bytes a live rank's all-to-all moves this step (its
+    /// router's choices), instead of the graph's.
+    pub bytes: HashMap<(u32, u32), Bytes>,
 }
 
 /// A window of simulated time in which a participant's compute ops take `factor` times as
@@ -627,14 +630,21 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
                     members,
                     placement,
                 },
-            ) => match rendezvous {
-                None => {
-                    let d = self.collective_time(cop, bytes, placement);
-                    let d = self.net_scaled(p, op, d);
-                    self.schedule(now + d, p, op);
+            ) => {
+                let bytes = if self.hybrid.bytes.is_empty() {
+                    bytes
+                } else {
+                    self.hybrid.bytes.get(&(p, op)).copied().unwrap_or(bytes)
+                };
+                match rendezvous {
+                    None => {
+                        let d = self.collective_time(cop, bytes, placement);
+                        let d = self.net_scaled(p, op, d);
+                        self.schedule(now + d, p, op);
+                    }
+                    Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
                 }
-                Some(key) => self.arrive(now, p, op, key, members, (cop, bytes, placement)),
-            },
+            }
             // An unresolved send or collective (a participant built without links) takes
             // no time rather than hanging the replay.
             _ => self.schedule(now, p, op),
@@ -677,7 +687,12 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
             members: Vec::new(),
             signature: (cop, bytes),
         });
-        if w.signature != (cop, bytes) {
+        // Members of an all-to-all may move different amounts (a router's choices); the
+        // exchange lasts as long as its largest share takes.
+        if cop == CollectiveOp::AllToAll && w.signature.0 == cop {
+            w.signature.1 = w.signature.1.max(bytes);
+        }
+        if w.signature.0 != cop || (cop != CollectiveOp::AllToAll && w.signature.1 != bytes) {
             self.error = Some(ReplayError::CollectiveMismatch {
                 group: key.0,
                 rank: self.states[p as usize].rank.0,
@@ -690,7 +705,7 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         w.members.push((p, op));
         if w.arrived >= members {
             if let Some(w) = self.rendezvous.remove(&key) {
-                let d = self.collective_time(cop, bytes, placement);
+                let d = self.collective_time(cop, w.signature.1, placement);
                 // Every member of a degraded group carries the same factor.
                 let d = self.net_scaled(p, op, d);
                 for (mp, mop) in w.members {
