@@ -10,7 +10,7 @@
 
 use crate::emulate::{parse_ranks, perturbations, PerturbArgs};
 use crate::{atomic_write, bad, progress_bar};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use orrery_emulate::drive::{collect, emulate, peak_and_compute, DriveError};
 use orrery_emulate::file::CollectionFile;
 use orrery_graph::collect::stitch;
@@ -263,6 +263,24 @@ pub fn run_train_emulation(
         rows.push((rec.rank, end, compute, recorded, peak));
     }
     let step = run.step.timeline.step_time();
+    // Virtual ranks, one row per class: its end and its peak memory from the collected
+    // graph.
+    let mut virtual_rows = Vec::new();
+    for (info, t) in run
+        .step
+        .participants
+        .iter()
+        .zip(&run.step.timeline.participants)
+    {
+        if info.live {
+            continue;
+        }
+        let graph = collected.graphs.class(info.class);
+        let peak = orrery_predict::memory::ledger(graph, t)
+            .map(|l| l.peak.0)
+            .context("memory ledger of a collected graph")?;
+        virtual_rows.push((info.rank.0, info.stands_for, t.end(), peak));
+    }
     if json {
         let ranks_json: Vec<serde_json::Value> = rows
             .iter()
@@ -276,11 +294,23 @@ pub fn run_train_emulation(
                 })
             })
             .collect();
+        let virtual_json: Vec<serde_json::Value> = virtual_rows
+            .iter()
+            .map(|&(rank, n, end, peak)| {
+                serde_json::json!({
+                    "rank": rank,
+                    "stands_for": n,
+                    "end_ps": end.0,
+                    "peak_memory_bytes": peak,
+                })
+            })
+            .collect();
         let v = serde_json::json!({
             "world_size": ranks,
             "participants": run.step.timeline.participants.len(),
             "step_time_ps": step.0,
             "real_ranks": ranks_json,
+            "virtual_ranks": virtual_json,
         });
         outln!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -311,6 +341,18 @@ pub fn run_train_emulation(
             compute.as_millis_f64(),
             recorded.as_millis_f64(),
             peak as f64 / (1u64 << 20) as f64
+        );
+    }
+    for (rank, n, end, peak) in virtual_rows {
+        let _ = writeln!(
+            s,
+            "  {:>5}  {:>9.3} ms  {:>14}  {:>18}  {:>8.2} MiB   (virtual, stands for {})",
+            format!("{rank}*"),
+            end.as_millis_f64(),
+            "-",
+            "-",
+            peak as f64 / (1u64 << 20) as f64,
+            n
         );
     }
     out!("{s}");

@@ -123,6 +123,8 @@ impl<N: NetworkModel> std::fmt::Debug for Coordinator<'_, N> {
 #[derive(Debug, Clone)]
 pub struct CoordinatedStep {
     pub timeline: Timeline,
+    /// Who each participant of the timeline is (in the timeline's order).
+    pub participants: Vec<orrery_predict::emulate::ParticipantInfo>,
     /// For each real rank: the durations it reported, in order, against what the models
     /// (the collected graph, or the cost model) expected.
     pub segments: Vec<(RankId, Vec<(Picos, Picos)>)>,
@@ -163,6 +165,7 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
 
     /// Runs the step to its end.
     pub fn run(mut self) -> Result<CoordinatedStep, CoordinatorError> {
+        let participants = self.emulation.participants().to_vec();
         let mut segments: HashMap<u32, Vec<(Picos, Picos)>> = HashMap::new();
         loop {
             match self.emulation.advance()? {
@@ -173,6 +176,7 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
                     segs.sort_by_key(|(r, _)| *r);
                     return Ok(CoordinatedStep {
                         timeline,
+                        participants,
                         segments: segs,
                     });
                 }
