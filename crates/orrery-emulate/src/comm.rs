@@ -28,10 +28,14 @@
 //! from its sender to its receiver (twice, plus one when the sender is not the receiver's
 //! previous stage), so that in the stitched graph each receive meets its send.
 //!
-//! What it does not do: carry real data between real ranks (one real rank per world; real
-//! ranks of one slice are separate worlds), or emulate interleaved 1F1B, whose messages
-//! carry routing tags in their payload that synthetic data cannot provide (refused by the
-//! drivers).
+//! With other real ranks in the same emulation ([`VirtualPeers::with_real_peers`], a
+//! communicator over the real ranks), operations among real ranks carry real data: a
+//! group's real members exchange their contributions over it, and its virtual members
+//! contribute the first real member's (so every real member computes the same sum); sends
+//! and receives between real ranks go over it.
+//!
+//! What it does not do: emulate interleaved 1F1B, whose messages carry routing tags in
+//! their payload that synthetic data cannot provide (refused by the drivers).
 
 use crate::coordinator::RankReporter;
 use crate::memory;
@@ -140,6 +144,8 @@ pub struct VirtualPeers {
     state: Arc<Mutex<State>>,
     rank: usize,
     world: usize,
+    /// The other real ranks of the emulation, if any.
+    real: Option<RealPeers>,
 }
 
 impl std::fmt::Debug for VirtualPeers {
@@ -201,13 +207,10 @@ impl VirtualPeers {
                 state: Arc::clone(&state),
                 rank,
                 world,
+                real: None,
             },
             VirtualPeersHandle { state },
         )
-    }
-
-    fn state(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
     }
 }
 
@@ -246,15 +249,6 @@ impl VirtualPeersHandle {
     }
 }
 
-/// Sums `copies` copies of `x` in order, as a rank-ordered all-reduce of equal values does.
-fn repeated_sum(x: f32, copies: usize) -> f32 {
-    let mut acc = x;
-    for _ in 1..copies {
-        acc += x;
-    }
-    acc
-}
-
 /// Small deterministic values for a synthesised message (splitmix64 of the seed, mapped to
 /// [-0.02, 0.02)).
 fn synthesise(buf: &mut [f32], seed: u64) {
@@ -269,6 +263,114 @@ fn synthesise(buf: &mut [f32], seed: u64) {
     }
 }
 
+/// The other real ranks of an emulation and the communicator that reaches them.
+struct RealPeers {
+    comm: Box<dyn Communicator>,
+    /// World ranks of the real ranks, ascending; a real rank's index here is its rank on
+    /// `comm`.
+    ranks: Vec<usize>,
+}
+
+impl RealPeers {
+    fn index(&self, world_rank: usize) -> Option<usize> {
+        self.ranks.binary_search(&world_rank).ok()
+    }
+}
+
+/// How a group's members split between real ranks (with their index on the real
+/// communicator) and virtual ones.
+struct Split {
+    /// For each member, in group order, its index among the real members (`None`:
+    /// virtual).
+    real_pos: Vec<Option<usize>>,
+    /// The real members' indices on the real communicator, in group order.
+    inner: Vec<usize>,
+}
+
+impl VirtualPeers {
+    /// Like [`VirtualPeers::new`], with the other real ranks of the emulation reachable
+    /// through `real` (a communicator over the real ranks `real_ranks`, ascending, this
+    /// rank among them): operations among real ranks carry real data.
+    pub fn with_real_peers(
+        rank: usize,
+        layout: Layout,
+        clock: Arc<dyn Clock>,
+        reporter: Option<RankReporter>,
+        real: Box<dyn Communicator>,
+        real_ranks: Vec<usize>,
+    ) -> (VirtualPeers, VirtualPeersHandle) {
+        let (mut v, h) = VirtualPeers::new(rank, layout, clock, reporter);
+        v.real = Some(RealPeers {
+            comm: real,
+            ranks: real_ranks,
+        });
+        (v, h)
+    }
+
+    fn split(&self, members: &[usize]) -> Split {
+        let mut real_pos = Vec::with_capacity(members.len());
+        let mut inner = Vec::new();
+        for &m in members {
+            match self.real.as_ref().and_then(|r| r.index(m)) {
+                Some(i) => {
+                    real_pos.push(Some(inner.len()));
+                    inner.push(i);
+                }
+                None => real_pos.push(None),
+            }
+        }
+        Split { real_pos, inner }
+    }
+
+    /// Every real member's `mine`, gathered over the real communicator (in group order);
+    /// just `mine` when this rank is the group's only real member.
+    fn gather_real(&mut self, split: &Split, mine: &[f32]) -> Result<Vec<f32>, CommError> {
+        if split.inner.len() <= 1 {
+            return Ok(mine.to_vec());
+        }
+        let Some(real) = self.real.as_mut() else {
+            return Ok(mine.to_vec());
+        };
+        let group = Group::new(split.inner.clone(), real.ranks.len()).map_err(|_| {
+            CommError::NotInGroup {
+                rank: self.rank,
+                group: split.inner.clone(),
+            }
+        })?;
+        let mut out = vec![0.0; mine.len() * split.inner.len()];
+        real.comm.group_all_gather_f32(&group, mine, &mut out)?;
+        Ok(out)
+    }
+
+    /// Member `k`'s contribution: its own if real, else the first real member's.
+    fn contribution<'b>(split: &Split, parts: &'b [f32], len: usize, k: usize) -> &'b [f32] {
+        let at = split.real_pos[k].unwrap_or(0);
+        &parts[at * len..(at + 1) * len]
+    }
+
+    /// The all-reduce over `members` (group order) of `buf`.
+    fn reduce(&mut self, members: &[usize], buf: &mut [f32]) -> Result<(), CommError> {
+        let split = self.split(members);
+        let parts = self.gather_real(&split, buf)?;
+        let len = buf.len();
+        let mut acc = Self::contribution(&split, &parts, len, 0).to_vec();
+        for k in 1..members.len() {
+            for (a, x) in acc
+                .iter_mut()
+                .zip(Self::contribution(&split, &parts, len, k))
+            {
+                *a += *x;
+            }
+        }
+        buf.copy_from_slice(&acc);
+        Ok(())
+    }
+
+    fn world_members(&self) -> Vec<usize> {
+        (0..self.world).collect()
+    }
+}
+
 impl Communicator for VirtualPeers {
     fn rank(&self) -> usize {
         self.rank
@@ -279,11 +381,10 @@ impl Communicator for VirtualPeers {
     }
 
     fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        let mut s = self.state();
-        s.segment_ends();
-        for v in buf.iter_mut() {
-            *v = repeated_sum(*v, s.world);
-        }
+        lock(&self.state).segment_ends();
+        let members = self.world_members();
+        self.reduce(&members, buf)?;
+        let mut s = lock(&self.state);
         let group = s.world_group();
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
@@ -296,14 +397,21 @@ impl Communicator for VirtualPeers {
     }
 
     fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        let mut s = self.state();
-        if root >= s.world {
+        if root >= self.world {
             return Err(CommError::BadRoot {
                 root,
-                world: s.world,
+                world: self.world,
             });
         }
-        s.segment_ends();
+        lock(&self.state).segment_ends();
+        if let Some(real) = self.real.as_mut() {
+            // A real root sends its data to the real ranks; a virtual root's copy is each
+            // rank's own (equal at initialisation).
+            if let Some(r) = real.index(root) {
+                real.comm.broadcast_f32(r, buf)?;
+            }
+        }
+        let mut s = lock(&self.state);
         let group = s.world_group();
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::Broadcast,
@@ -316,14 +424,19 @@ impl Communicator for VirtualPeers {
     }
 
     fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
-        let mut s = self.state();
-        if root >= s.world {
+        if root >= self.world {
             return Err(CommError::BadRoot {
                 root,
-                world: s.world,
+                world: self.world,
             });
         }
-        s.segment_ends();
+        lock(&self.state).segment_ends();
+        if let Some(real) = self.real.as_mut() {
+            if let Some(r) = real.index(root) {
+                real.comm.broadcast_bytes(r, buf)?;
+            }
+        }
+        let mut s = lock(&self.state);
         let group = s.world_group();
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::Broadcast,
@@ -336,23 +449,38 @@ impl Communicator for VirtualPeers {
     }
 
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        let mut s = self.state();
-        s.segment_ends();
+        lock(&self.state).segment_ends();
+        let real_parts = match self.real.as_mut() {
+            Some(real) => Some((real.comm.all_gather_bytes(mine)?, real.ranks.clone())),
+            None => None,
+        };
+        let out: Vec<Vec<u8>> = (0..self.world)
+            .map(|m| match &real_parts {
+                Some((parts, ranks)) => {
+                    let at = ranks.binary_search(&m).unwrap_or(0);
+                    parts.get(at).cloned().unwrap_or_else(|| mine.to_vec())
+                }
+                None => mine.to_vec(),
+            })
+            .collect();
+        let mut s = lock(&self.state);
         let group = s.world_group();
-        let world = s.world;
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllGather,
             group,
             role: None,
-            bytes: Bytes((mine.len() * world) as u64),
+            bytes: Bytes((mine.len() * self.world) as u64),
             duration: Picos::ZERO,
         });
-        Ok(vec![mine.to_vec(); world])
+        Ok(out)
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
-        let mut s = self.state();
-        s.segment_ends();
+        lock(&self.state).segment_ends();
+        if let Some(real) = self.real.as_mut() {
+            real.comm.barrier()?;
+        }
+        let mut s = lock(&self.state);
         let group = s.world_group();
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
@@ -365,9 +493,14 @@ impl Communicator for VirtualPeers {
     }
 
     fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
-        let mut s = self.state();
-        s.check_peer(dest)?;
-        s.segment_ends();
+        lock(&self.state).check_peer(dest)?;
+        lock(&self.state).segment_ends();
+        if let Some(real) = self.real.as_mut() {
+            if let Some(d) = real.index(dest) {
+                real.comm.send_f32(d, buf)?;
+            }
+        }
+        let mut s = lock(&self.state);
         let src = s.rank;
         let seq = {
             let n = s.sent.entry(dest).or_insert(0);
@@ -385,22 +518,27 @@ impl Communicator for VirtualPeers {
     }
 
     fn sends_never_wait(&self) -> bool {
-        true
+        self.real.as_ref().is_none_or(|r| r.comm.sends_never_wait())
     }
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        let mut s = self.state();
-        s.check_peer(src)?;
-        s.segment_ends();
+        lock(&self.state).check_peer(src)?;
+        lock(&self.state).segment_ends();
+        let real_src = self.real.as_ref().and_then(|r| r.index(src));
+        let mut s = lock(&self.state);
         let dst = s.rank;
         let seq = {
             let n = s.received.entry(src).or_insert(0);
             *n += 1;
             *n - 1
         };
-        synthesise(buf, ((src as u64) << 40) ^ ((dst as u64) << 20) ^ seq);
         let tag = s.tag(src, dst, seq);
-        s.op_ends(RecordedOp::Recv {
+        drop(s);
+        match (real_src, self.real.as_mut()) {
+            (Some(i), Some(real)) => real.comm.recv_f32(i, buf)?,
+            _ => synthesise(buf, ((src as u64) << 40) ^ ((dst as u64) << 20) ^ seq),
+        }
+        lock(&self.state).op_ends(RecordedOp::Recv {
             peer: src as u32,
             bytes: Bytes(4 * buf.len() as u64),
             tag,
@@ -418,22 +556,43 @@ impl Communicator for VirtualPeers {
     ) -> Result<(), CommError> {
         // One segment ends; the send and the receive are recorded back to back, as
         // [`Recorded`] records them.
-        let mut s = self.state();
-        s.check_peer(dest)?;
-        s.check_peer(src)?;
-        s.segment_ends();
-        let me = s.rank;
-        let sseq = {
-            let n = s.sent.entry(dest).or_insert(0);
-            *n += 1;
-            *n - 1
+        {
+            let mut s = lock(&self.state);
+            s.check_peer(dest)?;
+            s.check_peer(src)?;
+            s.segment_ends();
+        }
+        let me = self.rank;
+        let (real_dest, real_src) = match self.real.as_ref() {
+            Some(r) => (r.index(dest), r.index(src)),
+            None => (None, None),
         };
-        let rseq = {
-            let n = s.received.entry(src).or_insert(0);
-            *n += 1;
-            *n - 1
+        let (sseq, rseq) = {
+            let mut s = lock(&self.state);
+            let sseq = {
+                let n = s.sent.entry(dest).or_insert(0);
+                *n += 1;
+                *n - 1
+            };
+            let rseq = {
+                let n = s.received.entry(src).or_insert(0);
+                *n += 1;
+                *n - 1
+            };
+            (sseq, rseq)
         };
-        synthesise(recv, ((src as u64) << 40) ^ ((me as u64) << 20) ^ rseq);
+        if let Some(real) = self.real.as_mut() {
+            match (real_dest, real_src) {
+                (Some(d), Some(r)) => real.comm.send_recv_f32(d, send, r, recv)?,
+                (Some(d), None) => real.comm.send_f32(d, send)?,
+                (None, Some(r)) => real.comm.recv_f32(r, recv)?,
+                (None, None) => {}
+            }
+        }
+        if real_src.is_none() {
+            synthesise(recv, ((src as u64) << 40) ^ ((me as u64) << 20) ^ rseq);
+        }
+        let mut s = lock(&self.state);
         let (stag, rtag) = (s.tag(me, dest, sseq), s.tag(src, me, rseq));
         if s.recording {
             s.ops.push(RecordedOp::Send {
@@ -457,18 +616,15 @@ impl Communicator for VirtualPeers {
         group: &Group,
         buf: &mut [f32],
     ) -> Result<(), CommError> {
-        let mut s = self.state();
-        if group.position(s.rank).is_none() {
+        if group.position(self.rank).is_none() {
             return Err(CommError::NotInGroup {
-                rank: s.rank,
+                rank: self.rank,
                 group: group.ranks().to_vec(),
             });
         }
-        s.segment_ends();
-        for v in buf.iter_mut() {
-            *v = repeated_sum(*v, group.len());
-        }
-        s.op_ends(RecordedOp::Collective {
+        lock(&self.state).segment_ends();
+        self.reduce(group.ranks(), buf)?;
+        lock(&self.state).op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
             group: State::members(group),
             role: None,
@@ -484,10 +640,9 @@ impl Communicator for VirtualPeers {
         mine: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        let mut s = self.state();
-        if group.position(s.rank).is_none() {
+        if group.position(self.rank).is_none() {
             return Err(CommError::NotInGroup {
-                rank: s.rank,
+                rank: self.rank,
                 group: group.ranks().to_vec(),
             });
         }
@@ -498,11 +653,14 @@ impl Communicator for VirtualPeers {
                 len: out.len(),
             });
         }
-        s.segment_ends();
-        for part in out.chunks_mut(mine.len().max(1)) {
-            part.copy_from_slice(&mine[..part.len()]);
+        lock(&self.state).segment_ends();
+        let split = self.split(group.ranks());
+        let parts = self.gather_real(&split, mine)?;
+        let len = mine.len();
+        for (k, part) in out.chunks_mut(len.max(1)).enumerate().take(group.len()) {
+            part.copy_from_slice(Self::contribution(&split, &parts, len, k));
         }
-        s.op_ends(RecordedOp::Collective {
+        lock(&self.state).op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllGather,
             group: State::members(group),
             role: None,
@@ -520,13 +678,12 @@ impl Communicator for VirtualPeers {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let mut s = self.state();
-        if group.position(s.rank).is_none() {
+        let Some(me) = group.position(self.rank) else {
             return Err(CommError::NotInGroup {
-                rank: s.rank,
+                rank: self.rank,
                 group: group.ranks().to_vec(),
             });
-        }
+        };
         let n = group.len();
         for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
             if counts.len() != n {
@@ -547,21 +704,64 @@ impl Communicator for VirtualPeers {
             }
         }
         // The router's choices size this exchange: the engine replays it at this size.
-        s.segment_ends_before(Some(4 * send.len() as u64));
-        // From each member, what this rank sends it (cut or zero-padded to the expected
-        // count).
-        let (mut at_send, mut at_recv) = (0, 0);
+        lock(&self.state).segment_ends_before(Some(4 * send.len() as u64));
+        let offsets = |counts: &[usize]| -> Vec<usize> {
+            let mut at = 0;
+            counts
+                .iter()
+                .map(|&c| {
+                    let o = at;
+                    at += c;
+                    o
+                })
+                .collect()
+        };
+        let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+        // Virtual members (and this rank itself): what this rank sends them, cut or
+        // zero-padded to the expected count.
+        let split = self.split(group.ranks());
         for j in 0..n {
+            if split.real_pos[j].is_some() && j != me {
+                continue;
+            }
             let (sc, rc) = (send_counts[j], recv_counts[j]);
-            let from = &send[at_send..at_send + sc];
-            let to = &mut recv[at_recv..at_recv + rc];
             let k = sc.min(rc);
-            to[..k].copy_from_slice(&from[..k]);
-            to[k..].fill(0.0);
-            at_send += sc;
-            at_recv += rc;
+            recv[ro[j]..ro[j] + k].copy_from_slice(&send[so[j]..so[j] + k]);
+            recv[ro[j] + k..ro[j] + rc].fill(0.0);
         }
-        s.op_ends(RecordedOp::Collective {
+        // Real members: a real exchange among them.
+        if split.inner.len() > 1 {
+            if let Some(real) = self.real.as_mut() {
+                let members: Vec<usize> = (0..n).filter(|&j| split.real_pos[j].is_some()).collect();
+                let inner_group =
+                    Group::new(split.inner.clone(), real.ranks.len()).map_err(|_| {
+                        CommError::NotInGroup {
+                            rank: self.rank,
+                            group: split.inner.clone(),
+                        }
+                    })?;
+                let sub_send: Vec<f32> = members
+                    .iter()
+                    .flat_map(|&j| send[so[j]..so[j] + send_counts[j]].iter().copied())
+                    .collect();
+                let sub_sc: Vec<usize> = members.iter().map(|&j| send_counts[j]).collect();
+                let sub_rc: Vec<usize> = members.iter().map(|&j| recv_counts[j]).collect();
+                let mut sub_recv = vec![0.0; sub_rc.iter().sum()];
+                real.comm.group_all_to_all_v_f32(
+                    &inner_group,
+                    &sub_send,
+                    &sub_sc,
+                    &mut sub_recv,
+                    &sub_rc,
+                )?;
+                let mut at = 0;
+                for (&j, &rc) in members.iter().zip(&sub_rc) {
+                    recv[ro[j]..ro[j] + rc].copy_from_slice(&sub_recv[at..at + rc]);
+                    at += rc;
+                }
+            }
+        }
+        lock(&self.state).op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllToAll,
             group: State::members(group),
             role: None,

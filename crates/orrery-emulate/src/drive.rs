@@ -100,6 +100,8 @@ pub fn layout_of(config: &TrainConfig, ranks: usize) -> Result<Layout, DriveErro
 pub struct RankStep {
     pub record: RankRecord,
     pub wall: Picos,
+    /// The step's training loss, as the rank computed it.
+    pub loss: f32,
 }
 
 /// What a real rank does: `warmup` untimed steps, then one recorded step.
@@ -119,11 +121,12 @@ fn run_rank(
     }
     handle.start();
     let t0 = clock.now_seconds();
-    trainer.step(clock.as_ref())?;
+    let metrics = trainer.step(clock.as_ref())?;
     let wall = Picos::from_secs_f64((clock.now_seconds() - t0).max(0.0));
     Ok(RankStep {
         record: handle.finish(),
         wall,
+        loss: metrics.loss,
     })
 }
 
@@ -231,19 +234,42 @@ pub fn emulate<N: NetworkModel + Sync>(
     let config = driven(config, warmup);
     let emulation = Emulation::collected(collected, cost, net, live, Pruning::Classes, perturb)?;
     let (coordinator, reporters) = Coordinator::new(emulation, timeout);
+    // Real ranks reach each other over threads: their exchanges carry real data.
+    let mut real_ranks: Vec<usize> = reporters.iter().map(|r| r.rank().index()).collect();
+    real_ranks.sort_unstable();
+    let mut inner: Vec<Option<ThreadComm>> = ThreadComm::group(real_ranks.len())
+        .into_iter()
+        .map(Some)
+        .collect();
     std::thread::scope(|scope| {
         let threads: Vec<_> = reporters
             .into_iter()
             .map(|reporter: RankReporter| {
                 let (layout, config, clock) = (layout.clone(), &config, clock.clone());
+                let rank = reporter.rank();
+                let real = real_ranks
+                    .binary_search(&rank.index())
+                    .ok()
+                    .and_then(|i| inner.get_mut(i))
+                    .and_then(Option::take);
+                let real_ranks = real_ranks.clone();
                 scope.spawn(move || {
-                    let rank = reporter.rank();
-                    let (comm, handle) = VirtualPeers::new(
-                        rank.index(),
-                        layout,
-                        clock.clone(),
-                        Some(reporter.clone()),
-                    );
+                    let (comm, handle) = match real {
+                        Some(real) if real_ranks.len() > 1 => VirtualPeers::with_real_peers(
+                            rank.index(),
+                            layout,
+                            clock.clone(),
+                            Some(reporter.clone()),
+                            Box::new(real),
+                            real_ranks,
+                        ),
+                        _ => VirtualPeers::new(
+                            rank.index(),
+                            layout,
+                            clock.clone(),
+                            Some(reporter.clone()),
+                        ),
+                    };
                     match run_rank(config, Box::new(comm), &handle, &clock, warmup) {
                         Ok(rec) => Ok(rec),
                         Err(e) => {

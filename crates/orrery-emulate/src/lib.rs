@@ -33,13 +33,14 @@
 //!   on the CPU reports its measured peak memory (the only unsafe code in orrery: a
 //!   `GlobalAlloc` that forwards to the system allocator).
 //!
+//! Real ranks of one emulation exchange real data with each other (over threads). A real
+//! rank's expert all-to-all is sized from its router's choices of the step (reported with
+//! the segment before it); virtual ranks' shares are the collected step's.
+//!
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
-//! does, from collected graphs or the cost model), make a real rank's wall time follow
-//! simulated time, exchange real data between real ranks of one emulation (each real rank
-//! is alone among virtual peers). A real rank's expert all-to-all is sized from its router's
-//! choices of the step (reported with the segment before it); virtual ranks' shares are
-//! the collected step's. It reads the wall clock
-//! through a caller-supplied `orrery_train::Clock`, and for its timeouts.
+//! does, from collected graphs or the cost model), or make a real rank's wall time follow
+//! simulated time. It reads the wall clock through a caller-supplied `orrery_train::Clock`,
+//! and for its timeouts.
 
 pub mod comm;
 pub mod coordinator;

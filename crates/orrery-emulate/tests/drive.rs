@@ -128,3 +128,62 @@ fn emulation_with_one_real_rank_matches_the_all_real_run() {
         assert!(run.step.timeline.step_time().0 > 0);
     }
 }
+
+#[test]
+fn real_ranks_of_one_emulation_exchange_real_data() {
+    let config = tp2_pp2();
+    let (cost, net) = models();
+    let collection = collect(&config, 4, 2, 1, clock(), &mut |_, _| {}).unwrap();
+    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
+    // Every rank real: the emulated program is the real program, bit for bit.
+    let every = [RankId(0), RankId(1), RankId(2), RankId(3)];
+    let run = emulate(
+        &config,
+        &collection.collected,
+        &cost,
+        &net,
+        &every,
+        &Perturbations::default(),
+        1,
+        Duration::from_secs(60),
+        clock(),
+    )
+    .unwrap();
+    assert_eq!(run.records.len(), 4);
+    for step in &run.records {
+        let reference = &all_real[step.record.rank as usize];
+        assert_eq!(
+            step.loss.to_bits(),
+            reference.loss.to_bits(),
+            "rank {}",
+            step.record.rank
+        );
+        assert_eq!(
+            communication(&step.record),
+            communication(&reference.record)
+        );
+    }
+    // Two real ranks (a tensor-parallel pair) among virtual ones: they agree with each
+    // other, as replicas of one computation must.
+    let pair = emulate(
+        &config,
+        &collection.collected,
+        &cost,
+        &net,
+        &[RankId(2), RankId(3)],
+        &Perturbations::default(),
+        1,
+        Duration::from_secs(60),
+        clock(),
+    )
+    .unwrap();
+    assert_eq!(pair.records.len(), 2);
+    assert_eq!(
+        pair.records[0].loss.to_bits(),
+        pair.records[1].loss.to_bits()
+    );
+    for step in &pair.records {
+        let reference = &all_real[step.record.rank as usize].record;
+        assert_eq!(communication(&step.record), communication(reference));
+    }
+}
