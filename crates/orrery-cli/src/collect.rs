@@ -201,6 +201,7 @@ pub fn run_train_emulation(
     real_ranks: &str,
     perturb_args: &PerturbArgs,
     json: bool,
+    trace: Option<&Path>,
 ) -> Result<()> {
     let config = train_config(args.train.as_deref())?;
     let ranks = args.ranks.ok_or_else(|| bad("--train needs --ranks"))?;
@@ -263,6 +264,51 @@ pub fn run_train_emulation(
         rows.push((rec.rank, end, compute, recorded, peak));
     }
     let step = run.step.timeline.step_time();
+    if let Some(path) = trace {
+        let labels: Vec<String> = run
+            .step
+            .participants
+            .iter()
+            .map(|i| {
+                let stage = collected.graphs.layout.coords(i.rank).pp;
+                if i.live {
+                    format!("real rank {} (stage {stage})", i.rank.0)
+                } else {
+                    format!(
+                        "{} virtual ranks like rank {} (stage {stage})",
+                        i.stands_for, i.rank.0
+                    )
+                }
+            })
+            .collect();
+        let meta = orrery_predict::sinks::TraceMeta {
+            job: format!(
+                "orrery train {}",
+                args.train
+                    .as_deref()
+                    .map_or("(default)".into(), |p| p.display().to_string())
+            ),
+            gpu: "CPU (measured), virtual ranks collected".into(),
+            network_model: format!("analytical ({})", args.gpu),
+            world_size: ranks as u64,
+            step_time: step,
+            mfu: 0.0,
+        };
+        let opts = orrery_predict::sinks::TraceOptions {
+            max_participants: None,
+            labels: Some(&labels),
+        };
+        let mut buf = Vec::new();
+        orrery_predict::sinks::write_timeline_trace(
+            &collected.graphs,
+            &run.step.timeline,
+            &meta,
+            &opts,
+            &mut buf,
+        )?;
+        atomic_write(path, &buf)?;
+        eprintln!("wrote trace {}", path.display());
+    }
     // Virtual ranks, one row per class: its end and its peak memory from the collected
     // graph.
     let mut virtual_rows = Vec::new();

@@ -182,6 +182,7 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
             &args.real_ranks,
             &args.perturb,
             args.json,
+            args.trace.as_deref(),
         );
     }
     let job = load_job(&args.job)?;

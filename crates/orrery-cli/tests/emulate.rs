@@ -225,6 +225,7 @@ fn collect_then_emulate_the_real_program() {
     let (code, stdout, stderr) = orrery(&["replay", prefix.to_str().unwrap(), "--measured"]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("8 ranks"), "{stdout}");
+    let trace = job.with_file_name("train-trace.json");
     let (code, stdout, stderr) = orrery(&[
         "emulate",
         "--train",
@@ -236,8 +237,27 @@ fn collect_then_emulate_the_real_program() {
         "--real-ranks",
         "5",
         "--json",
+        "--trace",
+        trace.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{stderr}");
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: Vec<String> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        names.contains(&"real rank 5 (stage 1)".to_string()),
+        "{names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n.contains("virtual ranks like rank")),
+        "{names:?}"
+    );
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(v["world_size"], 8);
     assert_eq!(v["real_ranks"][0]["rank"], 5);

@@ -23,5 +23,7 @@
 mod perfetto;
 mod svg;
 
-pub use perfetto::{write_perfetto_trace, write_perfetto_trace_with, TraceOptions};
+pub use perfetto::{
+    write_perfetto_trace, write_perfetto_trace_with, write_timeline_trace, TraceMeta, TraceOptions,
+};
 pub use svg::{breakdown_svg, memory_timeline_svg};

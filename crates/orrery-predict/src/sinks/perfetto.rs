@@ -47,6 +47,17 @@ pub fn write_perfetto_trace(out: &PredictOutput, w: &mut impl io::Write) -> io::
 /// Buffered bytes above which the trace is flushed into the writer.
 const FLUSH_AT: usize = 1 << 20;
 
+/// What a trace says about its run in `otherData`, besides its participants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceMeta {
+    pub job: String,
+    pub gpu: String,
+    pub network_model: String,
+    pub world_size: u64,
+    pub step_time: Picos,
+    pub mfu: f64,
+}
+
 /// Writes the replayed step as Chrome / Perfetto trace-event JSON, limited by `opts`.
 ///
 /// Fails only if the writer fails, or (`InvalidData`) if a participant's memory ledger is
@@ -56,7 +67,52 @@ pub fn write_perfetto_trace_with(
     opts: &TraceOptions<'_>,
     w: &mut impl io::Write,
 ) -> io::Result<()> {
-    let timeline = &out.timeline;
+    let p = &out.prediction;
+    let meta = TraceMeta {
+        job: p.job.clone(),
+        gpu: p.gpu.clone(),
+        network_model: p.network_model.clone(),
+        world_size: p.world_size,
+        step_time: p.step_time,
+        mfu: p.mfu,
+    };
+    write_trace(
+        &out.graphs,
+        &out.timeline,
+        &|part| {
+            out.prediction
+                .memory
+                .iter()
+                .find(|m| m.rank == part.rank)
+                .map(|m| &m.ledger)
+        },
+        &meta,
+        opts,
+        w,
+    )
+}
+
+/// Writes any replayed timeline of `graphs` (an emulation's, say) as a trace.
+pub fn write_timeline_trace(
+    graphs: &orrery_graph::JobGraphs,
+    timeline: &Timeline,
+    meta: &TraceMeta,
+    opts: &TraceOptions<'_>,
+    w: &mut impl io::Write,
+) -> io::Result<()> {
+    write_trace(graphs, timeline, &|_| None, meta, opts, w)
+}
+
+type KnownLedger<'a> = dyn Fn(&ParticipantTimeline) -> Option<&'a MemoryLedger> + 'a;
+
+fn write_trace<'a>(
+    graphs: &orrery_graph::JobGraphs,
+    timeline: &Timeline,
+    known: &KnownLedger<'a>,
+    meta: &TraceMeta,
+    opts: &TraceOptions<'_>,
+    w: &mut impl io::Write,
+) -> io::Result<()> {
     let chosen = select(timeline, opts.max_participants);
     let mut ev = Events {
         buf: String::with_capacity(1 << 16),
@@ -65,11 +121,11 @@ pub fn write_perfetto_trace_with(
     ev.buf.push_str("{\"traceEvents\":[\n");
     for (order, &pi) in chosen.iter().enumerate() {
         let part = &timeline.participants[pi];
-        let Some(graph) = out.graphs.classes.get(part.class.index()) else {
+        let Some(graph) = graphs.classes.get(part.class.index()) else {
             continue;
         };
-        let stage = out.graphs.layout.coords(part.rank).pp;
-        let ledger = ledger_for(out, graph, part)?;
+        let stage = graphs.layout.coords(part.rank).pp;
+        let ledger = ledger_for(known, graph, part)?;
         let default_label = format!("stage {stage} (rank {})", part.rank.0);
         let label = opts
             .labels
@@ -81,7 +137,7 @@ pub fn write_perfetto_trace_with(
             ev.buf.clear();
         }
     }
-    let p = &out.prediction;
+    let p = meta;
     let buf = &mut ev.buf;
     buf.push_str(
         "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{\"generator\":\"orrery\",\"job\":",
@@ -141,12 +197,12 @@ fn select(timeline: &Timeline, max: Option<usize>) -> Vec<usize> {
 /// The participant's memory ledger: the prediction's when it has one for this rank, else
 /// computed from the graph and timing.
 fn ledger_for<'a>(
-    out: &'a PredictOutput,
+    known: &KnownLedger<'a>,
     graph: &ExecGraph,
     part: &ParticipantTimeline,
 ) -> io::Result<Cow<'a, MemoryLedger>> {
-    if let Some(m) = out.prediction.memory.iter().find(|m| m.rank == part.rank) {
-        return Ok(Cow::Borrowed(&m.ledger));
+    if let Some(m) = known(part) {
+        return Ok(Cow::Borrowed(m));
     }
     if part.ops.len() != graph.len() {
         return Err(io::Error::new(
