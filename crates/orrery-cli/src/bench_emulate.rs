@@ -250,5 +250,70 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
             err(rp, ep)
         );
     }
+    outln!("\none real rank of the real program (TP 2 x PP 2 x DP W/4) in large worlds; median of {runs} steps");
+    outln!(
+        "{:>6}  {:>12}  {:>14}  {:>18}  {:>9}  {:>10}",
+        "ranks",
+        "participants",
+        "engine / step",
+        "real rank compute",
+        "overhead",
+        "peak RSS"
+    );
+    for world in [1024usize, 8192] {
+        let config = TrainConfig {
+            batch_size: 2 * world,
+            parallel: Some(ParallelConfig {
+                tp: 2,
+                pp: 2,
+                dp: world / 4,
+                micro_batches: 4,
+                ..ParallelConfig::default()
+            }),
+            ..base.clone()
+        };
+        let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
+        let preset = orrery_spec::presets::gpu("H100-SXM").context("preset")?;
+        let cluster = orrery_spec::Cluster::of_preset(preset, 8, (world as u64).div_ceil(8));
+        let net = orrery_net::AnalyticalNetwork::new(
+            orrery_predict::fabric_of(&cluster),
+            orrery_net::AlgorithmChoice::Auto,
+        );
+        let mut engine = Vec::new();
+        let mut compute = Vec::new();
+        let mut participants = 0;
+        for _ in 0..runs {
+            let e = emulate(
+                &config,
+                &collection.collected,
+                &cost,
+                &net,
+                &[RankId(0)],
+                &Perturbations::default(),
+                1,
+                std::time::Duration::from_secs(600),
+                clock(),
+            )?;
+            participants = e.step.participants.len();
+            engine.push(e.step.engine.as_nanos() as u64);
+            compute.push(
+                e.records
+                    .first()
+                    .map_or(0, |s| peak_and_compute(&s.record).1 .0),
+            );
+        }
+        engine.sort_unstable();
+        compute.sort_unstable();
+        let (en, co) = (engine[engine.len() / 2], compute[compute.len() / 2]);
+        outln!(
+            "{:>6}  {:>12}  {:>11.3} ms  {:>15.2} ms  {:>8.2}%  {:>6} MiB",
+            world,
+            participants,
+            en as f64 / 1e6,
+            co as f64 / 1e9,
+            100.0 * (en as f64 * 1e3) / (co as f64).max(1.0),
+            peak_rss_kib().map_or("?".to_string(), |k| (k / 1024).to_string())
+        );
+    }
     Ok(())
 }

@@ -353,6 +353,7 @@ pub fn run_train_emulation(
             .collect();
         let v = serde_json::json!({
             "world_size": ranks,
+            "engine_wall_ms": run.step.engine.as_secs_f64() * 1e3,
             "participants": run.step.timeline.participants.len(),
             "step_time_ps": step.0,
             "real_ranks": ranks_json,
@@ -372,7 +373,14 @@ pub fn run_train_emulation(
         "  virtual ranks replay the collected step; communication on the {} cluster model",
         args.gpu
     );
-    let _ = writeln!(s, "\nemulated step time: {:.3} ms\n", step.as_millis_f64());
+    let _ = writeln!(s, "\nemulated step time: {:.3} ms", step.as_millis_f64());
+    let real_compute = rows.iter().map(|r| r.2 .0).max().unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "emulation engine: {:.3} ms of wall time for the step ({:.2}% of the real ranks' compute)\n",
+        run.step.engine.as_secs_f64() * 1e3,
+        100.0 * run.step.engine.as_secs_f64() / (real_compute as f64 / 1e12).max(f64::MIN_POSITIVE)
+    );
     let _ = writeln!(
         s,
         "  {:>5}  {:>12}  {:>14}  {:>18}  {:>12}",

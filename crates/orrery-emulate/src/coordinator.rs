@@ -125,6 +125,9 @@ pub struct CoordinatedStep {
     pub timeline: Timeline,
     /// Who each participant of the timeline is (in the timeline's order).
     pub participants: Vec<orrery_predict::emulate::ParticipantInfo>,
+    /// Wall time the engine spent on the step (advancing and taking durations, not
+    /// waiting for reports): emulation's own cost, on a core beside the real ranks'.
+    pub engine: Duration,
     /// For each real rank: the durations it reported, in order, against what the models
     /// (the collected graph, or the cost model) expected.
     pub segments: Vec<(RankId, Vec<(Picos, Picos)>)>,
@@ -166,9 +169,13 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
     /// Runs the step to its end.
     pub fn run(mut self) -> Result<CoordinatedStep, CoordinatorError> {
         let participants = self.emulation.participants().to_vec();
+        let mut engine = Duration::ZERO;
         let mut segments: HashMap<u32, Vec<(Picos, Picos)>> = HashMap::new();
         loop {
-            match self.emulation.advance()? {
+            let t = std::time::Instant::now();
+            let next = self.emulation.advance()?;
+            engine += t.elapsed();
+            match next {
                 EmulationStep::Done(timeline) => {
                     self.check_all_done()?;
                     let mut segs: Vec<(RankId, Vec<(Picos, Picos)>)> =
@@ -177,6 +184,7 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
                     return Ok(CoordinatedStep {
                         timeline,
                         participants,
+                        engine,
                         segments: segs,
                     });
                 }
@@ -188,11 +196,13 @@ impl<'a, N: NetworkModel> Coordinator<'a, N> {
                     ..
                 } => {
                     let (took, bytes) = self.next_segment(rank)?;
+                    let t = std::time::Instant::now();
                     segments.entry(rank.0).or_default().push((took, modelled));
                     self.emulation.supply(participant, op, took)?;
                     if let Some(b) = bytes {
                         self.emulation.size_next_all_to_all(participant, op, b);
                     }
+                    engine += t.elapsed();
                 }
             }
         }
