@@ -252,13 +252,12 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     }
     outln!("\none real rank of the real program (TP 2 x PP 2 x DP W/4) in large worlds; median of {runs} steps");
     outln!(
-        "{:>6}  {:>12}  {:>14}  {:>18}  {:>9}  {:>10}",
+        "{:>6}  {:>12}  {:>14}  {:>18}  {:>9}",
         "ranks",
         "participants",
         "engine / step",
         "real rank compute",
-        "overhead",
-        "peak RSS"
+        "overhead"
     );
     for world in [1024usize, 8192] {
         let config = TrainConfig {
@@ -306,13 +305,12 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         compute.sort_unstable();
         let (en, co) = (engine[engine.len() / 2], compute[compute.len() / 2]);
         outln!(
-            "{:>6}  {:>12}  {:>11.3} ms  {:>15.2} ms  {:>8.2}%  {:>6} MiB",
+            "{:>6}  {:>12}  {:>11.3} ms  {:>15.2} ms  {:>8.2}%",
             world,
             participants,
             en as f64 / 1e6,
             co as f64 / 1e9,
-            100.0 * (en as f64 * 1e3) / (co as f64).max(1.0),
-            peak_rss_kib().map_or("?".to_string(), |k| (k / 1024).to_string())
+            100.0 * (en as f64 * 1e3) / (co as f64).max(1.0)
         );
     }
     Ok(())
