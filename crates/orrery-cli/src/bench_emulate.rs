@@ -6,8 +6,9 @@
 //! engine's events, its wall time per step (the median of `runs`; it includes building the
 //! graphs and setting the emulation up, which a run does once), the real rank's compute
 //! in the emulated step and the ratio of the two: the overhead emulation adds to every step
-//! of the real rank. The real rank's compute is the cost model's (the training program is
-//! not connected yet), so the ratio is against the GPU time the rank would spend. The
+//! of the real rank. The real rank's compute is the cost model's (a job, not the training
+//! program: `--emulate-fidelity` measures that), so the ratio is against the GPU time the
+//! rank would spend. The
 //! process's peak resident memory after each world size is read from `/proc/self/status`;
 //! world sizes run in increasing order, so its growth is what the larger world added. An
 //! unpruned emulation of the smallest world, once, shows what pruning saves.
@@ -92,7 +93,7 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
         presets::DEFAULT_JOB
     );
     outln!(
-        "the real rank's compute is the cost model's (the training program is not connected yet)\n"
+        "the real rank's compute is the cost model's (a job; --emulate-fidelity runs the training program)\n"
     );
     outln!(
         "{:>6}  {:>12}  {:>9}  {:>14}  {:>16}  {:>9}  {:>14}",

@@ -2,11 +2,10 @@
 //! ones, under perturbations, next to the prediction for the same job.
 //!
 //! The chosen ranks are the live participants of [`orrery_predict::emulate::Emulation`].
-//! Until the training program is connected to the emulation (issue 6), their compute ops
-//! take the cost model's durations, so what this command answers today is the
+//! With a job, their compute ops take the cost model's durations, so this answers the
 //! perturbation question: how much a straggler or a slow link costs the step, exactly, at
 //! the price of one timeline per class of ranks that behave alike rather than the whole
-//! world.
+//! world. With `--train` (the `collect` module) the real training program runs them.
 
 use crate::{atomic_write, bad, load_job, progress_spinner, JobArgs};
 use anyhow::{Context, Result};
@@ -252,8 +251,8 @@ fn emulate_with<N: orrery_net::NetworkModel>(
     })?;
     let info = emu.participants().to_vec();
     let pruned = emu.pruned();
-    // The live ranks' compute takes the cost model's durations (the training program is
-    // not connected yet); the modelled durations are kept for the report.
+    // With a job, the live ranks' compute takes the cost model's durations (`--train` runs
+    // the training program instead); the modelled durations are kept for the report.
     let mut modelled = HashMap::new();
     let timeline = loop {
         match emu.advance()? {
@@ -311,7 +310,7 @@ fn render(job: &Job, r: &EmulationReport, live: &[RankId], perturb: &Perturbatio
     );
     let _ = writeln!(
         s,
-        "  the real ranks' compute is the cost model's: the training program is not connected yet"
+        "  the real ranks' compute is the cost model's (with --train the training program runs them)"
     );
     let _ = writeln!(
         s,

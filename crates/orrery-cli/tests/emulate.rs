@@ -55,7 +55,7 @@ fn golden_report_with_a_straggler() {
     assert_eq!(code, 0, "{stderr}");
     expect![[r#"
         orrery emulate: small emulated job, 16 GPUs, real ranks 0, 9
-          the real ranks' compute is the cost model's: the training program is not connected yet
+          the real ranks' compute is the cost model's (with --train the training program runs them)
           8 participants for 16 ranks (one per class of ranks with identical timelines; real and perturbed ranks on their own)
           perturbation: ranks 9 compute 1.5x slower from 0.000 ms
 
