@@ -264,6 +264,23 @@ pub fn run_train_emulation(
         rows.push((rec.rank, end, compute, recorded, peak));
     }
     let step = run.step.timeline.step_time();
+    // Side by side: the collected step replayed on its own (every rank at its recorded
+    // durations), what a prediction from the collection says.
+    let mut parts = orrery_predict::replay::job_participants(
+        &collected.graphs,
+        orrery_predict::ReplayMode::Classes,
+    );
+    for p in &mut parts {
+        p.measured = collected.measured.get(p.class.index()).cloned();
+    }
+    let replayed = orrery_predict::replay::replay_participants(
+        parts,
+        &cost,
+        &net,
+        orrery_predict::ReplayMode::Classes,
+    )
+    .context("replaying the collection")?
+    .step_time();
     if let Some(path) = trace {
         let labels: Vec<String> = run
             .step
@@ -354,6 +371,7 @@ pub fn run_train_emulation(
         let v = serde_json::json!({
             "world_size": ranks,
             "engine_wall_ms": run.step.engine.as_secs_f64() * 1e3,
+            "collected_step_time_ps": replayed.0,
             "participants": run.step.timeline.participants.len(),
             "step_time_ps": step.0,
             "real_ranks": ranks_json,
@@ -373,7 +391,13 @@ pub fn run_train_emulation(
         "  virtual ranks replay the collected step; communication on the {} cluster model",
         args.gpu
     );
-    let _ = writeln!(s, "\nemulated step time: {:.3} ms", step.as_millis_f64());
+    let _ = writeln!(
+        s,
+        "\nemulated step time: {:.3} ms (the collected step replayed alone: {:.3} ms, {:+.2}%)",
+        step.as_millis_f64(),
+        replayed.as_millis_f64(),
+        100.0 * (step.0 as f64 - replayed.0 as f64) / (replayed.0 as f64).max(1.0)
+    );
     let real_compute = rows.iter().map(|r| r.2 .0).max().unwrap_or(0);
     let _ = writeln!(
         s,

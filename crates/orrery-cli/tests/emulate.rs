@@ -262,6 +262,7 @@ fn collect_then_emulate_the_real_program() {
     assert_eq!(v["world_size"], 8);
     assert_eq!(v["real_ranks"][0]["rank"], 5);
     assert!(v["step_time_ps"].as_u64().unwrap() > 0);
+    assert!(v["collected_step_time_ps"].as_u64().unwrap() > 0);
     assert!(v["real_ranks"][0]["peak_memory_bytes"].as_u64().unwrap() > 0);
     // A collection of another world, a damaged file and interleaving are refused.
     let (code, _, stderr) = orrery(&[
