@@ -507,7 +507,12 @@ fn colours(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
                 sig.push(group_sig[&layout.group_id(rank, role)]);
             }
             for dir in [PeerStage::Next, PeerStage::Prev] {
-                sig.push(u64::from(colour[layout.peer(rank, dir).index()]));
+                let peer = layout.peer(rank, dir);
+                sig.push(u64::from(colour[peer.index()]));
+                // Whether the link to that neighbour stays inside a node: it sets the
+                // transfer's time, and it differs between ranks of one stage when a stage
+                // does not fill whole nodes.
+                sig.push(u64::from(layout.same_node(rank, peer)));
             }
             sig
         }));
@@ -655,10 +660,13 @@ fn degrade<N: NetworkModel>(
                 _ => false,
             };
             if hit {
+                // Two degraded links in one group: the slower sets the pace.
                 engine
                     .hybrid
                     .net_scale
-                    .insert((q as u32, op as u32), factor);
+                    .entry((q as u32, op as u32))
+                    .and_modify(|f| *f = f.max(factor))
+                    .or_insert(factor);
             }
         }
     }

@@ -542,3 +542,71 @@ mod collected {
         assert_eq!(pruned.step_time(), all.step_time());
     }
 }
+
+/// Stages that do not fill whole nodes: ranks of one stage then differ in whether their
+/// pipeline neighbour shares their node, and pruning must keep them apart.
+#[test]
+fn pruning_is_exact_when_stages_straddle_nodes() {
+    for (tp, dp, pp, per_node) in [
+        (2u64, 3u64, 4u64, 8u64),
+        (1, 3, 2, 2),
+        (2, 3, 2, 4),
+        (2, 2, 3, 4),
+    ] {
+        let world = tp * dp * pp;
+        let overrides: Vec<String> = vec![
+            format!("parallel.tp={tp}"),
+            format!("parallel.dp={dp}"),
+            format!("parallel.pp={pp}"),
+            format!("training.global_batch={}", 4 * dp * pp),
+            format!("cluster.gpus_per_node={per_node}"),
+            format!("cluster.nodes={}", world / per_node),
+            "model.layers=12".to_string(),
+        ];
+        let live = [RankId(world as u32 - 1)];
+        let slow = Perturbations {
+            slow: vec![SlowRanks {
+                ranks: vec![RankId(1)],
+                factor: 1.5,
+                from: Picos::ZERO,
+                until: None,
+            }],
+            links: vec![],
+        };
+        for perturb in [Perturbations::default(), slow] {
+            let (unpruned, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
+            let (pruned, stands_for) = emulate_with_map(&overrides, &live, &perturb);
+            for r in 0..world as u32 {
+                assert_eq!(
+                    timing_in(&pruned, RankId(r), &|x| stands_for[x.index()]),
+                    timing_of(&unpruned, RankId(r)),
+                    "tp {tp} dp {dp} pp {pp}, {per_node} per node: rank {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn two_degraded_links_in_one_group_take_the_slower_in_either_order() {
+    let overrides: Vec<String> = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let links = |a: f64, b: f64| Perturbations {
+        slow: vec![],
+        links: vec![
+            DegradedLink {
+                rank: RankId(0),
+                factor: a,
+            },
+            DegradedLink {
+                rank: RankId(1),
+                factor: b,
+            },
+        ],
+    };
+    let (x, _) = emulate_modelled(&overrides, &[RankId(3)], Pruning::Classes, &links(3.0, 1.5));
+    let (y, _) = emulate_modelled(&overrides, &[RankId(3)], Pruning::Classes, &links(1.5, 3.0));
+    assert_eq!(x.step_time(), y.step_time());
+}
