@@ -14,7 +14,6 @@ use anyhow::{Context, Result};
 use orrery_emulate::drive::{collect, emulate, peak_and_compute, DriveError};
 use orrery_emulate::file::CollectionFile;
 use orrery_graph::collect::stitch;
-use orrery_graph::Layout;
 use orrery_train::{Clock, MonotonicClock, TrainConfig};
 use orrery_units::Picos;
 use std::fmt::Write as _;
@@ -123,15 +122,31 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
 
 /// The world's graphs of a collection.
 fn stitched(file: &CollectionFile) -> Result<orrery_graph::collect::Collected> {
-    let layout = Layout::from_dims(
-        file.tp,
-        1,
-        file.dp,
-        file.pp,
-        file.ep,
-        file.tp * file.dp * file.pp,
-    );
+    file_world(file)?;
+    let layout = orrery_emulate::drive::world_layout(file.tp, file.dp, file.pp, file.ep);
     stitch(layout, &file.records).map_err(|e| bad(e.to_string()))
+}
+
+/// The world a collection file describes, checked (a file is untrusted input).
+fn file_world(file: &CollectionFile) -> Result<usize> {
+    let world = file
+        .tp
+        .checked_mul(file.dp)
+        .and_then(|x| x.checked_mul(file.pp))
+        .filter(|&w| w > 0 && w <= 1 << 20)
+        .ok_or_else(|| {
+            bad(format!(
+                "the collection's world (tp {} x dp {} x pp {}) is empty or too large",
+                file.tp, file.dp, file.pp
+            ))
+        })?;
+    if file.ep == 0 || !file.dp.is_multiple_of(file.ep) {
+        return Err(bad(format!(
+            "the collection's ep {} does not divide its dp {}",
+            file.ep, file.dp
+        )));
+    }
+    Ok(world as usize)
 }
 
 /// Every rank's collected graph as Chakra ET with its measured durations.
@@ -216,16 +231,34 @@ pub fn run_train_emulation(
         }
         None => run_collection(&config, ranks, 1, args.warmup)?,
     };
-    let world = (file.tp * file.dp * file.pp) as usize;
+    let world = file_world(&file)?;
     if world != ranks {
         return Err(bad(format!(
             "--ranks {ranks}: the collection is of a world of {world}"
         )));
     }
+    // The configuration must describe the collection's world, or the real ranks would
+    // issue other operations than the virtual ones replay.
+    let expected = orrery_emulate::drive::layout_of(&config, ranks).map_err(input_error)?;
+    let c = expected.coords(orrery_units::RankId(expected.world_size() - 1));
+    let config_ep = config.parallel.map_or(1, |p| p.ep as u32);
+    if (c.tp + 1, c.dp + 1, c.pp + 1, config_ep) != (file.tp, file.dp, file.pp, file.ep) {
+        return Err(bad(format!(
+            "--graph: the collection is of tp {} x dp {} x pp {} (ep {}), the configuration of tp {} x dp {} x pp {} (ep {})",
+            file.tp,
+            file.dp,
+            file.pp,
+            file.ep,
+            c.tp + 1,
+            c.dp + 1,
+            c.pp + 1,
+            config_ep
+        )));
+    }
     let collected = stitched(&file)?;
     let preset = orrery_spec::presets::gpu(&args.gpu)
         .ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
-    let per_node = (ranks as u64).min(8);
+    let per_node = u64::from(orrery_emulate::drive::GPUS_PER_NODE).min(ranks as u64);
     let cluster =
         orrery_spec::Cluster::of_preset(preset, per_node, (ranks as u64).div_ceil(per_node));
     let net = orrery_net::AnalyticalNetwork::new(
@@ -253,7 +286,9 @@ pub fn run_train_emulation(
             .segments
             .iter()
             .find(|(r, _)| r.0 == rec.rank)
-            .map_or(Picos::ZERO, |(_, s)| Picos(s.iter().map(|x| x.1 .0).sum()));
+            .map_or(Picos::ZERO, |(_, s)| {
+                Picos(s.iter().fold(0u64, |a, x| a.saturating_add(x.1 .0)))
+            });
         let end = run
             .step
             .timeline

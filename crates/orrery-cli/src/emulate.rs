@@ -76,9 +76,13 @@ pub fn perturbations(args: &PerturbArgs) -> Result<Perturbations> {
     })
 }
 
+/// Most ranks one option may name (a range beyond a world's size is refused later anyway).
+const MAX_RANKS: u32 = 1 << 20;
+
 /// `0,17`, `0-3`, `1,4-6`: ranks in the order given, duplicates dropped.
 pub fn parse_ranks(flag: &str, text: &str) -> Result<Vec<RankId>> {
     let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let number = |s: &str| {
             s.trim()
@@ -95,8 +99,11 @@ pub fn parse_ranks(flag: &str, text: &str) -> Result<Vec<RankId>> {
         if hi < lo {
             return Err(bad(format!("{flag}: range `{part}` runs backwards")));
         }
+        if hi - lo >= MAX_RANKS || out.len() as u32 + (hi - lo) >= MAX_RANKS {
+            return Err(bad(format!("{flag}: more than {MAX_RANKS} ranks named")));
+        }
         for r in lo..=hi {
-            if !out.contains(&RankId(r)) {
+            if seen.insert(r) {
                 out.push(RankId(r));
             }
         }

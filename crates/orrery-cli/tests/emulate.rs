@@ -299,6 +299,32 @@ fn collect_then_emulate_the_real_program() {
     ]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("checksum mismatch"), "{stderr}");
+    // A configuration of the same size but another layout is refused.
+    let other = job.with_file_name("other.toml");
+    std::fs::write(
+        &other,
+        TRAIN
+            .replace("pp = 2", "pp = 1")
+            .replace("dp = 2", "dp = 4")
+            .replace("micro_batches = 4", "micro_batches = 1"),
+    )
+    .unwrap();
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        other.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--graph",
+        p,
+        "--real-ranks",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--graph: the collection is of tp 2 x dp 2 x pp 2"),
+        "{stderr}"
+    );
     let interleaved = job.with_file_name("interleaved.toml");
     std::fs::write(
         &interleaved,

@@ -70,17 +70,20 @@ struct State {
 
 impl State {
     /// A compute segment ends now: record and report it.
-    fn segment_ends(&mut self) {
-        self.segment_ends_before(None);
+    fn segment_ends(&mut self) -> Result<(), CommError> {
+        self.segment_ends_before(None)
     }
 
     /// A compute segment ends now, before an operation moving `bytes` (if known): record
     /// and report it.
-    fn segment_ends_before(&mut self, bytes: Option<u64>) {
+    ///
+    /// Fails once the emulation has stopped (its coordinator no longer takes reports), so
+    /// that the rank's program stops at its next communication call instead of running on.
+    fn segment_ends_before(&mut self, bytes: Option<u64>) -> Result<(), CommError> {
         let now = self.clock.now_seconds();
         let took = Picos::from_secs_f64((now - self.since).max(0.0));
         if !self.recording {
-            return;
+            return Ok(());
         }
         let sample = MemorySample {
             live: Bytes((memory::thread_live() - self.comm_bytes).max(0) as u64),
@@ -103,13 +106,19 @@ impl State {
                 self.error = Some("the emulation stopped".into());
             }
         }
+        if self.error.is_some() {
+            return Err(CommError::PeerGone);
+        }
+        Ok(())
     }
 
-    /// An operation ends now: the next segment starts.
+    /// An operation ends now: the next segment starts, its peak from what the thread
+    /// holds now (the operation's own transient buffers are not the program's).
     fn op_ends(&mut self, op: RecordedOp) {
         if self.recording {
             self.ops.push(op);
         }
+        memory::reset_thread_peak();
         self.since = self.clock.now_seconds();
     }
 
@@ -232,7 +241,8 @@ impl VirtualPeersHandle {
     /// on the rank's thread (the memory figures are the calling thread's).
     pub fn finish(&self) -> RankRecord {
         let mut s = lock(&self.state);
-        s.segment_ends();
+        // A stopped emulation has nothing more to take; the record is still the rank's.
+        let _ = s.segment_ends();
         s.recording = false;
         if let Some(r) = &s.reporter {
             let _ = r.done();
@@ -261,6 +271,13 @@ fn synthesise(buf: &mut [f32], seed: u64) {
         x ^= x >> 31;
         *v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04;
     }
+}
+
+/// What a call of the real communicator left this thread holding (`before`: the thread's
+/// bytes before the call) is the backend's, not the program's: memory samples leave it out.
+fn held_by_comm(state: &Mutex<State>, before: i64) {
+    let retained = memory::thread_live() - before;
+    lock(state).comm_bytes += retained;
 }
 
 /// The other real ranks of an emulation and the communicator that reaches them.
@@ -338,7 +355,9 @@ impl VirtualPeers {
             }
         })?;
         let mut out = vec![0.0; mine.len() * split.inner.len()];
+        let before = memory::thread_live();
         real.comm.group_all_gather_f32(&group, mine, &mut out)?;
+        held_by_comm(&self.state, before);
         Ok(out)
     }
 
@@ -381,7 +400,7 @@ impl Communicator for VirtualPeers {
     }
 
     fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         let members = self.world_members();
         self.reduce(&members, buf)?;
         let mut s = lock(&self.state);
@@ -403,12 +422,14 @@ impl Communicator for VirtualPeers {
                 world: self.world,
             });
         }
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         if let Some(real) = self.real.as_mut() {
             // A real root sends its data to the real ranks; a virtual root's copy is each
             // rank's own (equal at initialisation).
             if let Some(r) = real.index(root) {
+                let before = memory::thread_live();
                 real.comm.broadcast_f32(r, buf)?;
+                held_by_comm(&self.state, before);
             }
         }
         let mut s = lock(&self.state);
@@ -430,10 +451,12 @@ impl Communicator for VirtualPeers {
                 world: self.world,
             });
         }
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         if let Some(real) = self.real.as_mut() {
             if let Some(r) = real.index(root) {
+                let before = memory::thread_live();
                 real.comm.broadcast_bytes(r, buf)?;
+                held_by_comm(&self.state, before);
             }
         }
         let mut s = lock(&self.state);
@@ -449,9 +472,14 @@ impl Communicator for VirtualPeers {
     }
 
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         let real_parts = match self.real.as_mut() {
-            Some(real) => Some((real.comm.all_gather_bytes(mine)?, real.ranks.clone())),
+            Some(real) => {
+                let before = memory::thread_live();
+                let parts = real.comm.all_gather_bytes(mine)?;
+                held_by_comm(&self.state, before);
+                Some((parts, real.ranks.clone()))
+            }
             None => None,
         };
         let out: Vec<Vec<u8>> = (0..self.world)
@@ -476,9 +504,11 @@ impl Communicator for VirtualPeers {
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         if let Some(real) = self.real.as_mut() {
+            let before = memory::thread_live();
             real.comm.barrier()?;
+            held_by_comm(&self.state, before);
         }
         let mut s = lock(&self.state);
         let group = s.world_group();
@@ -494,10 +524,12 @@ impl Communicator for VirtualPeers {
 
     fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(dest)?;
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         if let Some(real) = self.real.as_mut() {
             if let Some(d) = real.index(dest) {
+                let before = memory::thread_live();
                 real.comm.send_f32(d, buf)?;
+                held_by_comm(&self.state, before);
             }
         }
         let mut s = lock(&self.state);
@@ -523,7 +555,7 @@ impl Communicator for VirtualPeers {
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(src)?;
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         let real_src = self.real.as_ref().and_then(|r| r.index(src));
         let mut s = lock(&self.state);
         let dst = s.rank;
@@ -534,10 +566,12 @@ impl Communicator for VirtualPeers {
         };
         let tag = s.tag(src, dst, seq);
         drop(s);
+        let before = memory::thread_live();
         match (real_src, self.real.as_mut()) {
             (Some(i), Some(real)) => real.comm.recv_f32(i, buf)?,
             _ => synthesise(buf, ((src as u64) << 40) ^ ((dst as u64) << 20) ^ seq),
         }
+        held_by_comm(&self.state, before);
         lock(&self.state).op_ends(RecordedOp::Recv {
             peer: src as u32,
             bytes: Bytes(4 * buf.len() as u64),
@@ -560,7 +594,7 @@ impl Communicator for VirtualPeers {
             let mut s = lock(&self.state);
             s.check_peer(dest)?;
             s.check_peer(src)?;
-            s.segment_ends();
+            s.segment_ends()?;
         }
         let me = self.rank;
         let (real_dest, real_src) = match self.real.as_ref() {
@@ -581,6 +615,7 @@ impl Communicator for VirtualPeers {
             };
             (sseq, rseq)
         };
+        let before = memory::thread_live();
         if let Some(real) = self.real.as_mut() {
             match (real_dest, real_src) {
                 (Some(d), Some(r)) => real.comm.send_recv_f32(d, send, r, recv)?,
@@ -589,6 +624,7 @@ impl Communicator for VirtualPeers {
                 (None, None) => {}
             }
         }
+        held_by_comm(&self.state, before);
         if real_src.is_none() {
             synthesise(recv, ((src as u64) << 40) ^ ((me as u64) << 20) ^ rseq);
         }
@@ -622,7 +658,7 @@ impl Communicator for VirtualPeers {
                 group: group.ranks().to_vec(),
             });
         }
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         self.reduce(group.ranks(), buf)?;
         lock(&self.state).op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
@@ -653,7 +689,7 @@ impl Communicator for VirtualPeers {
                 len: out.len(),
             });
         }
-        lock(&self.state).segment_ends();
+        lock(&self.state).segment_ends()?;
         let split = self.split(group.ranks());
         let parts = self.gather_real(&split, mine)?;
         let len = mine.len();
@@ -704,7 +740,7 @@ impl Communicator for VirtualPeers {
             }
         }
         // The router's choices size this exchange: the engine replays it at this size.
-        lock(&self.state).segment_ends_before(Some(4 * send.len() as u64));
+        lock(&self.state).segment_ends_before(Some(4 * send.len() as u64))?;
         let offsets = |counts: &[usize]| -> Vec<usize> {
             let mut at = 0;
             counts
@@ -747,6 +783,7 @@ impl Communicator for VirtualPeers {
                 let sub_sc: Vec<usize> = members.iter().map(|&j| send_counts[j]).collect();
                 let sub_rc: Vec<usize> = members.iter().map(|&j| recv_counts[j]).collect();
                 let mut sub_recv = vec![0.0; sub_rc.iter().sum()];
+                let before = memory::thread_live();
                 real.comm.group_all_to_all_v_f32(
                     &inner_group,
                     &sub_send,
@@ -754,6 +791,7 @@ impl Communicator for VirtualPeers {
                     &mut sub_recv,
                     &sub_rc,
                 )?;
+                held_by_comm(&self.state, before);
                 let mut at = 0;
                 for (&j, &rc) in members.iter().zip(&sub_rc) {
                     recv[ro[j]..ro[j] + rc].copy_from_slice(&sub_recv[at..at + rc]);
@@ -819,7 +857,7 @@ impl<C: Communicator> Recorded<C> {
         op: impl FnOnce(&State) -> RecordedOp,
         f: impl FnOnce(&mut C) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        self.state().segment_ends();
+        self.state().segment_ends()?;
         let before = memory::thread_live();
         let out = f(&mut self.inner)?;
         let retained = memory::thread_live() - before;
@@ -941,7 +979,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
         // Recorded as the send and the receive it is, carried out together (so that the
         // inner communicator may overlap them).
         let (sb, rb) = (4 * send.len() as u64, 4 * recv.len() as u64);
-        self.state().segment_ends();
+        self.state().segment_ends()?;
         let before = memory::thread_live();
         self.inner.send_recv_f32(dest, send, src, recv)?;
         let retained = memory::thread_live() - before;

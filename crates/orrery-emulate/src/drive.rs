@@ -84,15 +84,18 @@ pub fn layout_of(config: &TrainConfig, ranks: usize) -> Result<Layout, DriveErro
             message: "must be at least 1".into(),
         });
     }
-    let n = |x: usize| x as u32;
-    Ok(Layout::from_dims(
-        n(tp),
-        1,
-        n(dp),
-        n(pp),
-        n(ep),
-        n(tp * dp * pp),
-    ))
+    Ok(world_layout(tp as u32, dp as u32, pp as u32, ep as u32))
+}
+
+/// GPUs per node of the cluster an emulation of the real program is modelled on.
+pub const GPUS_PER_NODE: u32 = 8;
+
+/// The layout of a TP x DP x PP (x EP) world of the real program, on nodes of
+/// [`GPUS_PER_NODE`] (or one node, for a smaller world), as the cluster its communication
+/// is modelled on.
+pub fn world_layout(tp: u32, dp: u32, pp: u32, ep: u32) -> Layout {
+    let world = tp.max(1) * dp.max(1) * pp.max(1);
+    Layout::from_dims(tp, 1, dp, pp, ep, world.min(GPUS_PER_NODE))
 }
 
 /// One real rank's recorded step and how long the step took on the wall clock.
@@ -241,70 +244,63 @@ pub fn emulate<N: NetworkModel + Sync>(
         .into_iter()
         .map(Some)
         .collect();
-    std::thread::scope(|scope| {
-        let threads: Vec<_> = reporters
-            .into_iter()
-            .map(|reporter: RankReporter| {
-                let (layout, config, clock) = (layout.clone(), &config, clock.clone());
-                let rank = reporter.rank();
-                let real = real_ranks
-                    .binary_search(&rank.index())
-                    .ok()
-                    .and_then(|i| inner.get_mut(i))
-                    .and_then(Option::take);
-                let real_ranks = real_ranks.clone();
-                scope.spawn(move || {
-                    let (comm, handle) = match real {
-                        Some(real) if real_ranks.len() > 1 => VirtualPeers::with_real_peers(
-                            rank.index(),
-                            layout,
-                            clock.clone(),
-                            Some(reporter.clone()),
-                            Box::new(real),
-                            real_ranks,
-                        ),
-                        _ => VirtualPeers::new(
-                            rank.index(),
-                            layout,
-                            clock.clone(),
-                            Some(reporter.clone()),
-                        ),
-                    };
-                    match run_rank(config, Box::new(comm), &handle, &clock, warmup) {
-                        Ok(rec) => Ok(rec),
-                        Err(e) => {
-                            let _ = reporter.failed(e.to_string());
-                            Err(DriveError::Train {
-                                rank: rank.0,
-                                source: e,
-                            })
-                        }
+    // The ranks run on threads of their own (not scoped): a rank that hangs must not keep
+    // the coordinator's error from reaching the caller.
+    let threads: Vec<_> = reporters
+        .into_iter()
+        .map(|reporter: RankReporter| {
+            let (layout, config, clock) = (layout.clone(), config.clone(), clock.clone());
+            let rank = reporter.rank();
+            let real = real_ranks
+                .binary_search(&rank.index())
+                .ok()
+                .and_then(|i| inner.get_mut(i))
+                .and_then(Option::take);
+            let real_ranks = real_ranks.clone();
+            std::thread::spawn(move || {
+                let (comm, handle) = match real {
+                    Some(real) if real_ranks.len() > 1 => VirtualPeers::with_real_peers(
+                        rank.index(),
+                        layout,
+                        clock.clone(),
+                        Some(reporter.clone()),
+                        Box::new(real),
+                        real_ranks,
+                    ),
+                    _ => VirtualPeers::new(
+                        rank.index(),
+                        layout,
+                        clock.clone(),
+                        Some(reporter.clone()),
+                    ),
+                };
+                match run_rank(&config, Box::new(comm), &handle, &clock, warmup) {
+                    Ok(rec) => Ok(rec),
+                    Err(e) => {
+                        let _ = reporter.failed(e.to_string());
+                        Err(DriveError::Train {
+                            rank: rank.0,
+                            source: e,
+                        })
                     }
-                })
+                }
             })
-            .collect();
-        let step = coordinator.run();
-        let mut records = Vec::new();
-        let mut first_error = None;
-        for t in threads {
-            match t.join() {
-                Ok(Ok(rec)) => records.push(rec),
-                Ok(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_error.get_or_insert(DriveError::Panicked { rank: u32::MAX });
-                }
-            }
+        })
+        .collect();
+    // The coordinator's error names the rank that stopped the step (with its reason, when
+    // the rank failed); the other ranks stop at their next communication call, or are left
+    // behind if they hang.
+    let step = coordinator.run()?;
+    let mut records = Vec::new();
+    for (t, rank) in threads.into_iter().zip(real_ranks) {
+        match t.join() {
+            Ok(Ok(rec)) => records.push(rec),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(DriveError::Panicked { rank: rank as u32 }),
         }
-        // The coordinator's error names the rank that stopped it; a rank's own error says
-        // why.
-        match (step, first_error) {
-            (Ok(step), None) => Ok(Emulated { step, records }),
-            (_, Some(e)) => Err(e),
-            (Err(e), None) => Err(e.into()),
-        }
-    })
+    }
+    records.sort_by_key(|r| r.record.rank);
+    Ok(Emulated { step, records })
 }
 
 /// Every rank real: `ranks` threads over a `ThreadComm`, each recorded; returns the records
@@ -361,13 +357,13 @@ pub fn communication(record: &RankRecord) -> Vec<RecordedOp> {
 /// segments.
 pub fn peak_and_compute(record: &RankRecord) -> (u64, Picos) {
     let mut peak = 0;
-    let mut compute = 0;
+    let mut compute: u64 = 0;
     for o in &record.ops {
         if let RecordedOp::Compute {
             duration, memory, ..
         } = o
         {
-            compute += duration.0;
+            compute = compute.saturating_add(duration.0);
             if let Some(m) = memory {
                 peak = peak.max(m.peak.0);
             }

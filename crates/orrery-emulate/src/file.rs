@@ -28,6 +28,8 @@ pub struct CollectionFile {
 pub enum CollectionFileError {
     #[error("not an orrery collection (bad magic)")]
     BadMagic,
+    #[error("collection header is truncated ({found} of 24 bytes)")]
+    Header { found: u64 },
     #[error("collection format version {found}, this build reads version {VERSION}")]
     Version { found: u32 },
     #[error("collection is truncated or has trailing bytes (header says {expected} body bytes, found {found})")]
@@ -56,9 +58,8 @@ impl CollectionFile {
         if bytes.len() < 8 || &bytes[..8] != MAGIC {
             return Err(CollectionFileError::BadMagic);
         }
-        let header = bytes.get(8..24).ok_or(CollectionFileError::Length {
-            expected: 0,
-            found: 0,
+        let header = bytes.get(8..24).ok_or(CollectionFileError::Header {
+            found: bytes.len() as u64,
         })?;
         let version = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
         if version != VERSION {

@@ -39,8 +39,9 @@
 //!
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
 //! does, from collected graphs or the cost model), or make a real rank's wall time follow
-//! simulated time. It reads the wall clock through a caller-supplied `orrery_train::Clock`,
-//! for its timeouts, and to time its own engine.
+//! simulated time. The real ranks' segments are timed on a caller-supplied
+//! `orrery_train::Clock`; the coordinator itself reads the wall clock for its timeout and
+//! to time its own engine.
 
 pub mod comm;
 pub mod coordinator;

@@ -739,8 +739,10 @@ pub fn report(
             for (k, (op, timing)) in graph.ops().iter().zip(&t.ops).enumerate() {
                 if matches!(op.kind, OpKind::Compute { .. }) {
                     let took = timing.end.0 - timing.start.0;
-                    compute += took;
-                    model += modelled.get(&(p as u32, k as u32)).map_or(took, |d| d.0);
+                    // Saturating: durations may come from a file.
+                    compute = compute.saturating_add(took);
+                    model = model
+                        .saturating_add(modelled.get(&(p as u32, k as u32)).map_or(took, |d| d.0));
                 }
             }
             ranks.push(RankReport {
