@@ -40,7 +40,7 @@
 use crate::coordinator::RankReporter;
 use crate::memory;
 use orrery_graph::collect::{MemorySample, RankRecord, RecordedOp};
-use orrery_graph::{CollectiveOp, Layout, PeerStage, Phase};
+use orrery_graph::{CollectiveOp, GroupRole, Layout, PeerStage, Phase};
 use orrery_train::{Clock, CommError, Communicator, Group};
 use orrery_units::{Bytes, Picos, RankId};
 use std::collections::HashMap;
@@ -143,8 +143,10 @@ impl State {
         group.ranks().iter().map(|&r| r as u32).collect()
     }
 
+    /// A world collective's member list as recorded: empty, with the role saying "every
+    /// rank" (a list of every rank would make records grow with the world).
     fn world_group(&self) -> Vec<u32> {
-        (0..self.world as u32).collect()
+        Vec::new()
     }
 }
 
@@ -408,7 +410,7 @@ impl Communicator for VirtualPeers {
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
             group,
-            role: None,
+            role: Some(GroupRole::World),
             bytes: Bytes(4 * buf.len() as u64),
             duration: Picos::ZERO,
         });
@@ -437,7 +439,7 @@ impl Communicator for VirtualPeers {
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::Broadcast,
             group,
-            role: None,
+            role: Some(GroupRole::World),
             bytes: Bytes(4 * buf.len() as u64),
             duration: Picos::ZERO,
         });
@@ -464,7 +466,7 @@ impl Communicator for VirtualPeers {
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::Broadcast,
             group,
-            role: None,
+            role: Some(GroupRole::World),
             bytes: Bytes(buf.len() as u64),
             duration: Picos::ZERO,
         });
@@ -496,7 +498,7 @@ impl Communicator for VirtualPeers {
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllGather,
             group,
-            role: None,
+            role: Some(GroupRole::World),
             bytes: Bytes((mine.len() * self.world) as u64),
             duration: Picos::ZERO,
         });
@@ -515,7 +517,7 @@ impl Communicator for VirtualPeers {
         s.op_ends(RecordedOp::Collective {
             op: CollectiveOp::AllReduce,
             group,
-            role: None,
+            role: Some(GroupRole::World),
             bytes: Bytes(0),
             duration: Picos::ZERO,
         });
@@ -871,6 +873,17 @@ impl<C: Communicator> Recorded<C> {
     }
 }
 
+/// A collective over every rank, recorded as [`State::world_group`] does.
+fn world_collective(op: CollectiveOp, bytes: u64) -> RecordedOp {
+    RecordedOp::Collective {
+        op,
+        group: Vec::new(),
+        role: Some(GroupRole::World),
+        bytes: Bytes(bytes),
+        duration: Picos::ZERO,
+    }
+}
+
 fn collective(op: CollectiveOp, group: Vec<u32>, bytes: u64) -> RecordedOp {
     RecordedOp::Collective {
         op,
@@ -893,7 +906,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
         self.around(
-            |s| collective(CollectiveOp::AllReduce, s.world_group(), bytes),
+            |_| world_collective(CollectiveOp::AllReduce, bytes),
             |c| c.all_reduce_sum_f32(buf),
         )
     }
@@ -901,7 +914,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
         self.around(
-            |s| collective(CollectiveOp::Broadcast, s.world_group(), bytes),
+            |_| world_collective(CollectiveOp::Broadcast, bytes),
             |c| c.broadcast_f32(root, buf),
         )
     }
@@ -909,7 +922,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
         let bytes = buf.len() as u64;
         self.around(
-            |s| collective(CollectiveOp::Broadcast, s.world_group(), bytes),
+            |_| world_collective(CollectiveOp::Broadcast, bytes),
             |c| c.broadcast_bytes(root, buf),
         )
     }
@@ -917,14 +930,14 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         let bytes = (mine.len() * self.inner.world_size()) as u64;
         self.around(
-            |s| collective(CollectiveOp::AllGather, s.world_group(), bytes),
+            |_| world_collective(CollectiveOp::AllGather, bytes),
             |c| c.all_gather_bytes(mine),
         )
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
         self.around(
-            |s| collective(CollectiveOp::AllReduce, s.world_group(), 0),
+            |_| world_collective(CollectiveOp::AllReduce, 0),
             |c| c.barrier(),
         )
     }

@@ -71,7 +71,8 @@ pub enum RecordedOp {
     Free {
         id: u64,
     },
-    /// A collective over `group` (world ranks), with the time the call took.
+    /// A collective over `group` (world ranks; empty with the role `world` for every
+    /// rank), with the time the call took.
     Collective {
         op: CollectiveOp,
         group: Vec<u32>,
@@ -484,6 +485,8 @@ fn resolve_role(
         have == want
     };
     match hint {
+        // Every rank, recorded without listing them.
+        Some(GroupRole::World) if want.is_empty() => Ok(GroupRole::World),
         Some(role) if fits(role) => Ok(role),
         Some(role) => Err(Box::new(move |rank, op| StitchError::WrongRole {
             rank,
