@@ -41,6 +41,7 @@ use crate::coordinator::RankReporter;
 use crate::memory;
 use orrery_graph::collect::{MemorySample, RankRecord, RecordedOp};
 use orrery_graph::{CollectiveOp, GroupRole, Layout, PeerStage, Phase};
+use orrery_train::comm::{all_to_all_v_offsets, check_all_gather};
 use orrery_train::{Clock, CommError, Communicator, Group};
 use orrery_units::{Bytes, Picos, RankId};
 use std::collections::HashMap;
@@ -115,11 +116,30 @@ impl State {
     /// An operation ends now: the next segment starts, its peak from what the thread
     /// holds now (the operation's own transient buffers are not the program's).
     fn op_ends(&mut self, op: RecordedOp) {
+        self.ops_end([op]);
+    }
+
+    /// Like [`State::op_ends`], for an operation recorded as several (a send-and-receive).
+    fn ops_end(&mut self, ops: impl IntoIterator<Item = RecordedOp>) {
         if self.recording {
-            self.ops.push(op);
+            self.ops.extend(ops);
         }
         memory::reset_thread_peak();
         self.since = self.clock.now_seconds();
+    }
+
+    /// The place of the next message to `dest` among this rank's messages to it.
+    fn next_sent(&mut self, dest: usize) -> u64 {
+        let n = self.sent.entry(dest).or_insert(0);
+        *n += 1;
+        *n - 1
+    }
+
+    /// The place of the next message from `src` among its messages to this rank.
+    fn next_received(&mut self, src: usize) -> u64 {
+        let n = self.received.entry(src).or_insert(0);
+        *n += 1;
+        *n - 1
     }
 
     /// The tag of the `seq`-th message from `src` to `dst` (see the module docs).
@@ -141,12 +161,6 @@ impl State {
 
     fn members(group: &Group) -> Vec<u32> {
         group.ranks().iter().map(|&r| r as u32).collect()
-    }
-
-    /// A world collective's member list as recorded: empty, with the role saying "every
-    /// rank" (a list of every rank would make records grow with the world).
-    fn world_group(&self) -> Vec<u32> {
-        Vec::new()
     }
 }
 
@@ -275,13 +289,6 @@ fn synthesise(buf: &mut [f32], seed: u64) {
     }
 }
 
-/// What a call of the real communicator left this thread holding (`before`: the thread's
-/// bytes before the call) is the backend's, not the program's: memory samples leave it out.
-fn held_by_comm(state: &Mutex<State>, before: i64) {
-    let retained = memory::thread_live() - before;
-    lock(state).comm_bytes += retained;
-}
-
 /// The other real ranks of an emulation and the communicator that reaches them.
 struct RealPeers {
     comm: Box<dyn Communicator>,
@@ -304,6 +311,28 @@ struct Split {
     real_pos: Vec<Option<usize>>,
     /// The real members' indices on the real communicator, in group order.
     inner: Vec<usize>,
+}
+
+impl Split {
+    /// Whether other real ranks are in the group (this one is, if it is real).
+    fn has_real_peers(&self) -> bool {
+        self.inner.len() > 1
+    }
+
+    /// The real members as a group of the real communicator.
+    fn inner_group(&self, real: &RealPeers) -> Result<Group, CommError> {
+        Group::new(self.inner.clone(), real.ranks.len()).map_err(|_| CommError::BadPeer {
+            peer: self.inner.iter().copied().max().unwrap_or(0),
+            world: real.ranks.len(),
+        })
+    }
+
+    /// Member `k`'s contribution among `parts` (one `len`-long piece per real member): its
+    /// own if real, else the first real member's.
+    fn contribution<'b>(&self, parts: &'b [f32], len: usize, k: usize) -> &'b [f32] {
+        let at = self.real_pos[k].unwrap_or(0);
+        &parts[at * len..(at + 1) * len]
+    }
 }
 
 impl VirtualPeers {
@@ -341,45 +370,64 @@ impl VirtualPeers {
         Split { real_pos, inner }
     }
 
-    /// Every real member's `mine`, gathered over the real communicator (in group order);
-    /// just `mine` when this rank is the group's only real member.
-    fn gather_real(&mut self, split: &Split, mine: &[f32]) -> Result<Vec<f32>, CommError> {
-        if split.inner.len() <= 1 {
-            return Ok(mine.to_vec());
-        }
+    /// Runs `f` on the real peers, if there are any. What the call leaves this thread
+    /// holding is the backend's, not the program's: memory samples leave it out.
+    fn on_real<T>(
+        &mut self,
+        f: impl FnOnce(&mut RealPeers) -> Result<T, CommError>,
+    ) -> Result<Option<T>, CommError> {
         let Some(real) = self.real.as_mut() else {
-            return Ok(mine.to_vec());
+            return Ok(None);
         };
-        let group = Group::new(split.inner.clone(), real.ranks.len()).map_err(|_| {
-            CommError::NotInGroup {
-                rank: self.rank,
-                group: split.inner.clone(),
-            }
-        })?;
-        let mut out = vec![0.0; mine.len() * split.inner.len()];
         let before = memory::thread_live();
-        real.comm.group_all_gather_f32(&group, mine, &mut out)?;
-        held_by_comm(&self.state, before);
-        Ok(out)
+        let out = f(real)?;
+        let retained = memory::thread_live() - before;
+        lock(&self.state).comm_bytes += retained;
+        Ok(Some(out))
     }
 
-    /// Member `k`'s contribution: its own if real, else the first real member's.
-    fn contribution<'b>(split: &Split, parts: &'b [f32], len: usize, k: usize) -> &'b [f32] {
-        let at = split.real_pos[k].unwrap_or(0);
-        &parts[at * len..(at + 1) * len]
+    /// Ends the segment (before an operation of `bytes_before`, if known), runs the
+    /// operation `f`, and records `op` (given what `f` returned) as its end.
+    fn operation<T>(
+        &mut self,
+        bytes_before: Option<u64>,
+        f: impl FnOnce(&mut Self) -> Result<T, CommError>,
+        op: impl FnOnce(&State, &T) -> RecordedOp,
+    ) -> Result<T, CommError> {
+        lock(&self.state).segment_ends_before(bytes_before)?;
+        let out = f(self)?;
+        let mut s = lock(&self.state);
+        let op = op(&s, &out);
+        s.op_ends(op);
+        Ok(out)
     }
 
     /// The all-reduce over `members` (group order) of `buf`.
     fn reduce(&mut self, members: &[usize], buf: &mut [f32]) -> Result<(), CommError> {
         let split = self.split(members);
-        let parts = self.gather_real(&split, buf)?;
+        if !split.has_real_peers() {
+            // Every member contributes this rank's values: sum them in place, in order.
+            for v in buf.iter_mut() {
+                let x = *v;
+                for _ in 1..members.len() {
+                    *v += x;
+                }
+            }
+            return Ok(());
+        }
         let len = buf.len();
-        let mut acc = Self::contribution(&split, &parts, len, 0).to_vec();
+        let mut parts = vec![0.0; len * split.inner.len()];
+        let group = self
+            .real
+            .as_ref()
+            .map(|r| split.inner_group(r))
+            .transpose()?;
+        if let Some(group) = group {
+            self.on_real(|r| r.comm.group_all_gather_f32(&group, buf, &mut parts))?;
+        }
+        let mut acc = split.contribution(&parts, len, 0).to_vec();
         for k in 1..members.len() {
-            for (a, x) in acc
-                .iter_mut()
-                .zip(Self::contribution(&split, &parts, len, k))
-            {
+            for (a, x) in acc.iter_mut().zip(split.contribution(&parts, len, k)) {
                 *a += *x;
             }
         }
@@ -387,8 +435,16 @@ impl VirtualPeers {
         Ok(())
     }
 
-    fn world_members(&self) -> Vec<usize> {
-        (0..self.world).collect()
+    /// A receive from `src` (the `seq`-th from it): real if `src` is real, else synthesised.
+    fn receive(&mut self, src: usize, seq: u64, buf: &mut [f32]) -> Result<(), CommError> {
+        let real_src = self.real.as_ref().and_then(|r| r.index(src));
+        match real_src {
+            Some(i) => {
+                self.on_real(|r| r.comm.recv_f32(i, buf))?;
+            }
+            None => synthesise(buf, ((src as u64) << 40) ^ ((self.rank as u64) << 20) ^ seq),
+        }
+        Ok(())
     }
 }
 
@@ -402,153 +458,99 @@ impl Communicator for VirtualPeers {
     }
 
     fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        lock(&self.state).segment_ends()?;
-        let members = self.world_members();
-        self.reduce(&members, buf)?;
-        let mut s = lock(&self.state);
-        let group = s.world_group();
-        s.op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllReduce,
-            group,
-            role: Some(GroupRole::World),
-            bytes: Bytes(4 * buf.len() as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        let members: Vec<usize> = (0..self.world).collect();
+        let bytes = 4 * buf.len() as u64;
+        self.operation(
+            None,
+            |v| v.reduce(&members, buf),
+            |_, _| world_collective(CollectiveOp::AllReduce, bytes),
+        )
     }
 
     fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        if root >= self.world {
-            return Err(CommError::BadRoot {
-                root,
-                world: self.world,
-            });
-        }
-        lock(&self.state).segment_ends()?;
-        if let Some(real) = self.real.as_mut() {
-            // A real root sends its data to the real ranks; a virtual root's copy is each
-            // rank's own (equal at initialisation).
-            if let Some(r) = real.index(root) {
-                let before = memory::thread_live();
-                real.comm.broadcast_f32(r, buf)?;
-                held_by_comm(&self.state, before);
-            }
-        }
-        let mut s = lock(&self.state);
-        let group = s.world_group();
-        s.op_ends(RecordedOp::Collective {
-            op: CollectiveOp::Broadcast,
-            group,
-            role: Some(GroupRole::World),
-            bytes: Bytes(4 * buf.len() as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        check_root(root, self.world)?;
+        let bytes = 4 * buf.len() as u64;
+        // A real root sends its data to the real ranks; a virtual root's copy is each
+        // rank's own (equal at initialisation).
+        self.operation(
+            None,
+            |v| {
+                v.on_real(|r| match r.index(root) {
+                    Some(i) => r.comm.broadcast_f32(i, buf),
+                    None => Ok(()),
+                })
+                .map(drop)
+            },
+            |_, _| world_collective(CollectiveOp::Broadcast, bytes),
+        )
     }
 
     fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
-        if root >= self.world {
-            return Err(CommError::BadRoot {
-                root,
-                world: self.world,
-            });
-        }
-        lock(&self.state).segment_ends()?;
-        if let Some(real) = self.real.as_mut() {
-            if let Some(r) = real.index(root) {
-                let before = memory::thread_live();
-                real.comm.broadcast_bytes(r, buf)?;
-                held_by_comm(&self.state, before);
-            }
-        }
-        let mut s = lock(&self.state);
-        let group = s.world_group();
-        s.op_ends(RecordedOp::Collective {
-            op: CollectiveOp::Broadcast,
-            group,
-            role: Some(GroupRole::World),
-            bytes: Bytes(buf.len() as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        check_root(root, self.world)?;
+        self.operation(
+            None,
+            |v| {
+                v.on_real(|r| match r.index(root) {
+                    Some(i) => r.comm.broadcast_bytes(i, buf),
+                    None => Ok(()),
+                })?;
+                Ok(buf.len() as u64)
+            },
+            |_, &bytes| world_collective(CollectiveOp::Broadcast, bytes),
+        )
+        .map(drop)
     }
 
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        lock(&self.state).segment_ends()?;
-        let real_parts = match self.real.as_mut() {
-            Some(real) => {
-                let before = memory::thread_live();
-                let parts = real.comm.all_gather_bytes(mine)?;
-                held_by_comm(&self.state, before);
-                Some((parts, real.ranks.clone()))
-            }
-            None => None,
-        };
-        let out: Vec<Vec<u8>> = (0..self.world)
-            .map(|m| match &real_parts {
-                Some((parts, ranks)) => {
-                    let at = ranks.binary_search(&m).unwrap_or(0);
-                    parts.get(at).cloned().unwrap_or_else(|| mine.to_vec())
-                }
-                None => mine.to_vec(),
-            })
-            .collect();
-        let mut s = lock(&self.state);
-        let group = s.world_group();
-        s.op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllGather,
-            group,
-            role: Some(GroupRole::World),
-            bytes: Bytes((mine.len() * self.world) as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(out)
+        let world = self.world;
+        self.operation(
+            None,
+            |v| {
+                let real = v.on_real(|r| Ok((r.comm.all_gather_bytes(mine)?, r.ranks.clone())))?;
+                // Real ranks' parts are theirs; a virtual rank's is the first real rank's
+                // (this rank's own without real peers), the same on every real rank.
+                Ok((0..world)
+                    .map(|m| {
+                        real.as_ref()
+                            .and_then(|(parts, ranks)| {
+                                parts.get(ranks.binary_search(&m).unwrap_or(0))
+                            })
+                            .cloned()
+                            .unwrap_or_else(|| mine.to_vec())
+                    })
+                    .collect())
+            },
+            |_, _| world_collective(CollectiveOp::AllGather, (mine.len() * world) as u64),
+        )
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
-        lock(&self.state).segment_ends()?;
-        if let Some(real) = self.real.as_mut() {
-            let before = memory::thread_live();
-            real.comm.barrier()?;
-            held_by_comm(&self.state, before);
-        }
-        let mut s = lock(&self.state);
-        let group = s.world_group();
-        s.op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllReduce,
-            group,
-            role: Some(GroupRole::World),
-            bytes: Bytes(0),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        self.operation(
+            None,
+            |v| v.on_real(|r| r.comm.barrier()).map(drop),
+            |_, _| world_collective(CollectiveOp::AllReduce, 0),
+        )
     }
 
     fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(dest)?;
-        lock(&self.state).segment_ends()?;
-        if let Some(real) = self.real.as_mut() {
-            if let Some(d) = real.index(dest) {
-                let before = memory::thread_live();
-                real.comm.send_f32(d, buf)?;
-                held_by_comm(&self.state, before);
-            }
-        }
-        let mut s = lock(&self.state);
-        let src = s.rank;
-        let seq = {
-            let n = s.sent.entry(dest).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
-        let tag = s.tag(src, dest, seq);
-        s.op_ends(RecordedOp::Send {
-            peer: dest as u32,
-            bytes: Bytes(4 * buf.len() as u64),
-            tag,
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        let seq = lock(&self.state).next_sent(dest);
+        self.operation(
+            None,
+            |v| {
+                v.on_real(|r| match r.index(dest) {
+                    Some(d) => r.comm.send_f32(d, buf),
+                    None => Ok(()),
+                })
+                .map(drop)
+            },
+            |s, _| RecordedOp::Send {
+                peer: dest as u32,
+                bytes: Bytes(4 * buf.len() as u64),
+                tag: s.tag(s.rank, dest, seq),
+                duration: Picos::ZERO,
+            },
+        )
     }
 
     fn sends_never_wait(&self) -> bool {
@@ -557,30 +559,18 @@ impl Communicator for VirtualPeers {
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(src)?;
-        lock(&self.state).segment_ends()?;
-        let real_src = self.real.as_ref().and_then(|r| r.index(src));
-        let mut s = lock(&self.state);
-        let dst = s.rank;
-        let seq = {
-            let n = s.received.entry(src).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
-        let tag = s.tag(src, dst, seq);
-        drop(s);
-        let before = memory::thread_live();
-        match (real_src, self.real.as_mut()) {
-            (Some(i), Some(real)) => real.comm.recv_f32(i, buf)?,
-            _ => synthesise(buf, ((src as u64) << 40) ^ ((dst as u64) << 20) ^ seq),
-        }
-        held_by_comm(&self.state, before);
-        lock(&self.state).op_ends(RecordedOp::Recv {
-            peer: src as u32,
-            bytes: Bytes(4 * buf.len() as u64),
-            tag,
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        let seq = lock(&self.state).next_received(src);
+        let bytes = 4 * buf.len() as u64;
+        self.operation(
+            None,
+            |v| v.receive(src, seq, buf),
+            |s, _| RecordedOp::Recv {
+                peer: src as u32,
+                bytes: Bytes(bytes),
+                tag: s.tag(src, s.rank, seq),
+                duration: Picos::ZERO,
+            },
+        )
     }
 
     fn send_recv_f32(
@@ -590,62 +580,32 @@ impl Communicator for VirtualPeers {
         src: usize,
         recv: &mut [f32],
     ) -> Result<(), CommError> {
-        // One segment ends; the send and the receive are recorded back to back, as
-        // [`Recorded`] records them.
-        {
+        let (sseq, rseq) = {
             let mut s = lock(&self.state);
             s.check_peer(dest)?;
             s.check_peer(src)?;
-            s.segment_ends()?;
-        }
-        let me = self.rank;
+            (s.next_sent(dest), s.next_received(src))
+        };
         let (real_dest, real_src) = match self.real.as_ref() {
             Some(r) => (r.index(dest), r.index(src)),
             None => (None, None),
         };
-        let (sseq, rseq) = {
-            let mut s = lock(&self.state);
-            let sseq = {
-                let n = s.sent.entry(dest).or_insert(0);
-                *n += 1;
-                *n - 1
-            };
-            let rseq = {
-                let n = s.received.entry(src).or_insert(0);
-                *n += 1;
-                *n - 1
-            };
-            (sseq, rseq)
-        };
-        let before = memory::thread_live();
-        if let Some(real) = self.real.as_mut() {
-            match (real_dest, real_src) {
-                (Some(d), Some(r)) => real.comm.send_recv_f32(d, send, r, recv)?,
-                (Some(d), None) => real.comm.send_f32(d, send)?,
-                (None, Some(r)) => real.comm.recv_f32(r, recv)?,
-                (None, None) => {}
+        // One segment ends; the send and the receive are recorded back to back, as
+        // [`Recorded`] records them.
+        lock(&self.state).segment_ends()?;
+        match (real_dest, real_src) {
+            (Some(d), Some(r)) => {
+                self.on_real(|p| p.comm.send_recv_f32(d, send, r, recv))?;
             }
-        }
-        held_by_comm(&self.state, before);
-        if real_src.is_none() {
-            synthesise(recv, ((src as u64) << 40) ^ ((me as u64) << 20) ^ rseq);
+            (Some(d), None) => {
+                self.on_real(|p| p.comm.send_f32(d, send))?;
+                self.receive(src, rseq, recv)?;
+            }
+            (None, _) => self.receive(src, rseq, recv)?,
         }
         let mut s = lock(&self.state);
-        let (stag, rtag) = (s.tag(me, dest, sseq), s.tag(src, me, rseq));
-        if s.recording {
-            s.ops.push(RecordedOp::Send {
-                peer: dest as u32,
-                bytes: Bytes(4 * send.len() as u64),
-                tag: stag,
-                duration: Picos::ZERO,
-            });
-        }
-        s.op_ends(RecordedOp::Recv {
-            peer: src as u32,
-            bytes: Bytes(4 * recv.len() as u64),
-            tag: rtag,
-            duration: Picos::ZERO,
-        });
+        let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
+        s.ops_end(ops);
         Ok(())
     }
 
@@ -654,22 +614,13 @@ impl Communicator for VirtualPeers {
         group: &Group,
         buf: &mut [f32],
     ) -> Result<(), CommError> {
-        if group.position(self.rank).is_none() {
-            return Err(CommError::NotInGroup {
-                rank: self.rank,
-                group: group.ranks().to_vec(),
-            });
-        }
-        lock(&self.state).segment_ends()?;
-        self.reduce(group.ranks(), buf)?;
-        lock(&self.state).op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllReduce,
-            group: State::members(group),
-            role: None,
-            bytes: Bytes(4 * buf.len() as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        group.position_of(self.rank)?;
+        let bytes = 4 * buf.len() as u64;
+        self.operation(
+            None,
+            |v| v.reduce(group.ranks(), buf),
+            |_, _| collective(CollectiveOp::AllReduce, State::members(group), bytes),
+        )
     }
 
     fn group_all_gather_f32(
@@ -678,34 +629,29 @@ impl Communicator for VirtualPeers {
         mine: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        if group.position(self.rank).is_none() {
-            return Err(CommError::NotInGroup {
-                rank: self.rank,
-                group: group.ranks().to_vec(),
-            });
-        }
-        if out.len() != mine.len() * group.len() {
-            return Err(CommError::CountMismatch {
-                what: "out",
-                counted: mine.len() * group.len(),
-                len: out.len(),
-            });
-        }
-        lock(&self.state).segment_ends()?;
-        let split = self.split(group.ranks());
-        let parts = self.gather_real(&split, mine)?;
-        let len = mine.len();
-        for (k, part) in out.chunks_mut(len.max(1)).enumerate().take(group.len()) {
-            part.copy_from_slice(Self::contribution(&split, &parts, len, k));
-        }
-        lock(&self.state).op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllGather,
-            group: State::members(group),
-            role: None,
-            bytes: Bytes(4 * out.len() as u64),
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        group.position_of(self.rank)?;
+        check_all_gather(group, mine, out)?;
+        let bytes = 4 * out.len() as u64;
+        self.operation(
+            None,
+            |v| {
+                let split = v.split(group.ranks());
+                let len = mine.len();
+                let mut parts = mine.to_vec();
+                if split.has_real_peers() {
+                    parts = vec![0.0; len * split.inner.len()];
+                    let inner = v.real.as_ref().map(|r| split.inner_group(r)).transpose()?;
+                    if let Some(inner) = inner {
+                        v.on_real(|r| r.comm.group_all_gather_f32(&inner, mine, &mut parts))?;
+                    }
+                }
+                for (k, part) in out.chunks_mut(len.max(1)).enumerate().take(group.len()) {
+                    part.copy_from_slice(split.contribution(&parts, len, k));
+                }
+                Ok(())
+            },
+            |_, _| collective(CollectiveOp::AllGather, State::members(group), bytes),
+        )
     }
 
     fn group_all_to_all_v_f32(
@@ -716,99 +662,95 @@ impl Communicator for VirtualPeers {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let Some(me) = group.position(self.rank) else {
-            return Err(CommError::NotInGroup {
-                rank: self.rank,
-                group: group.ranks().to_vec(),
-            });
-        };
-        let n = group.len();
-        for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
-            if counts.len() != n {
-                return Err(CommError::GroupShape {
-                    what,
-                    found: counts.len(),
-                    members: n,
-                });
-            }
-        }
-        for (what, counts, len) in [
-            ("send_counts", send_counts, send.len()),
-            ("recv_counts", recv_counts, recv.len()),
-        ] {
-            let counted: usize = counts.iter().sum();
-            if counted != len {
-                return Err(CommError::CountMismatch { what, counted, len });
-            }
-        }
+        let me = group.position_of(self.rank)?;
+        let (so, ro) = all_to_all_v_offsets(group, send, send_counts, recv, recv_counts)?;
+        let bytes = 4 * send.len() as u64;
         // The router's choices size this exchange: the engine replays it at this size.
-        lock(&self.state).segment_ends_before(Some(4 * send.len() as u64))?;
-        let offsets = |counts: &[usize]| -> Vec<usize> {
-            let mut at = 0;
-            counts
-                .iter()
-                .map(|&c| {
-                    let o = at;
-                    at += c;
-                    o
-                })
-                .collect()
-        };
-        let (so, ro) = (offsets(send_counts), offsets(recv_counts));
-        // Virtual members (and this rank itself): what this rank sends them, cut or
-        // zero-padded to the expected count.
-        let split = self.split(group.ranks());
-        for j in 0..n {
-            if split.real_pos[j].is_some() && j != me {
-                continue;
-            }
-            let (sc, rc) = (send_counts[j], recv_counts[j]);
-            let k = sc.min(rc);
-            recv[ro[j]..ro[j] + k].copy_from_slice(&send[so[j]..so[j] + k]);
-            recv[ro[j] + k..ro[j] + rc].fill(0.0);
-        }
-        // Real members: a real exchange among them.
-        if split.inner.len() > 1 {
-            if let Some(real) = self.real.as_mut() {
-                let members: Vec<usize> = (0..n).filter(|&j| split.real_pos[j].is_some()).collect();
-                let inner_group =
-                    Group::new(split.inner.clone(), real.ranks.len()).map_err(|_| {
-                        CommError::NotInGroup {
-                            rank: self.rank,
-                            group: split.inner.clone(),
-                        }
-                    })?;
+        self.operation(
+            Some(bytes),
+            |v| {
+                let split = v.split(group.ranks());
+                // Virtual members (and this rank itself): what this rank sends them, cut
+                // or zero-padded to the expected count.
+                for j in 0..group.len() {
+                    if split.real_pos[j].is_some() && j != me {
+                        continue;
+                    }
+                    let k = send_counts[j].min(recv_counts[j]);
+                    recv[ro[j]..ro[j] + k].copy_from_slice(&send[so[j]..so[j] + k]);
+                    recv[ro[j] + k..ro[j + 1]].fill(0.0);
+                }
+                if !split.has_real_peers() {
+                    return Ok(());
+                }
+                // Real members: a real exchange among them.
+                let members: Vec<usize> = (0..group.len())
+                    .filter(|&j| split.real_pos[j].is_some())
+                    .collect();
                 let sub_send: Vec<f32> = members
                     .iter()
-                    .flat_map(|&j| send[so[j]..so[j] + send_counts[j]].iter().copied())
+                    .flat_map(|&j| send[so[j]..so[j + 1]].iter().copied())
                     .collect();
                 let sub_sc: Vec<usize> = members.iter().map(|&j| send_counts[j]).collect();
                 let sub_rc: Vec<usize> = members.iter().map(|&j| recv_counts[j]).collect();
                 let mut sub_recv = vec![0.0; sub_rc.iter().sum()];
-                let before = memory::thread_live();
-                real.comm.group_all_to_all_v_f32(
-                    &inner_group,
-                    &sub_send,
-                    &sub_sc,
-                    &mut sub_recv,
-                    &sub_rc,
-                )?;
-                held_by_comm(&self.state, before);
+                let inner = v.real.as_ref().map(|r| split.inner_group(r)).transpose()?;
+                if let Some(inner) = inner {
+                    v.on_real(|r| {
+                        r.comm.group_all_to_all_v_f32(
+                            &inner,
+                            &sub_send,
+                            &sub_sc,
+                            &mut sub_recv,
+                            &sub_rc,
+                        )
+                    })?;
+                }
                 let mut at = 0;
                 for (&j, &rc) in members.iter().zip(&sub_rc) {
                     recv[ro[j]..ro[j] + rc].copy_from_slice(&sub_recv[at..at + rc]);
                     at += rc;
                 }
-            }
-        }
-        lock(&self.state).op_ends(RecordedOp::Collective {
-            op: CollectiveOp::AllToAll,
-            group: State::members(group),
-            role: None,
-            bytes: Bytes(4 * send.len() as u64),
+                Ok(())
+            },
+            |_, _| collective(CollectiveOp::AllToAll, State::members(group), bytes),
+        )
+    }
+}
+
+/// A send to `dest` followed at once by a receive from `src` (the `sseq`-th and `rseq`-th
+/// message of their pairs), as both communicators record a send-and-receive.
+fn send_recv_ops(
+    s: &State,
+    dest: usize,
+    send_len: usize,
+    sseq: u64,
+    src: usize,
+    recv_len: usize,
+    rseq: u64,
+) -> [RecordedOp; 2] {
+    [
+        RecordedOp::Send {
+            peer: dest as u32,
+            bytes: Bytes(4 * send_len as u64),
+            tag: s.tag(s.rank, dest, sseq),
             duration: Picos::ZERO,
-        });
+        },
+        RecordedOp::Recv {
+            peer: src as u32,
+            bytes: Bytes(4 * recv_len as u64),
+            tag: s.tag(src, s.rank, rseq),
+            duration: Picos::ZERO,
+        },
+    ]
+}
+
+/// A world root outside the world is refused, as by every communicator.
+fn check_root(root: usize, world: usize) -> Result<(), CommError> {
+    if root < world {
         Ok(())
+    } else {
+        Err(CommError::BadRoot { root, world })
     }
 }
 
@@ -852,11 +794,12 @@ impl<C: Communicator> Recorded<C> {
         lock(&self.state)
     }
 
-    /// Runs `f` on the inner communicator between the end of a segment and the record of
-    /// `op`.
-    fn around<T>(
+    /// Runs `f` on the inner communicator between the end of a segment and the records
+    /// `ops` makes. What the call leaves this thread holding is the backend's, not the
+    /// program's: memory samples leave it out.
+    fn around<T, R: IntoIterator<Item = RecordedOp>>(
         &mut self,
-        op: impl FnOnce(&State) -> RecordedOp,
+        ops: impl FnOnce(&mut State) -> R,
         f: impl FnOnce(&mut C) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         self.state().segment_ends()?;
@@ -865,10 +808,8 @@ impl<C: Communicator> Recorded<C> {
         let retained = memory::thread_live() - before;
         let mut s = self.state();
         s.comm_bytes += retained;
-        let op = op(&s);
-        s.op_ends(op);
-        // The call's transient buffers are not the program's peak either.
-        memory::reset_thread_peak();
+        let ops = ops(&mut s);
+        s.ops_end(ops);
         Ok(out)
     }
 }
@@ -906,7 +847,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
         self.around(
-            |_| world_collective(CollectiveOp::AllReduce, bytes),
+            |_| [world_collective(CollectiveOp::AllReduce, bytes)],
             |c| c.all_reduce_sum_f32(buf),
         )
     }
@@ -914,7 +855,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn broadcast_f32(&mut self, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
         self.around(
-            |_| world_collective(CollectiveOp::Broadcast, bytes),
+            |_| [world_collective(CollectiveOp::Broadcast, bytes)],
             |c| c.broadcast_f32(root, buf),
         )
     }
@@ -922,7 +863,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn broadcast_bytes(&mut self, root: usize, buf: &mut Vec<u8>) -> Result<(), CommError> {
         let bytes = buf.len() as u64;
         self.around(
-            |_| world_collective(CollectiveOp::Broadcast, bytes),
+            |_| [world_collective(CollectiveOp::Broadcast, bytes)],
             |c| c.broadcast_bytes(root, buf),
         )
     }
@@ -930,14 +871,14 @@ impl<C: Communicator> Communicator for Recorded<C> {
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         let bytes = (mine.len() * self.inner.world_size()) as u64;
         self.around(
-            |_| world_collective(CollectiveOp::AllGather, bytes),
+            |_| [world_collective(CollectiveOp::AllGather, bytes)],
             |c| c.all_gather_bytes(mine),
         )
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
         self.around(
-            |_| world_collective(CollectiveOp::AllReduce, 0),
+            |_| [world_collective(CollectiveOp::AllReduce, 0)],
             |c| c.barrier(),
         )
     }
@@ -946,18 +887,16 @@ impl<C: Communicator> Communicator for Recorded<C> {
         let bytes = 4 * buf.len() as u64;
         self.around(
             |s| {
-                let seq = s.sent.get(&dest).copied().unwrap_or(0);
-                RecordedOp::Send {
+                let seq = s.next_sent(dest);
+                [RecordedOp::Send {
                     peer: dest as u32,
                     bytes: Bytes(bytes),
                     tag: s.tag(s.rank, dest, seq),
                     duration: Picos::ZERO,
-                }
+                }]
             },
             |c| c.send_f32(dest, buf),
-        )?;
-        *self.state().sent.entry(dest).or_insert(0) += 1;
-        Ok(())
+        )
     }
 
     fn sends_never_wait(&self) -> bool {
@@ -968,18 +907,16 @@ impl<C: Communicator> Communicator for Recorded<C> {
         let bytes = 4 * buf.len() as u64;
         self.around(
             |s| {
-                let seq = s.received.get(&src).copied().unwrap_or(0);
-                RecordedOp::Recv {
+                let seq = s.next_received(src);
+                [RecordedOp::Recv {
                     peer: src as u32,
                     bytes: Bytes(bytes),
                     tag: s.tag(src, s.rank, seq),
                     duration: Picos::ZERO,
-                }
+                }]
             },
             |c| c.recv_f32(src, buf),
-        )?;
-        *self.state().received.entry(src).or_insert(0) += 1;
-        Ok(())
+        )
     }
 
     fn send_recv_f32(
@@ -991,37 +928,14 @@ impl<C: Communicator> Communicator for Recorded<C> {
     ) -> Result<(), CommError> {
         // Recorded as the send and the receive it is, carried out together (so that the
         // inner communicator may overlap them).
-        let (sb, rb) = (4 * send.len() as u64, 4 * recv.len() as u64);
-        self.state().segment_ends()?;
-        let before = memory::thread_live();
-        self.inner.send_recv_f32(dest, send, src, recv)?;
-        let retained = memory::thread_live() - before;
-        memory::reset_thread_peak();
-        let mut s = self.state();
-        s.comm_bytes += retained;
-        let (sseq, rseq) = (
-            s.sent.get(&dest).copied().unwrap_or(0),
-            s.received.get(&src).copied().unwrap_or(0),
-        );
-        let (stag, rtag) = (s.tag(s.rank, dest, sseq), s.tag(src, s.rank, rseq));
-        *s.sent.entry(dest).or_insert(0) += 1;
-        *s.received.entry(src).or_insert(0) += 1;
-        // No segment between the two: the receive follows the send at once.
-        if s.recording {
-            s.ops.push(RecordedOp::Send {
-                peer: dest as u32,
-                bytes: Bytes(sb),
-                tag: stag,
-                duration: Picos::ZERO,
-            });
-        }
-        s.op_ends(RecordedOp::Recv {
-            peer: src as u32,
-            bytes: Bytes(rb),
-            tag: rtag,
-            duration: Picos::ZERO,
-        });
-        Ok(())
+        let (send_len, recv_len) = (send.len(), recv.len());
+        self.around(
+            |s| {
+                let (sseq, rseq) = (s.next_sent(dest), s.next_received(src));
+                send_recv_ops(s, dest, send_len, sseq, src, recv_len, rseq)
+            },
+            |c| c.send_recv_f32(dest, send, src, recv),
+        )
     }
 
     fn group_all_reduce_sum_f32(
@@ -1032,7 +946,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
         let bytes = 4 * buf.len() as u64;
         let members = State::members(group);
         self.around(
-            |_| collective(CollectiveOp::AllReduce, members, bytes),
+            |_| [collective(CollectiveOp::AllReduce, members, bytes)],
             |c| c.group_all_reduce_sum_f32(group, buf),
         )
     }
@@ -1046,7 +960,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
         let bytes = 4 * out.len() as u64;
         let members = State::members(group);
         self.around(
-            |_| collective(CollectiveOp::AllGather, members, bytes),
+            |_| [collective(CollectiveOp::AllGather, members, bytes)],
             |c| c.group_all_gather_f32(group, mine, out),
         )
     }
@@ -1062,7 +976,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
         let bytes = 4 * send.len() as u64;
         let members = State::members(group);
         self.around(
-            |_| collective(CollectiveOp::AllToAll, members, bytes),
+            |_| [collective(CollectiveOp::AllToAll, members, bytes)],
             |c| c.group_all_to_all_v_f32(group, send, send_counts, recv, recv_counts),
         )
     }

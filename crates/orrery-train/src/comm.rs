@@ -145,7 +145,7 @@ impl Group {
     }
 
     /// This rank's position, or the error every group collective reports for a non-member.
-    fn position_of(&self, rank: usize) -> Result<usize, CommError> {
+    pub fn position_of(&self, rank: usize) -> Result<usize, CommError> {
         self.position(rank).ok_or_else(|| CommError::NotInGroup {
             rank,
             group: self.ranks.clone(),
@@ -264,6 +264,59 @@ fn even_counts(n: usize, parts: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Checks the shapes of an all-to-all-v over `group` (one count per member, counts that add
+/// up to the buffers) and returns the pieces' offsets in `send` and `recv`, each with the
+/// total last. Every implementation of [`Communicator::group_all_to_all_v_f32`] reports
+/// bad shapes with these errors.
+pub fn all_to_all_v_offsets(
+    group: &Group,
+    send: &[f32],
+    send_counts: &[usize],
+    recv: &[f32],
+    recv_counts: &[usize],
+) -> Result<(Vec<usize>, Vec<usize>), CommError> {
+    let n = group.len();
+    for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
+        if counts.len() != n {
+            return Err(CommError::GroupShape {
+                what,
+                found: counts.len(),
+                members: n,
+            });
+        }
+    }
+    let so = offsets(send_counts);
+    let ro = offsets(recv_counts);
+    for (what, o, len) in [
+        ("send_counts", &so, send.len()),
+        ("recv_counts", &ro, recv.len()),
+    ] {
+        if o[n] != len {
+            return Err(CommError::CountMismatch {
+                what,
+                counted: o[n],
+                len,
+            });
+        }
+    }
+    Ok((so, ro))
+}
+
+/// Checks that `out` holds one piece of `mine`'s length per member of `group`, as every
+/// implementation of [`Communicator::group_all_gather_f32`] requires.
+pub fn check_all_gather(group: &Group, mine: &[f32], out: &[f32]) -> Result<(), CommError> {
+    let counted = group.len() * mine.len();
+    if out.len() == counted {
+        Ok(())
+    } else {
+        Err(CommError::CountMismatch {
+            what: "the gathered pieces",
+            counted,
+            len: out.len(),
+        })
+    }
+}
+
 /// [`Communicator::group_all_to_all_v_f32`] from pairwise exchanges: in round `k` member `p`
 /// sends to member `p + k` and receives from member `p - k` (mod the group size), so every
 /// round pairs each sender with a receiver doing the mirror-image call.
@@ -277,31 +330,7 @@ pub fn default_group_all_to_all_v<C: Communicator + ?Sized>(
 ) -> Result<(), CommError> {
     let n = group.len();
     let p = group.position_of(comm.rank())?;
-    for (what, counts) in [("send_counts", send_counts), ("recv_counts", recv_counts)] {
-        if counts.len() != n {
-            return Err(CommError::GroupShape {
-                what,
-                found: counts.len(),
-                members: n,
-            });
-        }
-    }
-    let so = offsets(send_counts);
-    let ro = offsets(recv_counts);
-    if so[n] != send.len() {
-        return Err(CommError::CountMismatch {
-            what: "send_counts",
-            counted: so[n],
-            len: send.len(),
-        });
-    }
-    if ro[n] != recv.len() {
-        return Err(CommError::CountMismatch {
-            what: "recv_counts",
-            counted: ro[n],
-            len: recv.len(),
-        });
-    }
+    let (so, ro) = all_to_all_v_offsets(group, send, send_counts, recv, recv_counts)?;
     if send_counts[p] != recv_counts[p] {
         return Err(CommError::LengthMismatch {
             rank: comm.rank(),
@@ -333,13 +362,7 @@ pub fn default_group_all_gather<C: Communicator + ?Sized>(
     let n = group.len();
     let p = group.position_of(comm.rank())?;
     let m = mine.len();
-    if out.len() != n * m {
-        return Err(CommError::CountMismatch {
-            what: "the gathered pieces",
-            counted: n * m,
-            len: out.len(),
-        });
-    }
+    check_all_gather(group, mine, out)?;
     out[p * m..(p + 1) * m].copy_from_slice(mine);
     for k in 1..n {
         let to = (p + k) % n;
