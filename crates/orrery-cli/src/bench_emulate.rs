@@ -15,7 +15,7 @@
 
 use crate::median_secs;
 use anyhow::{Context, Result};
-use orrery_predict::emulate::{Emulation, EmulationStep, Perturbations, Pruning};
+use orrery_predict::emulate::{Emulation, Perturbations, Pruning};
 use orrery_spec::{load_job_spec, preset_job_text, presets, Job};
 use orrery_units::{Picos, RankId};
 
@@ -56,7 +56,7 @@ fn emulate_once(job: &Job, pruning: Pruning) -> Result<Measured> {
         orrery_net::AlgorithmChoice::Auto,
     );
     let live = [RankId(0)];
-    let mut emu = Emulation::new(
+    let emu = Emulation::new(
         &graphs,
         &cost,
         &net,
@@ -65,25 +65,11 @@ fn emulate_once(job: &Job, pruning: Pruning) -> Result<Measured> {
         &Perturbations::default(),
     )?;
     let participants = emu.participants().len();
-    let mut real_compute = 0u64;
-    let timeline = loop {
-        match emu.advance()? {
-            EmulationStep::Done(t) => break t,
-            EmulationStep::Compute {
-                participant,
-                op,
-                modelled,
-                ..
-            } => {
-                real_compute += modelled.0;
-                emu.supply(participant, op, modelled)?;
-            }
-        }
-    };
+    let (timeline, supplied) = emu.run_modelled()?;
     Ok(Measured {
         participants,
         events: timeline.events,
-        real_compute: Picos(real_compute),
+        real_compute: Picos(supplied.values().map(|d| d.0).sum()),
     })
 }
 
@@ -182,9 +168,6 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         ..base.clone()
     };
     let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
-    let cost = orrery_predict::CostModel::for_gpu(&orrery_spec::Gpu::from_preset(
-        orrery_spec::presets::gpu("H100-SXM").context("preset")?,
-    ));
     outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
     outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process\n");
     outln!(
@@ -200,12 +183,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     );
     for (name, config, world) in [("DP 2", base.clone(), 2usize), ("TP 2 x PP 2", tp_pp, 4)] {
         let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
-        let preset = orrery_spec::presets::gpu("H100-SXM").context("preset")?;
-        let cluster = orrery_spec::Cluster::of_preset(preset, world as u64, 1);
-        let net = orrery_net::AnalyticalNetwork::new(
-            orrery_predict::fabric_of(&cluster),
-            orrery_net::AlgorithmChoice::Auto,
-        );
+        let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
         let mut real_steps = Vec::new();
         let mut real_peaks = Vec::new();
         let mut emu_steps = Vec::new();
@@ -273,12 +251,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
             ..base.clone()
         };
         let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
-        let preset = orrery_spec::presets::gpu("H100-SXM").context("preset")?;
-        let cluster = orrery_spec::Cluster::of_preset(preset, 8, (world as u64).div_ceil(8));
-        let net = orrery_net::AnalyticalNetwork::new(
-            orrery_predict::fabric_of(&cluster),
-            orrery_net::AlgorithmChoice::Auto,
-        );
+        let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
         let mut engine = Vec::new();
         let mut compute = Vec::new();
         let mut participants = 0;

@@ -184,6 +184,24 @@ fn export_collected(file: &CollectionFile, prefix: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The cost model and network of the cluster the real program's `ranks` are modelled on:
+/// `gpu`'s preset, [`orrery_emulate::drive::GPUS_PER_NODE`] to a node, its usual NIC.
+pub fn program_models(
+    gpu: &str,
+    ranks: usize,
+) -> Result<(orrery_predict::CostModel, orrery_net::AnalyticalNetwork)> {
+    let preset =
+        orrery_spec::presets::gpu(gpu).ok_or_else(|| bad(format!("--gpu: unknown GPU `{gpu}`")))?;
+    let per_node = u64::from(orrery_emulate::drive::GPUS_PER_NODE).min(ranks as u64);
+    let cluster =
+        orrery_spec::Cluster::of_preset(preset, per_node, (ranks as u64).div_ceil(per_node));
+    let net = orrery_net::AnalyticalNetwork::new(
+        orrery_predict::fabric_of(&cluster),
+        orrery_net::AlgorithmChoice::Auto,
+    );
+    Ok((orrery_predict::CostModel::for_gpu(&cluster.gpu), net))
+}
+
 /// `orrery emulate --train`'s own options.
 #[derive(clap::Args, Debug, Default)]
 pub struct TrainEmulateArgs {
@@ -256,16 +274,7 @@ pub fn run_train_emulation(
         )));
     }
     let collected = stitched(&file)?;
-    let preset = orrery_spec::presets::gpu(&args.gpu)
-        .ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
-    let per_node = u64::from(orrery_emulate::drive::GPUS_PER_NODE).min(ranks as u64);
-    let cluster =
-        orrery_spec::Cluster::of_preset(preset, per_node, (ranks as u64).div_ceil(per_node));
-    let net = orrery_net::AnalyticalNetwork::new(
-        orrery_predict::fabric_of(&cluster),
-        orrery_net::AlgorithmChoice::Auto,
-    );
-    let cost = orrery_predict::CostModel::for_gpu(&cluster.gpu);
+    let (cost, net) = program_models(&args.gpu, ranks)?;
     let run = emulate(
         &config,
         &collected,

@@ -10,13 +10,12 @@
 use crate::{atomic_write, bad, load_job, progress_spinner, JobArgs};
 use anyhow::{Context, Result};
 use orrery_predict::emulate::{
-    report, DegradedLink, EmulateError, Emulation, EmulationReport, EmulationStep, Perturbations,
-    Pruning, SlowRanks,
+    report, DegradedLink, EmulateError, Emulation, EmulationReport, Perturbations, Pruning,
+    SlowRanks,
 };
 use orrery_predict::{predict_with, ReplayMode};
 use orrery_spec::Job;
 use orrery_units::{Picos, RankId};
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
@@ -247,9 +246,11 @@ fn emulate_with<N: orrery_net::NetworkModel>(
     perturb: &Perturbations,
 ) -> Result<Emulated> {
     let predicted = predict_with(job, net, ReplayMode::Classes).context("prediction failed")?;
-    let graphs = orrery_graph::build(job);
+    let predicted_step = predicted.prediction.step_time;
+    // The prediction's graphs are the job's: the emulation replays them too.
+    let graphs = predicted.graphs;
     let cost = orrery_predict::CostModel::for_gpu(&job.cluster().gpu);
-    let mut emu = Emulation::new(&graphs, &cost, net, live, pruning, perturb).map_err(|e| {
+    let emu = Emulation::new(&graphs, &cost, net, live, pruning, perturb).map_err(|e| {
         match e {
             // The input was wrong: exit 2 with every problem named.
             EmulateError::Replay(_) => anyhow::Error::new(e),
@@ -260,31 +261,9 @@ fn emulate_with<N: orrery_net::NetworkModel>(
     let pruned = emu.pruned();
     // With a job, the live ranks' compute takes the cost model's durations (`--train` runs
     // the training program instead); the modelled durations are kept for the report.
-    let mut modelled = HashMap::new();
-    let timeline = loop {
-        match emu.advance()? {
-            EmulationStep::Done(t) => break t,
-            EmulationStep::Compute {
-                participant,
-                op,
-                modelled: d,
-                ..
-            } => {
-                modelled.insert((participant, op), d);
-                emu.supply(participant, op, d)?;
-            }
-        }
-    };
-    drop(emu);
-    let rep = report(
-        &graphs,
-        &info,
-        pruned,
-        &timeline,
-        &modelled,
-        predicted.prediction.step_time,
-    )
-    .context("memory ledger")?;
+    let (timeline, modelled) = emu.run_modelled()?;
+    let rep = report(&graphs, &info, pruned, &timeline, &modelled, predicted_step)
+        .context("memory ledger")?;
     let labels = info
         .iter()
         .map(|i| {

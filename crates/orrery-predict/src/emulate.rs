@@ -125,6 +125,9 @@ pub enum EmulateError {
     Replay(#[from] ReplayError),
 }
 
+/// The duration supplied to each live compute op, by (participant, op).
+pub type Supplied = HashMap<(u32, u32), Picos>;
+
 /// What the emulation needs from its caller next.
 #[derive(Debug, Clone)]
 pub enum EmulationStep {
@@ -158,7 +161,6 @@ pub struct ParticipantInfo {
 pub struct Emulation<'a, N: NetworkModel> {
     engine: Engine<'a, N>,
     info: Vec<ParticipantInfo>,
-    pruned: bool,
     /// Each rank's colour (its participant), when pruned.
     colour: Option<Vec<u32>>,
     seeded: bool,
@@ -232,7 +234,6 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             Pruning::Classes => Some(colours(&graphs.layout, &materialized)),
             Pruning::None => None,
         };
-        let pruned = colour.is_some();
         let (mut participants, info) = match &colour {
             Some(colour) => build_pruned(graphs, colour, live),
             None => build_unpruned(graphs, live),
@@ -273,7 +274,6 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
         Ok(Emulation {
             engine,
             info,
-            pruned,
             colour,
             seeded: false,
         })
@@ -297,7 +297,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
 
     /// Whether ranks share timelines ([`Pruning::Classes`]).
     pub fn pruned(&self) -> bool {
-        self.pruned
+        self.colour.is_some()
     }
 
     /// Runs the virtual ranks until a live rank's compute op needs its duration, or to
@@ -382,8 +382,29 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
     /// Runs the emulation to the end, asking `measure` for each live compute op's
     /// duration (given the rank, the op and the modelled duration).
     pub fn run_with(
-        mut self,
+        self,
         mut measure: impl FnMut(RankId, &Op, Picos) -> Picos,
+    ) -> Result<Timeline, EmulateError> {
+        self.run_supplying(|_, _, rank, op, modelled| measure(rank, op, modelled))
+    }
+
+    /// Runs the emulation to the end with the live ranks' compute at the models' durations
+    /// (a dry run of the machinery, or perturbations of a modelled job). Returns the
+    /// timeline and each live compute op's duration, by (participant, op).
+    pub fn run_modelled(self) -> Result<(Timeline, Supplied), EmulateError> {
+        let mut supplied = HashMap::new();
+        let timeline = self.run_supplying(|participant, op, _, _, modelled| {
+            supplied.insert((participant, op), modelled);
+            modelled
+        })?;
+        Ok((timeline, supplied))
+    }
+
+    /// Runs to the end, asking `measure` (participant, op index, rank, op, modelled
+    /// duration) for each live compute op's duration.
+    fn run_supplying(
+        mut self,
+        mut measure: impl FnMut(u32, u32, RankId, &Op, Picos) -> Picos,
     ) -> Result<Timeline, EmulateError> {
         loop {
             match self.advance()? {
@@ -396,7 +417,7 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
                     ..
                 } => {
                     let d = match self.op(participant, op) {
-                        Some(o) => measure(rank, o, modelled),
+                        Some(o) => measure(participant, op, rank, o, modelled),
                         None => return Err(EmulateError::NotWaiting { participant, op }),
                     };
                     self.supply(participant, op, d)?;
@@ -724,7 +745,7 @@ pub fn report(
     info: &[ParticipantInfo],
     pruned: bool,
     timeline: &Timeline,
-    modelled: &HashMap<(u32, u32), Picos>,
+    modelled: &Supplied,
     predicted_step_time: Picos,
 ) -> Result<EmulationReport, crate::memory::LedgerError> {
     let mut ranks = Vec::new();
