@@ -1,11 +1,11 @@
 //! The file `orrery collect` writes and `orrery emulate --graph` reads: every recorded rank
 //! of a collection and the world they belong to.
 //!
-//! Layout: the magic `ORRYCOLL`, a format version (u32, little-endian), the body's length
-//! (u64) and its CRC32 (u32), then the body, JSON. A file that is truncated, altered or of
-//! another version is reported and never used.
+//! Layout: `orrery_units::frame` with the magic `ORRYCOLL` around a JSON body. A file that
+//! is truncated, altered or of another version is reported and never used.
 
 use orrery_graph::collect::RankRecord;
+use orrery_units::frame::{frame, unframe, FrameError};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -40,46 +40,32 @@ pub enum CollectionFileError {
     Malformed(String),
 }
 
+impl From<FrameError> for CollectionFileError {
+    fn from(e: FrameError) -> Self {
+        match e {
+            FrameError::BadMagic => CollectionFileError::BadMagic,
+            FrameError::Truncated { found } => CollectionFileError::Header { found },
+            FrameError::Version { found } => CollectionFileError::Version { found },
+            FrameError::Length { expected, found } => {
+                CollectionFileError::Length { expected, found }
+            }
+            FrameError::Checksum { stored, computed } => {
+                CollectionFileError::Checksum { stored, computed }
+            }
+        }
+    }
+}
+
 impl CollectionFile {
     /// The file image (deterministic: the body is the records' JSON in order).
     pub fn to_bytes(&self) -> Vec<u8> {
         let body = serde_json::to_vec(self).unwrap_or_default();
-        let mut out = Vec::with_capacity(body.len() + 24);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-        out.extend_from_slice(&body);
-        out
+        frame(MAGIC, VERSION, &body)
     }
 
     /// Parses a file image, checking magic, version, length and checksum.
     pub fn from_bytes(bytes: &[u8]) -> Result<CollectionFile, CollectionFileError> {
-        if bytes.len() < 8 || &bytes[..8] != MAGIC {
-            return Err(CollectionFileError::BadMagic);
-        }
-        let header = bytes.get(8..24).ok_or(CollectionFileError::Header {
-            found: bytes.len() as u64,
-        })?;
-        let version = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
-        if version != VERSION {
-            return Err(CollectionFileError::Version { found: version });
-        }
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&header[4..12]);
-        let expected = u64::from_le_bytes(len);
-        let stored = u32::from_le_bytes([header[12], header[13], header[14], header[15]]);
-        let body = &bytes[24..];
-        if body.len() as u64 != expected {
-            return Err(CollectionFileError::Length {
-                expected,
-                found: body.len() as u64,
-            });
-        }
-        let computed = crc32fast::hash(body);
-        if computed != stored {
-            return Err(CollectionFileError::Checksum { stored, computed });
-        }
+        let body = unframe(bytes, MAGIC, VERSION)?;
         serde_json::from_slice(body).map_err(|e| CollectionFileError::Malformed(e.to_string()))
     }
 }

@@ -16,8 +16,13 @@
 //! - Dense id newtypes ([`RankId`], [`OpId`], [`GroupId`], [`ClassId`], [`NodeId`],
 //!   [`LinkId`], [`FlowId`]) that index arenas.
 //!
+//! - [`frame`]: the checksummed frame (magic, version, length, CRC32) around every file
+//!   orrery writes for itself and reads back.
+//!
 //! What this crate deliberately does not do: parse units from strings (that is the spec's
 //! job, where errors can name the field), or know anything about LLMs or networks.
+
+pub mod frame;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -139,6 +139,7 @@ use super::config::PacketConfig;
 use super::engine::{Engine, Ev};
 use crate::flows::FlowSet;
 use orrery_des::{EventKey, EventQueue};
+use orrery_units::frame::{frame, unframe, FrameError};
 use orrery_units::Picos;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -198,6 +199,8 @@ pub enum MemoFileError {
     },
     #[error("not an orrery memo cache (bad magic)")]
     BadMagic,
+    #[error("memo cache header is truncated ({found} of 24 bytes)")]
+    Header { found: u64 },
     #[error("memo cache version {found}, this build reads version {FILE_VERSION}")]
     Version { found: u32 },
     #[error("memo cache is truncated or has trailing bytes (header says {expected} body bytes, found {found})")]
@@ -206,6 +209,20 @@ pub enum MemoFileError {
     Checksum { stored: u32, computed: u32 },
     #[error("memo cache body is malformed: {0}")]
     Malformed(&'static str),
+}
+
+impl From<FrameError> for MemoFileError {
+    fn from(e: FrameError) -> Self {
+        match e {
+            FrameError::BadMagic => MemoFileError::BadMagic,
+            FrameError::Truncated { found } => MemoFileError::Header { found },
+            FrameError::Version { found } => MemoFileError::Version { found },
+            FrameError::Length { expected, found } => MemoFileError::Length { expected, found },
+            FrameError::Checksum { stored, computed } => {
+                MemoFileError::Checksum { stored, computed }
+            }
+        }
+    }
 }
 
 impl MemoCache {
@@ -277,43 +294,12 @@ impl MemoCache {
             put(&mut body, e.shape.len() as u64);
             e.shape.iter().for_each(|&w| put(&mut body, w));
         }
-        let mut out = Vec::with_capacity(body.len() + 24);
-        out.extend_from_slice(FILE_MAGIC);
-        out.extend_from_slice(&FILE_VERSION.to_le_bytes());
-        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-        out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-        out.extend_from_slice(&body);
-        out
+        frame(FILE_MAGIC, FILE_VERSION, &body)
     }
 
     /// Parses a file image, checking magic, version, length and checksum.
     pub fn from_bytes(bytes: &[u8]) -> Result<MemoCache, MemoFileError> {
-        if bytes.len() < 8 || &bytes[..8] != FILE_MAGIC {
-            return Err(MemoFileError::BadMagic);
-        }
-        let header = bytes.get(8..24).ok_or(MemoFileError::Length {
-            expected: 0,
-            found: 0,
-        })?;
-        let version = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
-        if version != FILE_VERSION {
-            return Err(MemoFileError::Version { found: version });
-        }
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&header[4..12]);
-        let expected = u64::from_le_bytes(len);
-        let stored = u32::from_le_bytes([header[12], header[13], header[14], header[15]]);
-        let body = &bytes[24..];
-        if body.len() as u64 != expected {
-            return Err(MemoFileError::Length {
-                expected,
-                found: body.len() as u64,
-            });
-        }
-        let computed = crc32fast::hash(body);
-        if computed != stored {
-            return Err(MemoFileError::Checksum { stored, computed });
-        }
+        let body = unframe(bytes, FILE_MAGIC, FILE_VERSION)?;
         let mut r = Reader { b: body, at: 0 };
         let n = r.word()?;
         let mut cache = MemoCache::new();
