@@ -48,6 +48,19 @@ fn layouts() -> impl Strategy<Value = Vec<String>> {
         })
 }
 
+/// Two data-parallel ranks on one node.
+const DP2: [&str; 5] = [
+    "parallel.dp=2",
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "cluster.gpus_per_node=2",
+    "cluster.nodes=1",
+];
+
+fn owned(overrides: &[&str]) -> Vec<String> {
+    overrides.iter().map(|s| s.to_string()).collect()
+}
+
 fn timing_of(t: &Timeline, rank: RankId) -> Vec<(Picos, Picos)> {
     t.participants
         .iter()
@@ -223,10 +236,7 @@ fn compute_durations(t: &Timeline, rank: RankId, overrides: &[String]) -> Vec<Pi
 
 #[test]
 fn a_slowed_rank_and_only_it_computes_slower() {
-    let overrides: Vec<String> = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let overrides: Vec<String> = owned(&["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]);
     let live = [RankId(0)];
     let slow = RankId(5);
     let perturb = Perturbations {
@@ -266,16 +276,7 @@ fn a_slowed_rank_and_only_it_computes_slower() {
 
 #[test]
 fn a_slowdown_window_only_touches_ops_starting_inside_it() {
-    let overrides: Vec<String> = [
-        "parallel.dp=2",
-        "parallel.tp=1",
-        "parallel.pp=1",
-        "cluster.gpus_per_node=2",
-        "cluster.nodes=1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let overrides: Vec<String> = owned(&DP2);
     let live = [RankId(0)];
     let (base, _) = emulate_modelled(&overrides, &live, Pruning::None, &Perturbations::default());
     let mid = Picos(base.step_time().0 / 2);
@@ -289,29 +290,26 @@ fn a_slowdown_window_only_touches_ops_starting_inside_it() {
         links: vec![],
     };
     let (slowed, _) = emulate_modelled(&overrides, &live, Pruning::None, &perturb);
-    let before: Vec<(Picos, Picos)> = timing_of(&base, RankId(0))
-        .into_iter()
-        .filter(|(s, e)| *e < mid && *s < mid)
-        .collect();
+    let before = timing_of(&base, RankId(0));
     let after = timing_of(&slowed, RankId(0));
-    for t in &before {
+    let mut unchanged = 0;
+    for (i, t) in before
+        .iter()
+        .enumerate()
+        .filter(|(_, (s, e))| *e < mid && *s < mid)
+    {
         assert!(after.contains(t), "{t:?} changed");
+        // And at the same op, not just somewhere.
+        assert_eq!(after[i], *t, "op {i}");
+        unchanged += 1;
     }
+    assert!(unchanged > 0);
     assert!(slowed.step_time() > base.step_time());
 }
 
 #[test]
 fn a_degraded_link_slows_its_groups_collectives_by_its_factor() {
-    let overrides: Vec<String> = [
-        "parallel.dp=2",
-        "parallel.tp=1",
-        "parallel.pp=1",
-        "cluster.gpus_per_node=2",
-        "cluster.nodes=1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let overrides: Vec<String> = owned(&DP2);
     let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
     let job = small_job(&refs);
     let graphs = build(&job);
@@ -589,10 +587,7 @@ fn pruning_is_exact_when_stages_straddle_nodes() {
 
 #[test]
 fn two_degraded_links_in_one_group_take_the_slower_in_either_order() {
-    let overrides: Vec<String> = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let overrides: Vec<String> = owned(&["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]);
     let links = |a: f64, b: f64| Perturbations {
         slow: vec![],
         links: vec![

@@ -869,45 +869,48 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         mb.n * mb.seq * self.model.d_model
     }
 
-    /// Activations from the previous stage (`None` on the first stage, which embeds tokens).
-    fn recv_forward(&mut self, mb: &MicroBatch) -> Result<Option<Vec<f32>>, TrainError> {
-        let Some(prev) = self.mp.prev else {
+    /// A micro-batch's activations or their gradient from `peer` (`None`: there is no such
+    /// stage, and nothing to receive).
+    fn recv_from(
+        &mut self,
+        peer: Option<usize>,
+        mb: &MicroBatch,
+    ) -> Result<Option<Vec<f32>>, TrainError> {
+        let Some(peer) = peer else {
             return Ok(None);
         };
         let mut buf = vec![0.0; self.act_len(mb)];
         self.comm
-            .recv_f32(prev, &mut buf)
+            .recv_f32(peer, &mut buf)
             .map_err(|e| self.comm_err(e))?;
         Ok(Some(buf))
+    }
+
+    /// Sends `data` to `peer` when both exist.
+    fn send_to(&mut self, peer: Option<usize>, data: Option<Vec<f32>>) -> Result<(), TrainError> {
+        if let (Some(peer), Some(data)) = (peer, data) {
+            self.comm
+                .send_f32(peer, &data)
+                .map_err(|e| self.comm_err(e))?;
+        }
+        Ok(())
+    }
+
+    /// Activations from the previous stage (`None` on the first stage, which embeds tokens).
+    fn recv_forward(&mut self, mb: &MicroBatch) -> Result<Option<Vec<f32>>, TrainError> {
+        self.recv_from(self.mp.prev, mb)
     }
 
     fn send_forward(&mut self, out: Option<Vec<f32>>) -> Result<(), TrainError> {
-        if let (Some(next), Some(out)) = (self.mp.next, out) {
-            self.comm
-                .send_f32(next, &out)
-                .map_err(|e| self.comm_err(e))?;
-        }
-        Ok(())
+        self.send_to(self.mp.next, out)
     }
 
     fn recv_backward(&mut self, mb: &MicroBatch) -> Result<Option<Vec<f32>>, TrainError> {
-        let Some(next) = self.mp.next else {
-            return Ok(None);
-        };
-        let mut buf = vec![0.0; self.act_len(mb)];
-        self.comm
-            .recv_f32(next, &mut buf)
-            .map_err(|e| self.comm_err(e))?;
-        Ok(Some(buf))
+        self.recv_from(self.mp.next, mb)
     }
 
     fn send_backward(&mut self, dx: Option<Vec<f32>>) -> Result<(), TrainError> {
-        if let (Some(prev), Some(dx)) = (self.mp.prev, dx) {
-            self.comm
-                .send_f32(prev, &dx)
-                .map_err(|e| self.comm_err(e))?;
-        }
-        Ok(())
+        self.send_to(self.mp.prev, dx)
     }
 
     /// Sends this micro-batch's activations on and receives the gradient of another's
