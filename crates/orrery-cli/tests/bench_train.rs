@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::orrery;
+use common::{orrery, temp_dir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -30,12 +30,7 @@ fn bench(config: &Path, corpus: &Path, steps: &str, extra: &[&str]) -> (i32, Str
 /// A folder with a tiny configuration and a small corpus of its own, so the test neither
 /// depends on the Shakespeare download nor pays for tokenizing it.
 fn fixture(name: &str) -> (PathBuf, PathBuf) {
-    let dir = std::env::temp_dir().join(format!(
-        "orrery-bench-train-test-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = temp_dir(&format!("bench-train-{name}"));
     let config = dir.join("tiny.toml");
     std::fs::write(
         &config,

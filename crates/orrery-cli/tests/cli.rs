@@ -4,17 +4,9 @@
 
 mod common;
 
-use common::orrery;
+use common::{orrery, temp_dir};
 use expect_test::expect;
-use std::path::PathBuf;
 use std::process::Command;
-
-fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("orrery-cli-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 const SMALL_JOB: &str = r#"
 name = "small test job"

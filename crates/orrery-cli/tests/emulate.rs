@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::orrery;
+use common::{orrery, temp_dir};
 use expect_test::expect;
 
 const JOB: &str = r#"
@@ -33,10 +33,7 @@ nodes = 2
 "#;
 
 fn job_file(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("orrery-emulate-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let job = dir.join("job.toml");
+    let job = temp_dir(&format!("emulate-{name}")).join("job.toml");
     std::fs::write(&job, JOB).unwrap();
     job
 }

@@ -15,3 +15,11 @@ pub fn orrery(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A fresh, empty folder for one test (`name` keeps tests apart, the process id runs apart).
+pub fn temp_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("orrery-cli-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("creates a temporary folder");
+    d
+}
