@@ -386,6 +386,20 @@ impl VirtualPeers {
         Ok(Some(out))
     }
 
+    /// Runs `f` on the real communicator with `world_rank`'s index there, if that rank is
+    /// real (nothing otherwise), with [`VirtualPeers::on_real`]'s accounting.
+    fn with_real_rank(
+        &mut self,
+        world_rank: usize,
+        f: impl FnOnce(&mut dyn Communicator, usize) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        self.on_real(|r| match r.index(world_rank) {
+            Some(i) => f(r.comm.as_mut(), i),
+            None => Ok(()),
+        })
+        .map(drop)
+    }
+
     /// Ends the segment (before an operation of `bytes_before`, if known), runs the
     /// operation `f`, and records `op` (given what `f` returned) as its end.
     fn operation<T>(
@@ -474,13 +488,7 @@ impl Communicator for VirtualPeers {
         // rank's own (equal at initialisation).
         self.operation(
             None,
-            |v| {
-                v.on_real(|r| match r.index(root) {
-                    Some(i) => r.comm.broadcast_f32(i, buf),
-                    None => Ok(()),
-                })
-                .map(drop)
-            },
+            |v| v.with_real_rank(root, |c, i| c.broadcast_f32(i, buf)),
             |_, _| world_collective(CollectiveOp::Broadcast, bytes),
         )
     }
@@ -490,10 +498,7 @@ impl Communicator for VirtualPeers {
         self.operation(
             None,
             |v| {
-                v.on_real(|r| match r.index(root) {
-                    Some(i) => r.comm.broadcast_bytes(i, buf),
-                    None => Ok(()),
-                })?;
+                v.with_real_rank(root, |c, i| c.broadcast_bytes(i, buf))?;
                 Ok(buf.len() as u64)
             },
             |_, &bytes| world_collective(CollectiveOp::Broadcast, bytes),
@@ -537,13 +542,7 @@ impl Communicator for VirtualPeers {
         let seq = lock(&self.state).next_sent(dest);
         self.operation(
             None,
-            |v| {
-                v.on_real(|r| match r.index(dest) {
-                    Some(d) => r.comm.send_f32(d, buf),
-                    None => Ok(()),
-                })
-                .map(drop)
-            },
+            |v| v.with_real_rank(dest, |c, d| c.send_f32(d, buf)),
             |s, _| RecordedOp::Send {
                 peer: dest as u32,
                 bytes: Bytes(4 * buf.len() as u64),

@@ -913,6 +913,26 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         self.send_to(self.mp.prev, dx)
     }
 
+    /// Sends `data` to `peer` and receives a micro-batch's activations or gradient (`mb`)
+    /// from it, as one exchange (`None` when there is no such stage or nothing to send).
+    fn exchange(
+        &mut self,
+        peer: Option<usize>,
+        data: Option<Vec<f32>>,
+        mb: &MicroBatch,
+    ) -> Result<Option<Vec<f32>>, TrainError> {
+        match (peer, data) {
+            (Some(peer), Some(data)) => {
+                let mut buf = vec![0.0; self.act_len(mb)];
+                self.comm
+                    .send_recv_f32(peer, &data, peer, &mut buf)
+                    .map_err(|e| self.comm_err(e))?;
+                Ok(Some(buf))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Sends this micro-batch's activations on and receives the gradient of another's
     /// (`mb_back`) from the next stage, as one exchange.
     fn send_forward_recv_backward(
@@ -920,16 +940,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         out: Option<Vec<f32>>,
         mb_back: &MicroBatch,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        match (self.mp.next, out) {
-            (Some(next), Some(out)) => {
-                let mut buf = vec![0.0; self.act_len(mb_back)];
-                self.comm
-                    .send_recv_f32(next, &out, next, &mut buf)
-                    .map_err(|e| self.comm_err(e))?;
-                Ok(Some(buf))
-            }
-            _ => Ok(None),
-        }
+        self.exchange(self.mp.next, out, mb_back)
     }
 
     /// Sends a gradient back and receives the next micro-batch's (`mb_fwd`) activations from
@@ -939,16 +950,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         dx: Option<Vec<f32>>,
         mb_fwd: &MicroBatch,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        match (self.mp.prev, dx) {
-            (Some(prev), Some(dx)) => {
-                let mut buf = vec![0.0; self.act_len(mb_fwd)];
-                self.comm
-                    .send_recv_f32(prev, &dx, prev, &mut buf)
-                    .map_err(|e| self.comm_err(e))?;
-                Ok(Some(buf))
-            }
-            _ => Ok(None),
-        }
+        self.exchange(self.mp.prev, dx, mb_fwd)
     }
 
     /// The 1F1B schedule over `micro`: returns the sum of the micro-batch losses (last stage;
