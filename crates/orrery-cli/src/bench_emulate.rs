@@ -137,11 +137,11 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
 
 /// `orrery bench --emulate-fidelity`: emulation with one real rank against the same step
 /// with every rank real, on worlds small enough to run here.
-pub fn run_fidelity_bench(runs: u32) -> Result<()> {
-    use orrery_emulate::drive::{collect, emulate, peak_and_compute, run_all_real};
-    use orrery_train::{Clock, ModelConfig, MonotonicClock, ParallelConfig, TrainConfig};
-    use std::sync::Arc;
-    let base = TrainConfig {
+/// The training program both fidelity benches run: 4 layers, d_model 128, context 64, a batch
+/// of 16; on its own (data parallelism) and on TP 2 x PP 2.
+fn fidelity_base() -> orrery_train::TrainConfig {
+    use orrery_train::{ModelConfig, TrainConfig};
+    TrainConfig {
         model: ModelConfig {
             context: 64,
             d_model: 128,
@@ -156,7 +156,13 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         warmup_steps: 1,
         eval_every: 0,
         ..TrainConfig::default()
-    };
+    }
+}
+
+/// The fidelity benches' worlds: name, configuration, ranks.
+fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 2] {
+    use orrery_train::{ParallelConfig, TrainConfig};
+    let base = fidelity_base();
     let tp_pp = TrainConfig {
         parallel: Some(ParallelConfig {
             tp: 2,
@@ -167,6 +173,14 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         }),
         ..base.clone()
     };
+    [("DP 2", base, 2), ("TP 2 x PP 2", tp_pp, 4)]
+}
+
+pub fn run_fidelity_bench(runs: u32) -> Result<()> {
+    use orrery_emulate::drive::{collect, emulate, peak_and_compute, run_all_real};
+    use orrery_train::{Clock, MonotonicClock, ParallelConfig, TrainConfig};
+    use std::sync::Arc;
+    let base = fidelity_base();
     let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
     outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
     outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process\n");
@@ -181,8 +195,16 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         "emulated peak",
         "error"
     );
-    for (name, config, world) in [("DP 2", base.clone(), 2usize), ("TP 2 x PP 2", tp_pp, 4)] {
-        let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
+    for (name, config, world) in fidelity_worlds() {
+        let collection = collect(
+            &config,
+            world,
+            1,
+            1,
+            std::time::Duration::from_secs(600),
+            clock(),
+            &mut |_, _| {},
+        )?;
         let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
         let mut real_steps = Vec::new();
         let mut real_peaks = Vec::new();
@@ -210,24 +232,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
                     .map_or(0, |s| peak_and_compute(&s.record).0),
             );
         }
-        let median = |v: &mut Vec<u64>| {
-            v.sort_unstable();
-            v[v.len() / 2]
-        };
-        let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
-        let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
-        let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
-        outln!(
-            "{:<14} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
-            format!("{name} ({world})"),
-            std::thread::available_parallelism().map_or(0, |n| n.get()),
-            rs as f64 / 1e9,
-            es as f64 / 1e9,
-            err(rs, es),
-            rp,
-            ep,
-            err(rp, ep)
-        );
+        fidelity_row(name, world, real_steps, emu_steps, real_peaks, emu_peaks);
     }
     outln!("\none real rank of the real program (TP 2 x PP 2 x DP W/4) in large worlds; median of {runs} steps");
     outln!(
@@ -250,7 +255,15 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
             }),
             ..base.clone()
         };
-        let collection = collect(&config, world, 1, 1, clock(), &mut |_, _| {})?;
+        let collection = collect(
+            &config,
+            world,
+            1,
+            1,
+            std::time::Duration::from_secs(600),
+            clock(),
+            &mut |_, _| {},
+        )?;
         let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
         let mut engine = Vec::new();
         let mut compute = Vec::new();
@@ -288,4 +301,140 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Runs `cmd` to completion: its stdout, or an error with its stderr.
+fn child_stdout(mut cmd: std::process::Command, what: &str) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot start {what}"))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{what} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `orrery bench --emulate-fidelity --mpi`: the same comparison with every measurement in a
+/// process of its own. The all-real step is an MPI job of this binary (`orrery collect
+/// --comm mpi`, a process per rank, launched with `mpirun` or `$ORRERY_MPIRUN`); the
+/// emulation (`orrery emulate --train`, rank 0 real) replays the virtual ranks from that
+/// run's own collection, in a fresh process. A real rank that shares its process with other
+/// ranks' threads measures its memory to within some kilobytes (burn's autodiff keeps one
+/// graph registry per process); alone in its process it measures exactly what it holds.
+pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
+    if !cfg!(feature = "mpi") {
+        return Err(crate::bad(
+            "--emulate-fidelity --mpi launches orrery as an MPI job: build it with \
+             --features mpi (see docs/train.md)",
+        ));
+    }
+    let exe = std::env::current_exe().context("cannot find this program")?;
+    let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let dir = std::env::temp_dir().join(format!("orrery-fidelity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    // A single machine: more ranks than cores, loopback TCP (works in containers). Settings
+    // the caller made win.
+    let defaults = [
+        ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
+        ("OMPI_MCA_btl", "self,tcp"),
+        ("OMPI_MCA_btl_tcp_if_include", "lo"),
+        ("OMPI_MCA_oob_tcp_if_include", "lo"),
+    ];
+    outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
+    outln!("virtual ranks replay the real run's own collection; their communication is modelled (H100 cluster), the real run's is MPI on this machine\n");
+    outln!(
+        "{:<14} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "world",
+        "cores",
+        "all-real step",
+        "emulated step",
+        "error",
+        "all-real peak",
+        "emulated peak",
+        "error"
+    );
+    for (name, config, world) in fidelity_worlds() {
+        let path = dir.join(format!("world{world}.toml"));
+        std::fs::write(&path, toml::to_string(&config)?)?;
+        let (mut real_steps, mut real_peaks, mut emu_steps, mut emu_peaks) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for run in 0..runs {
+            let reference = dir.join(format!("world{world}-{run}.collection"));
+            let mut mpi = std::process::Command::new(&launcher);
+            mpi.args(["-n", &world.to_string()])
+                .arg(&exe)
+                .arg("collect")
+                .arg(&path)
+                .args(["--ranks", &world.to_string(), "--comm", "mpi", "--json"])
+                .arg("--out")
+                .arg(&reference);
+            for (k, v) in defaults {
+                if std::env::var_os(k).is_none() {
+                    mpi.env(k, v);
+                }
+            }
+            let real: serde_json::Value =
+                serde_json::from_str(&child_stdout(mpi, "the all-real MPI job")?)?;
+            let ranks = real["real_run"].as_array().context("no real run")?;
+            real_steps.push(
+                ranks
+                    .iter()
+                    .filter_map(|r| r["step_ps"].as_u64())
+                    .max()
+                    .unwrap_or(0),
+            );
+            real_peaks.push(ranks[0]["peak_memory_bytes"].as_u64().unwrap_or(0));
+            let mut emulate = std::process::Command::new(&exe);
+            emulate
+                .args(["emulate", "--train"])
+                .arg(&path)
+                .args(["--ranks", &world.to_string(), "--real-ranks", "0", "--json"])
+                .arg("--graph")
+                .arg(&reference);
+            let emu: serde_json::Value =
+                serde_json::from_str(&child_stdout(emulate, "the emulation")?)?;
+            emu_steps.push(emu["step_time_ps"].as_u64().unwrap_or(0));
+            emu_peaks.push(
+                emu["real_ranks"][0]["peak_memory_bytes"]
+                    .as_u64()
+                    .unwrap_or(0),
+            );
+        }
+        fidelity_row(name, world, real_steps, emu_steps, real_peaks, emu_peaks);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// One world's row of a fidelity table: the medians of the runs and their errors.
+fn fidelity_row(
+    name: &str,
+    world: usize,
+    mut real_steps: Vec<u64>,
+    mut emu_steps: Vec<u64>,
+    mut real_peaks: Vec<u64>,
+    mut emu_peaks: Vec<u64>,
+) {
+    let median = |v: &mut Vec<u64>| {
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    };
+    let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
+    let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
+    let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
+    outln!(
+        "{:<14} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
+        format!("{name} ({world})"),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        rs as f64 / 1e9,
+        es as f64 / 1e9,
+        err(rs, es),
+        rp,
+        ep,
+        err(rp, ep)
+    );
 }

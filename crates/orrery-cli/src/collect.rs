@@ -29,15 +29,29 @@ pub struct CollectArgs {
     /// data parallelism).
     #[arg(long)]
     pub ranks: usize,
-    /// Real ranks run at a time.
+    /// Real ranks run at a time (`--comm threads`).
     #[arg(long, default_value_t = 1)]
     pub slots: usize,
+    /// `threads`: representatives of the world's ranks run as threads of this process,
+    /// `--slots` at a time, among virtual peers. `mpi`: every rank is real, one process per
+    /// rank of an MPI job (`mpirun -n RANKS orrery collect ... --comm mpi`; needs orrery
+    /// built with `--features mpi`), and rank 0 writes every rank's record: the whole world
+    /// collected from a real run, each rank's memory measured in a process of its own.
+    #[arg(long, value_parser = ["threads", "mpi"], default_value = "threads")]
+    pub comm: String,
     /// Untimed steps before the recorded one.
     #[arg(long, default_value_t = 1)]
     pub warmup: u64,
     /// Where the collection goes.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds a real rank may take over its warm-up and recorded steps before the
+    /// collection gives up on it as hung (`--comm threads`).
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
     /// Also export every rank's collected graph as Chakra ET, with the measured durations:
     /// `PREFIX.<rank>.et` plus `PREFIX.groups.json`.
     #[arg(long, value_name = "PREFIX")]
@@ -77,26 +91,53 @@ fn run_collection(
     ranks: usize,
     slots: usize,
     warmup: u64,
+    timeout: u64,
 ) -> Result<CollectionFile> {
     let layout = orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
     let bar = progress_bar(
         u64::from(layout.num_classes()),
         "collecting {bar:40} {pos}/{len} ranks",
     );
-    let c = collect(config, ranks, slots, warmup, clock(), &mut |done, _| {
-        bar.set_position(done as u64)
-    })
+    let timeout = Duration::from_secs(timeout.max(1));
+    let c = collect(
+        config,
+        ranks,
+        slots,
+        warmup,
+        timeout,
+        clock(),
+        &mut |done, _| bar.set_position(done as u64),
+    )
     .map_err(input_error)?;
     bar.finish_and_clear();
-    let l = &c.collected.graphs.layout;
-    let c0 = l.coords(orrery_units::RankId(l.world_size() - 1));
+    collection_file(config, ranks, c.records)
+}
+
+/// The collection file of `records` from a world of `ranks` ranks of `config`.
+fn collection_file(
+    config: &TrainConfig,
+    ranks: usize,
+    records: Vec<orrery_graph::collect::RankRecord>,
+) -> Result<CollectionFile> {
+    let layout = orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
+    let c0 = layout.coords(orrery_units::RankId(layout.world_size() - 1));
     Ok(CollectionFile {
         tp: c0.tp + 1,
         dp: c0.dp + 1,
         pp: c0.pp + 1,
         ep: config.parallel.map_or(1, |p| p.ep as u32),
-        records: c.records,
+        records,
     })
+}
+
+/// What one rank of a real run measured (`--comm mpi`): the reference an emulation of the
+/// same world is compared with.
+#[derive(serde::Serialize)]
+struct MeasuredRank {
+    rank: u32,
+    step_ps: u64,
+    compute_ps: u64,
+    peak_memory_bytes: u64,
 }
 
 pub fn run_collect(args: &CollectArgs) -> Result<()> {
@@ -104,12 +145,51 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
     if args.slots == 0 {
         return Err(bad("--slots must be at least 1"));
     }
-    let file = run_collection(&config, args.ranks, args.slots, args.warmup)?;
+    let (file, measured) = if args.comm == "mpi" {
+        match mpi_collect::collect_this_rank(&config, args.ranks, args.warmup)? {
+            Some((file, walls)) => {
+                // Threads stitch as they collect; here the records meet for the first time.
+                // A collection that does not stitch is not written.
+                stitched(&file)?;
+                let measured: Vec<MeasuredRank> = file
+                    .records
+                    .iter()
+                    .zip(walls)
+                    .map(|(record, wall)| {
+                        let (peak, compute) = peak_and_compute(record);
+                        MeasuredRank {
+                            rank: record.rank,
+                            step_ps: wall.0,
+                            compute_ps: compute.0,
+                            peak_memory_bytes: peak,
+                        }
+                    })
+                    .collect();
+                (file, Some(measured))
+            }
+            // Rank 0 writes the file; the others are done once they have sent their record.
+            None => return Ok(()),
+        }
+    } else {
+        let file = run_collection(&config, args.ranks, args.slots, args.warmup, args.timeout)?;
+        (file, None)
+    };
     atomic_write(&args.out, &file.to_bytes())?;
     if let Some(prefix) = &args.chakra {
         export_collected(&file, prefix)?;
     }
     let ops: usize = file.records.iter().map(|r| r.ops.len()).sum();
+    if args.json {
+        let v = serde_json::json!({
+            "world_size": args.ranks,
+            "ranks_collected": file.records.len(),
+            "recorded_ops": ops,
+            "out": args.out,
+            "real_run": measured,
+        });
+        outln!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
     outln!(
         "collected {} ranks of {} ({} recorded ops) into {}",
         file.records.len(),
@@ -117,6 +197,25 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
         ops,
         args.out.display()
     );
+    if let Some(measured) = measured {
+        outln!("\nwhat the real run measured (every rank real, a process each):");
+        outln!(
+            "{:>6}  {:>12}  {:>12}  {:>14}",
+            "rank",
+            "step",
+            "compute",
+            "peak memory"
+        );
+        for m in &measured {
+            outln!(
+                "{:>6}  {:>9.3} ms  {:>9.3} ms  {:>12} B",
+                m.rank,
+                m.step_ps as f64 / 1e9,
+                m.compute_ps as f64 / 1e9,
+                m.peak_memory_bytes
+            );
+        }
+    }
     Ok(())
 }
 
@@ -184,6 +283,89 @@ fn export_collected(file: &CollectionFile, prefix: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `orrery collect --comm mpi`: this process is one rank of an MPI job whose every rank is
+/// real.
+#[cfg(feature = "mpi")]
+mod mpi_collect {
+    use super::{clock, collection_file, input_error};
+    use crate::bad;
+    use anyhow::Result;
+    use orrery_emulate::drive::{record_real_rank, DriveError};
+    use orrery_emulate::file::CollectionFile;
+    use orrery_graph::collect::RankRecord;
+    use orrery_train::{Communicator, MpiComm, TrainConfig};
+    use orrery_units::Picos;
+
+    /// Records this rank's step and gathers every rank's record on rank 0, which gets the
+    /// collection file and each rank's step time; the other ranks get `None`. A rank that fails ends the whole job
+    /// (its peers would otherwise wait for it forever), with status 2 for bad input.
+    pub fn collect_this_rank(
+        config: &TrainConfig,
+        ranks: usize,
+        warmup: u64,
+    ) -> Result<Option<(CollectionFile, Vec<Picos>)>> {
+        let comm = MpiComm::init().map_err(|e| bad(format!("--comm mpi: {e}")))?;
+        // Every rank sees the same arguments, so every rank refuses alike and ends normally.
+        if comm.world_size() != ranks {
+            return Err(bad(format!(
+                "--ranks {ranks}, but the MPI job has {} processes (mpirun -n {ranks})",
+                comm.world_size()
+            )));
+        }
+        orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
+        let abort = comm.abort_handle();
+        let mut after = comm.duplicate();
+        let rank = comm.rank();
+        let step = match record_real_rank(config, ranks, comm, warmup, clock()) {
+            Ok(step) => step,
+            Err(e) => {
+                let code = if matches!(e, DriveError::Config { .. }) {
+                    2
+                } else {
+                    1
+                };
+                eprintln!("error: collection failed on MPI rank {rank}: {e}");
+                abort.abort(code)
+            }
+        };
+        let mine = serde_json::to_vec(&(step.record, step.wall))?;
+        let all = match after.all_gather_bytes(&mine) {
+            Ok(all) => all,
+            Err(e) => {
+                eprintln!("error: gathering the records failed on MPI rank {rank}: {e}");
+                abort.abort(1)
+            }
+        };
+        if rank != 0 {
+            return Ok(None);
+        }
+        let steps = all
+            .iter()
+            .map(|b| serde_json::from_slice::<(RankRecord, Picos)>(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (records, walls) = steps.into_iter().unzip();
+        Ok(Some((collection_file(config, ranks, records)?, walls)))
+    }
+}
+
+/// Without the `mpi` feature no process can join an MPI job: `--comm mpi` is refused.
+#[cfg(not(feature = "mpi"))]
+mod mpi_collect {
+    use crate::bad;
+    use anyhow::Result;
+    use orrery_emulate::file::CollectionFile;
+    use orrery_train::TrainConfig;
+    use orrery_units::Picos;
+
+    pub fn collect_this_rank(
+        _config: &TrainConfig,
+        _ranks: usize,
+        _warmup: u64,
+    ) -> Result<Option<(CollectionFile, Vec<Picos>)>> {
+        Err(bad(crate::train::NO_MPI))
+    }
+}
+
 /// The cost model and network of the cluster the real program's `ranks` are modelled on:
 /// `gpu`'s preset, [`orrery_emulate::drive::GPUS_PER_NODE`] to a node, its usual NIC.
 pub fn program_models(
@@ -247,7 +429,7 @@ pub fn run_train_emulation(
             CollectionFile::from_bytes(&bytes)
                 .map_err(|e| bad(format!("{}: {e}", path.display())))?
         }
-        None => run_collection(&config, ranks, 1, args.warmup)?,
+        None => run_collection(&config, ranks, 1, args.warmup, args.timeout)?,
     };
     let world = file_world(&file)?;
     if world != ranks {

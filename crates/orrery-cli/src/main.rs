@@ -107,6 +107,10 @@ enum Command {
         /// same step with every rank real, on 2 and 4 ranks.
         #[arg(long)]
         emulate_fidelity: bool,
+        /// With --emulate-fidelity: every measurement in a process of its own, the all-real
+        /// step as an MPI job of this binary (needs `--features mpi` and `mpirun`).
+        #[arg(long, requires = "emulate_fidelity")]
+        mpi: bool,
         /// With --emulate: world sizes (multiples of 32).
         #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048, 4096, 8192])]
         emulate_gpus: Vec<u32>,
@@ -253,9 +257,16 @@ fn run(cli: Cli) -> Result<()> {
         } => bench_emulate::run_emulate_bench(runs.max(1), &emulate_gpus),
         Command::Bench {
             emulate_fidelity: true,
+            mpi,
             runs,
             ..
-        } => bench_emulate::run_fidelity_bench(runs.max(1)),
+        } => {
+            if mpi {
+                bench_emulate::run_fidelity_bench_mpi(runs.max(1))
+            } else {
+                bench_emulate::run_fidelity_bench(runs.max(1))
+            }
+        }
         Command::Bench {
             accel: true,
             ring_mib,

@@ -395,9 +395,16 @@ mod mpi_rank {
     }
 }
 
+/// Why `--comm mpi` is refused by a build without the `mpi` feature.
+#[cfg(not(feature = "mpi"))]
+pub const NO_MPI: &str = "--comm mpi needs orrery built with MPI support: cargo build --release \
+                          -p orrery-cli --features mpi (with OpenMPI's development files and \
+                          libclang installed; see docs/train.md)";
+
 /// Without the `mpi` feature no process can join an MPI job: `--comm mpi` is refused.
 #[cfg(not(feature = "mpi"))]
 mod mpi_rank {
+    use super::NO_MPI;
     use crate::bad;
     use anyhow::Result;
     use orrery_train::{RunOptions, TrainConfig, TrainError, TrainObserver, TrainSummary};
@@ -407,11 +414,7 @@ mod mpi_rank {
 
     impl MpiRank {
         pub fn join() -> Result<MpiRank> {
-            Err(bad(
-                "--comm mpi needs orrery built with MPI support: cargo build --release -p \
-                 orrery-cli --features mpi (with OpenMPI's development files and libclang \
-                 installed; see docs/train.md)",
-            ))
+            Err(bad(NO_MPI))
         }
 
         pub fn rank(&self) -> usize {

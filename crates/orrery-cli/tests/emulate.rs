@@ -341,3 +341,26 @@ fn collect_then_emulate_the_real_program() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("parallel.virtual_stages"), "{stderr}");
 }
+
+#[test]
+fn collecting_over_mpi_outside_an_mpi_job_exits_2() {
+    // Without the `mpi` feature `--comm mpi` is refused; with it, a process that no launcher
+    // started cannot join a job. Either way: status 2, naming the flag, and no file.
+    let job = job_file("collect-mpi");
+    let config = job.with_file_name("train.toml");
+    std::fs::write(&config, TRAIN).unwrap();
+    let out = job.with_file_name("never.bin");
+    let (code, _, stderr) = orrery(&[
+        "collect",
+        config.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--comm",
+        "mpi",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--comm mpi"), "{stderr}");
+    assert!(!out.exists());
+}

@@ -7,11 +7,18 @@
 //! - [`emulate`] (`orrery emulate --train`): runs the chosen real ranks live, each among
 //!   virtual peers, reporting their segments to a [`Coordinator`] that replays every other
 //!   rank from the collected graphs.
-//! - [`run_all_real`]: the same step with every rank real (threads over
-//!   `orrery_train::ThreadComm`), recorded, as the reference emulation is compared with.
+//! - [`record_real_rank`]: one rank of a world where every rank is real, recorded the same
+//!   way; [`run_all_real`] runs a whole world so, as threads over `orrery_train::ThreadComm`.
+//!   With one process per rank (an MPI job) it is the reference an emulation is compared
+//!   with.
 //!
 //! Every real rank runs on its own thread with its own burn CPU backend; with
 //! [`crate::memory::CountingAlloc`] installed, its measured peak memory is its thread's.
+//! That is exact only while the rank is the one thread of its process using burn: burn's
+//! autodiff keeps one graph registry per process, and a thread that cleans it frees what
+//! other threads allocated. An emulation's single real rank is such a thread; ranks run
+//! side by side in one process (collection with several slots, [`run_all_real`], several
+//! real ranks in one emulation) measure their peaks to within some kilobytes.
 
 use crate::comm::{Recorded, VirtualPeers, VirtualPeersHandle};
 use crate::coordinator::{CoordinatedStep, Coordinator, CoordinatorError, RankReporter};
@@ -41,6 +48,8 @@ pub enum DriveError {
     Train { rank: u32, source: TrainError },
     #[error("rank {rank}'s thread panicked")]
     Panicked { rank: u32 },
+    #[error("rank {rank} did not finish its step within {seconds} s (hung?)")]
+    Hung { rank: u32, seconds: f64 },
     #[error(transparent)]
     Stitch(#[from] StitchErrors),
     #[error(transparent)]
@@ -142,29 +151,52 @@ fn driven(config: &TrainConfig, warmup: u64) -> TrainConfig {
     c
 }
 
-/// Runs `work` for each rank in `ranks`, `slots` at a time, each on its own thread.
-fn in_slots<T: Send>(
+/// Runs `work` for each rank in `ranks`, `slots` at a time, each on a thread of its own.
+///
+/// A rank that has not finished `timeout` after its slot started is an error naming it. The
+/// threads are not scoped, so that a rank that hangs cannot keep that error from reaching
+/// the caller; the hung thread is left behind (the process ends it when it exits).
+fn in_slots<T: Send + 'static>(
     ranks: &[u32],
     slots: usize,
-    work: impl Fn(u32) -> Result<T, DriveError> + Sync,
+    timeout: Duration,
+    work: Arc<dyn Fn(u32) -> Result<T, DriveError> + Send + Sync>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<T>, DriveError> {
     let mut out = Vec::with_capacity(ranks.len());
     for chunk in ranks.chunks(slots.max(1)) {
-        let results: Vec<Result<T, DriveError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = chunk
-                .iter()
-                .map(|&r| {
-                    let work = &work;
-                    (r, scope.spawn(move || work(r)))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|(r, h)| h.join().unwrap_or(Err(DriveError::Panicked { rank: r })))
-                .collect()
-        });
-        for r in results {
+        let (done, finished) = std::sync::mpsc::channel();
+        for &r in chunk {
+            let (work, done) = (work.clone(), done.clone());
+            std::thread::spawn(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(r)))
+                    .unwrap_or(Err(DriveError::Panicked { rank: r }));
+                // The receiver is gone only once the collection has given up on this slot.
+                let _ = done.send((r, result));
+            });
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        let mut results: Vec<(u32, Result<T, DriveError>)> = Vec::with_capacity(chunk.len());
+        while results.len() < chunk.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match finished.recv_timeout(left) {
+                Ok(r) => results.push(r),
+                Err(_) => {
+                    let rank = chunk
+                        .iter()
+                        .copied()
+                        .find(|r| results.iter().all(|(d, _)| d != r))
+                        .unwrap_or(chunk[0]);
+                    return Err(DriveError::Hung {
+                        rank,
+                        seconds: timeout.as_secs_f64(),
+                    });
+                }
+            }
+        }
+        // In the order of `ranks`, whatever order they finished in.
+        results.sort_by_key(|(r, _)| chunk.iter().position(|c| c == r));
+        for (_, r) in results {
             out.push(r?);
         }
         progress(out.len(), ranks.len());
@@ -182,11 +214,13 @@ pub struct Collection {
 
 /// Collects the world's graphs from its pipeline stages' representatives (see the module
 /// docs). `progress` hears (ranks done, ranks to run).
+/// A representative that has not finished `timeout` after it started is an error naming it.
 pub fn collect(
     config: &TrainConfig,
     ranks: usize,
     slots: usize,
     warmup: u64,
+    timeout: Duration,
     clock: Arc<dyn Clock>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Collection, DriveError> {
@@ -195,15 +229,17 @@ pub fn collect(
     let representatives: Vec<u32> = (0..layout.num_classes())
         .map(|c| layout.representative(ClassId(c)).0)
         .collect();
+    let world = layout.clone();
     let records = in_slots(
         &representatives,
         slots,
-        |r| {
-            let (comm, handle) = VirtualPeers::new(r as usize, layout.clone(), clock.clone(), None);
+        timeout,
+        Arc::new(move |r| {
+            let (comm, handle) = VirtualPeers::new(r as usize, world.clone(), clock.clone(), None);
             run_rank(&config, Box::new(comm), &handle, &clock, warmup)
                 .map(|s| s.record)
                 .map_err(|source| DriveError::Train { rank: r, source })
-        },
+        }),
         progress,
     )?;
     let collected = stitch(layout, &records)?;
@@ -303,32 +339,46 @@ pub fn emulate<N: NetworkModel + Sync>(
     Ok(Emulated { step, records })
 }
 
+/// One rank of a world where every rank is real, over `comm` (a thread of a `ThreadComm`
+/// group, or a process of an MPI job): runs `warmup` steps and records the next, as
+/// collection records a rank among virtual peers. The all-real reference of an emulation,
+/// and, one process per rank, a collection of the whole world (`orrery collect --comm mpi`).
+pub fn record_real_rank<C: Communicator + 'static>(
+    config: &TrainConfig,
+    ranks: usize,
+    comm: C,
+    warmup: u64,
+    clock: Arc<dyn Clock>,
+) -> Result<RankStep, DriveError> {
+    let layout = layout_of(config, ranks)?;
+    let config = driven(config, warmup);
+    let rank = comm.rank() as u32;
+    let (comm, handle) = Recorded::new(comm, layout, clock.clone());
+    run_rank(&config, Box::new(comm), &handle, &clock, warmup)
+        .map_err(|source| DriveError::Train { rank, source })
+}
+
 /// Every rank real: `ranks` threads over a `ThreadComm`, each recorded; returns the records
 /// (by rank) of the step after `warmup`.
+///
+/// The threads share one process, and burn's autodiff keeps one graph registry for the
+/// whole process, so a rank's thread now and then frees what another allocated: the peaks
+/// measured here are off by some kilobytes. The memory reference is a run with a process
+/// per rank (`orrery collect --comm mpi`).
 pub fn run_all_real(
     config: &TrainConfig,
     ranks: usize,
     warmup: u64,
     clock: Arc<dyn Clock>,
 ) -> Result<Vec<RankStep>, DriveError> {
-    let layout = layout_of(config, ranks)?;
-    let config = driven(config, warmup);
+    layout_of(config, ranks)?;
     let comms = ThreadComm::group(ranks);
     std::thread::scope(|scope| {
         let threads: Vec<_> = comms
             .into_iter()
-            .enumerate()
-            .map(|(r, comm)| {
-                let (layout, config, clock) = (layout.clone(), &config, clock.clone());
-                scope.spawn(move || {
-                    let (comm, handle) = Recorded::new(comm, layout, clock.clone());
-                    run_rank(config, Box::new(comm), &handle, &clock, warmup).map_err(|source| {
-                        DriveError::Train {
-                            rank: r as u32,
-                            source,
-                        }
-                    })
-                })
+            .map(|comm| {
+                let clock = clock.clone();
+                scope.spawn(move || record_real_rank(config, ranks, comm, warmup, clock))
             })
             .collect();
         threads
@@ -370,4 +420,71 @@ pub fn peak_and_compute(record: &RankRecord) -> (u64, Picos) {
         }
     }
     (peak, Picos(compute))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    #[test]
+    fn a_hung_rank_stops_its_slot_with_an_error_naming_it() {
+        // Rank 7 blocks until the test lets it go; rank 3 of the same slot finishes.
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let blocked = Arc::new(Mutex::new(blocked));
+        let started = Instant::now();
+        let result = in_slots(
+            &[3, 7, 9],
+            2,
+            Duration::from_millis(300),
+            Arc::new(move |r| {
+                if r == 7 {
+                    let _ = blocked.lock().map(|b| b.recv());
+                }
+                Ok(r)
+            }),
+            &mut |_, _| {},
+        );
+        assert!(
+            matches!(result, Err(DriveError::Hung { rank: 7, .. })),
+            "{result:?}"
+        );
+        // Within the timeout, not after the hung rank: it is still blocked.
+        assert!(started.elapsed() < Duration::from_secs(60));
+        drop(release);
+    }
+
+    #[test]
+    fn slots_keep_the_ranks_order_and_name_a_panicking_rank() {
+        let mut seen = Vec::new();
+        let out = in_slots(
+            &[5, 1, 4, 2],
+            3,
+            Duration::from_secs(60),
+            Arc::new(|r| {
+                // Later ranks of a slot finish first.
+                std::thread::sleep(Duration::from_millis(u64::from(10 - r) * 5));
+                Ok(r * 10)
+            }),
+            &mut |done, of| seen.push((done, of)),
+        )
+        .unwrap();
+        assert_eq!(out, vec![50, 10, 40, 20]);
+        assert_eq!(seen, vec![(3, 4), (4, 4)]);
+        let panicked = in_slots(
+            &[0, 1],
+            2,
+            Duration::from_secs(60),
+            Arc::new(|r| {
+                assert!(r != 1, "rank 1 fails");
+                Ok(r)
+            }),
+            &mut |_, _| {},
+        );
+        assert!(
+            matches!(panicked, Err(DriveError::Panicked { rank: 1 })),
+            "{panicked:?}"
+        );
+    }
 }

@@ -16,6 +16,9 @@ use std::time::Duration;
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// Far longer than a healthy rank of these tiny worlds takes.
+const TIMEOUT: Duration = Duration::from_secs(120);
+
 fn tiny() -> TrainConfig {
     TrainConfig {
         model: ModelConfig {
@@ -67,7 +70,7 @@ fn models() -> (CostModel, AnalyticalNetwork) {
 fn collected_ranks_issue_the_all_real_collectives_in_order() {
     for (config, world) in [(tiny(), 2), (tp2_pp2(), 4)] {
         let all_real = run_all_real(&config, world, 1, clock()).unwrap();
-        let c = collect(&config, world, 2, 1, clock(), &mut |_, _| {}).unwrap();
+        let c = collect(&config, world, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
         for rec in &c.records {
             let reference = &all_real[rec.rank as usize].record;
             assert_eq!(
@@ -89,7 +92,7 @@ fn collected_ranks_issue_the_all_real_collectives_in_order() {
 fn emulation_with_one_real_rank_matches_the_all_real_run() {
     let config = tp2_pp2();
     let (cost, net) = models();
-    let collection = collect(&config, 4, 2, 1, clock(), &mut |_, _| {}).unwrap();
+    let collection = collect(&config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
     let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
     for live in [RankId(0), RankId(3)] {
         let run = emulate(
@@ -133,7 +136,7 @@ fn emulation_with_one_real_rank_matches_the_all_real_run() {
 fn real_ranks_of_one_emulation_exchange_real_data() {
     let config = tp2_pp2();
     let (cost, net) = models();
-    let collection = collect(&config, 4, 2, 1, clock(), &mut |_, _| {}).unwrap();
+    let collection = collect(&config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
     let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
     // Every rank real: the emulated program is the real program, bit for bit.
     let every = [RankId(0), RankId(1), RankId(2), RankId(3)];

@@ -198,6 +198,19 @@ impl MpiComm {
         })
     }
 
+    /// A second handle on this rank of `MPI_COMM_WORLD`, for a caller that gives the first
+    /// away (to a trainer, say) and still has to talk to the other ranks afterwards. Both
+    /// reach the same world; MPI stays initialised until every handle is gone. Calls from
+    /// the two must not overlap (the library was initialised `MPI_THREAD_SERIALIZED`).
+    pub fn duplicate(&self) -> MpiComm {
+        MpiComm {
+            env: self.env.clone(),
+            rank: self.rank,
+            world: self.world,
+            scratch: Vec::new(),
+        }
+    }
+
     /// A handle that can end the job when this rank fails (see [`MpiAbort`]).
     pub fn abort_handle(&self) -> MpiAbort {
         MpiAbort {

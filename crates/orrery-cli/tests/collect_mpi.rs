@@ -1,0 +1,203 @@
+//! `orrery collect --comm mpi`: the whole world collected from a real run, one process per
+//! rank, as the reference an emulation with one real rank is compared with.
+//!
+//! Needs an MPI library and its launcher (`mpirun`, or the one named by `ORRERY_MPIRUN`), so
+//! it is compiled only with the `mpi` feature:
+//! `cargo test -p orrery-cli --features mpi --test collect_mpi`. Open MPI's settings travel
+//! as environment variables, as in orrery-train's MPI test.
+#![cfg(feature = "mpi")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{orrery, temp_dir};
+use orrery_emulate::drive::{communication, peak_and_compute};
+use orrery_emulate::file::CollectionFile;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A healthy launch takes seconds; one still running by then has hung.
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The tiny model of `orrery-emulate`'s drive tests, on TP 2 x PP 2.
+const TRAIN: &str = r#"
+batch_size = 8
+steps = 4
+warmup_steps = 1
+lr = 0.01
+eval_every = 0
+eval_batches = 1
+[model]
+context = 16
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+d_ff = 64
+[parallel]
+tp = 2
+pp = 2
+dp = 1
+micro_batches = 4
+"#;
+
+/// Runs `mpirun -n ranks orrery args...`: exit status and stdout (stderr goes to a log in
+/// `dir`, shown on failure).
+fn mpirun(ranks: usize, args: &[&str], dir: &Path) -> (i32, String) {
+    let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let log = dir.join("mpirun.log");
+    let out = dir.join("mpirun.out");
+    let mut child = Command::new(&launcher)
+        .args(["-n", &ranks.to_string()])
+        .arg(env!("CARGO_BIN_EXE_orrery"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // More ranks than this machine's cores.
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        // Loopback TCP: works in any container (shared memory often does not).
+        .env("OMPI_MCA_btl", "self,tcp")
+        .env("OMPI_MCA_btl_tcp_if_include", "lo")
+        .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {launcher}: {e}"));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "mpirun hung; its log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let code = status.code().unwrap_or(-1);
+    if code != 0 {
+        eprintln!("{}", std::fs::read_to_string(&log).unwrap_or_default());
+    }
+    (code, std::fs::read_to_string(&out).unwrap_or_default())
+}
+
+fn peak(file: &CollectionFile, rank: u32) -> u64 {
+    let record = file.records.iter().find(|r| r.rank == rank).unwrap();
+    peak_and_compute(record).0
+}
+
+#[test]
+fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
+    let dir = temp_dir("collect-mpi");
+    let config = dir.join("train.toml");
+    std::fs::write(&config, TRAIN).unwrap();
+    let c = config.to_str().unwrap();
+    let reference = dir.join("reference.collection");
+    let (code, stdout) = mpirun(
+        4,
+        &[
+            "collect",
+            c,
+            "--ranks",
+            "4",
+            "--comm",
+            "mpi",
+            "--out",
+            reference.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{stdout}");
+    assert!(stdout.contains("collected 4 ranks of 4"), "{stdout}");
+    // Rank 0 alone reports: one line per rank of what the real run measured.
+    assert_eq!(stdout.matches("collected").count(), 1, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.ends_with(" B")).count(), 4);
+    let reference = CollectionFile::from_bytes(&std::fs::read(&reference).unwrap()).unwrap();
+    assert_eq!(reference.records.len(), 4);
+
+    // The representatives collected among virtual peers issue every real rank's
+    // collectives and transfers, in the same order, with the same sizes.
+    let among_virtual = dir.join("virtual.collection");
+    let (code, _, stderr) = orrery(&[
+        "collect",
+        c,
+        "--ranks",
+        "4",
+        "--out",
+        among_virtual.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let among_virtual =
+        CollectionFile::from_bytes(&std::fs::read(&among_virtual).unwrap()).unwrap();
+    for record in &among_virtual.records {
+        let real = &reference.records[record.rank as usize];
+        assert_eq!(
+            communication(record),
+            communication(real),
+            "rank {}",
+            record.rank
+        );
+    }
+
+    // One real rank among virtual ones, replayed from the real run's collection, peaks where
+    // the same rank peaked in the real run. Each measurement has a process to itself (the
+    // emulation's real rank is its only thread using burn). burn frees some tensors in an
+    // order that varies from run to run, so on this 650 KB model the peaks of two runs of
+    // the same rank differ by up to about 0.8%; the bound leaves room for that.
+    for rank in ["0", "3"] {
+        let (code, stdout, stderr) = orrery(&[
+            "emulate",
+            "--train",
+            c,
+            "--ranks",
+            "4",
+            "--graph",
+            dir.join("reference.collection").to_str().unwrap(),
+            "--real-ranks",
+            rank,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let emulated = v["real_ranks"][0]["peak_memory_bytes"].as_u64().unwrap();
+        let real = peak(&reference, rank.parse().unwrap());
+        let error = (emulated as f64 - real as f64) / real as f64;
+        eprintln!(
+            "rank {rank}: peak {emulated} B emulated, {real} B in the real run ({:+.3}%)",
+            100.0 * error
+        );
+        assert!(error.abs() < 0.02, "rank {rank}: {:+.3}%", 100.0 * error);
+    }
+}
+
+#[test]
+fn mpi_collection_refuses_a_world_of_another_size() {
+    let dir = temp_dir("collect-mpi-size");
+    let config = dir.join("train.toml");
+    std::fs::write(&config, TRAIN).unwrap();
+    let out = dir.join("never.collection");
+    let (code, _) = mpirun(
+        2,
+        &[
+            "collect",
+            config.to_str().unwrap(),
+            "--ranks",
+            "4",
+            "--comm",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    assert_eq!(code, 2);
+    let log = std::fs::read_to_string(dir.join("mpirun.log")).unwrap();
+    assert!(log.contains("the MPI job has 2 processes"), "{log}");
+    assert!(!out.exists());
+}
