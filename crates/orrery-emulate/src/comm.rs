@@ -8,6 +8,8 @@
 //! - an all-reduce over a group sums, in group order, the rank's own contribution once per
 //!   member (a virtual data-parallel replica contributes the real rank's own gradient; a
 //!   virtual tensor-parallel peer its partial sum);
+//! - a reduce-scatter is that all-reduce's piece for the rank (so every member contributing
+//!   the rank's own data gives it `group.len()` times its own piece);
 //! - an all-gather fills every member's part with the rank's own;
 //! - an all-to-all receives from each member what the rank sends it (so expert traffic is
 //!   as large both ways as the real router makes it);
@@ -41,7 +43,7 @@ use crate::coordinator::RankReporter;
 use crate::memory;
 use orrery_graph::collect::{MemorySample, RankRecord, RecordedOp};
 use orrery_graph::{CollectiveOp, GroupRole, Layout, PeerStage, Phase};
-use orrery_train::comm::{all_to_all_v_offsets, check_all_gather};
+use orrery_train::comm::{all_to_all_v_offsets, check_all_gather, check_reduce_scatter};
 use orrery_train::{Clock, CommError, Communicator, Group};
 use orrery_units::{Bytes, Picos, RankId};
 use std::collections::HashMap;
@@ -622,6 +624,33 @@ impl Communicator for VirtualPeers {
         )
     }
 
+    fn group_reduce_scatter_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let me = group.position_of(self.rank)?;
+        check_reduce_scatter(group, buf, out)?;
+        // Recorded at the size of the whole buffer, as the graph builder sizes its
+        // reduce-scatters (the network model takes each member's share of it).
+        let bytes = 4 * buf.len() as u64;
+        self.operation(
+            None,
+            |v| {
+                // The all-reduce's sum, of which the rank keeps its piece: the same
+                // contributions (real members' own, virtual members' the first real one's),
+                // summed in group order, as every real member computes it.
+                let mut sum = buf.to_vec();
+                v.reduce(group.ranks(), &mut sum)?;
+                let m = out.len();
+                out.copy_from_slice(&sum[me * m..(me + 1) * m]);
+                Ok(())
+            },
+            |_, _| collective(CollectiveOp::ReduceScatter, State::members(group), bytes),
+        )
+    }
+
     fn group_all_gather_f32(
         &mut self,
         group: &Group,
@@ -813,7 +842,8 @@ impl<C: Communicator> Recorded<C> {
     }
 }
 
-/// A collective over every rank, recorded as [`State::world_group`] does.
+/// A collective over every rank, recorded by its role alone (no member list), as
+/// [`VirtualPeers`] records one.
 fn world_collective(op: CollectiveOp, bytes: u64) -> RecordedOp {
     RecordedOp::Collective {
         op,
@@ -950,6 +980,20 @@ impl<C: Communicator> Communicator for Recorded<C> {
         )
     }
 
+    fn group_reduce_scatter_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let bytes = 4 * buf.len() as u64;
+        let members = State::members(group);
+        self.around(
+            |_| [collective(CollectiveOp::ReduceScatter, members, bytes)],
+            |c| c.group_reduce_scatter_sum_f32(group, buf, out),
+        )
+    }
+
     fn group_all_gather_f32(
         &mut self,
         group: &Group,
@@ -978,5 +1022,167 @@ impl<C: Communicator> Communicator for Recorded<C> {
             |_| [collective(CollectiveOp::AllToAll, members, bytes)],
             |c| c.group_all_to_all_v_f32(group, send, send_counts, recv, recv_counts),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orrery_graph::collect::stitch;
+    use orrery_graph::OpKind;
+    use orrery_train::{FixedClock, ThreadComm};
+
+    /// TP 2 × PP 2 on one node of 4.
+    fn layout() -> Layout {
+        Layout::from_dims(2, 1, 1, 2, 1, 4)
+    }
+
+    fn tp_group(rank: usize) -> Group {
+        let members = layout()
+            .group_members(RankId(rank as u32), GroupRole::Tp)
+            .iter()
+            .map(|r| r.0 as usize)
+            .collect();
+        Group::new(members, 4).unwrap()
+    }
+
+    /// The recorded collectives: kind, group and bytes.
+    fn collectives(record: &RankRecord) -> Vec<(CollectiveOp, Vec<u32>, u64)> {
+        record
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                RecordedOp::Collective {
+                    op, group, bytes, ..
+                } => Some((*op, group.clone(), bytes.0)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Alone among virtual peers, a member of a group of two gets twice its own piece (both
+    /// members contribute its data), and the operation is recorded as a reduce-scatter of the
+    /// whole buffer over the group.
+    #[test]
+    fn virtual_reduce_scatter_is_the_synthesised_all_reduce_s_piece() {
+        let (mut v, handle) = VirtualPeers::new(1, layout(), Arc::new(FixedClock), None);
+        handle.start();
+        let group = tp_group(1);
+        assert_eq!(group.ranks(), &[0, 1]);
+        let buf = [1.0f32, 2.0, 3.0, 4.0];
+        let mut out = [0.0f32; 2];
+        v.group_reduce_scatter_sum_f32(&group, &buf, &mut out)
+            .unwrap();
+        assert_eq!(out, [6.0, 8.0]);
+        // Consistent with the all-reduce it synthesises: the same sum, this member's piece.
+        let mut all = buf;
+        v.group_all_reduce_sum_f32(&group, &mut all).unwrap();
+        assert_eq!(&all[2..], &out);
+        assert!(matches!(
+            v.group_reduce_scatter_sum_f32(&group, &buf, &mut [0.0; 3]),
+            Err(CommError::CountMismatch { .. })
+        ));
+        let outside = Group::new(vec![2, 3], 4).unwrap();
+        assert!(matches!(
+            v.group_reduce_scatter_sum_f32(&outside, &buf, &mut out),
+            Err(CommError::NotInGroup { rank: 1, .. })
+        ));
+        let record = handle.finish();
+        assert_eq!(
+            collectives(&record),
+            vec![
+                (CollectiveOp::ReduceScatter, vec![0, 1], 16),
+                (CollectiveOp::AllReduce, vec![0, 1], 16),
+            ]
+        );
+    }
+
+    /// With another real member, the reduce-scatter carries real data: each member gets its
+    /// piece of the real sum.
+    #[test]
+    fn virtual_reduce_scatter_among_real_ranks_sums_their_data() {
+        let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ThreadComm::group(2)
+                .into_iter()
+                .enumerate()
+                .map(|(i, real)| {
+                    s.spawn(move || {
+                        let (mut v, _handle) = VirtualPeers::with_real_peers(
+                            i,
+                            layout(),
+                            Arc::new(FixedClock),
+                            None,
+                            Box::new(real),
+                            vec![0, 1],
+                        );
+                        let buf: Vec<f32> = (0..4).map(|k| (10 * i + k) as f32).collect();
+                        let mut out = vec![0.0f32; 2];
+                        v.group_reduce_scatter_sum_f32(&tp_group(i), &buf, &mut out)
+                            .unwrap();
+                        out
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(outs, vec![vec![10.0, 12.0], vec![14.0, 16.0]]);
+    }
+
+    /// Around real communicators, a reduce-scatter and an all-gather in the tensor-parallel
+    /// group carry the real data and are recorded so that the records stitch into class
+    /// graphs with tensor-parallel collectives of the whole buffer.
+    #[test]
+    fn recorded_reduce_scatter_and_all_gather_stitch_as_tensor_parallel_collectives() {
+        let runs: Vec<(Vec<f32>, RankRecord)> = std::thread::scope(|s| {
+            let handles: Vec<_> = ThreadComm::group(4)
+                .into_iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let rank = comm.rank();
+                        let (mut c, handle) = Recorded::new(comm, layout(), Arc::new(FixedClock));
+                        handle.start();
+                        let group = tp_group(rank);
+                        let buf: Vec<f32> = (0..4).map(|k| (10 * rank + k) as f32).collect();
+                        let mut piece = vec![0.0f32; 2];
+                        c.group_reduce_scatter_sum_f32(&group, &buf, &mut piece)
+                            .unwrap();
+                        let mut whole = vec![0.0f32; 4];
+                        c.group_all_gather_f32(&group, &piece, &mut whole).unwrap();
+                        (whole, handle.finish())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Ranks 0 and 1: [0, 1, 2, 3] + [10, 11, 12, 13]; ranks 2 and 3 likewise.
+        assert_eq!(runs[0].0, vec![10.0, 12.0, 14.0, 16.0]);
+        assert_eq!(runs[1].0, runs[0].0);
+        assert_eq!(runs[2].0, vec![50.0, 52.0, 54.0, 56.0]);
+        assert_eq!(
+            collectives(&runs[3].1),
+            vec![
+                (CollectiveOp::ReduceScatter, vec![2, 3], 16),
+                (CollectiveOp::AllGather, vec![2, 3], 16),
+            ]
+        );
+        let records: Vec<RankRecord> = runs.into_iter().map(|(_, r)| r).collect();
+        let collected = stitch(layout(), &records).unwrap();
+        for graph in &collected.graphs.classes {
+            let ops: Vec<(CollectiveOp, GroupRole, u64)> = graph
+                .ops()
+                .iter()
+                .filter_map(|op| match op.kind {
+                    OpKind::Collective { op, group, bytes } => Some((op, group, bytes.0)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(
+                ops,
+                vec![
+                    (CollectiveOp::ReduceScatter, GroupRole::Tp, 16),
+                    (CollectiveOp::AllGather, GroupRole::Tp, 16),
+                ]
+            );
+        }
     }
 }

@@ -53,6 +53,16 @@ fn tp2_pp2() -> TrainConfig {
     }
 }
 
+/// TP 2 x PP 2 with sequence parallelism: reduce-scatters and all-gathers in the
+/// tensor-parallel group.
+fn tp2_pp2_sp() -> TrainConfig {
+    let mut c = tp2_pp2();
+    if let Some(p) = c.parallel.as_mut() {
+        p.sequence_parallel = true;
+    }
+    c
+}
+
 fn clock() -> Arc<dyn Clock> {
     Arc::new(MonotonicClock::new())
 }
@@ -68,7 +78,7 @@ fn models() -> (CostModel, AnalyticalNetwork) {
 
 #[test]
 fn collected_ranks_issue_the_all_real_collectives_in_order() {
-    for (config, world) in [(tiny(), 2), (tp2_pp2(), 4)] {
+    for (config, world) in [(tiny(), 2), (tp2_pp2(), 4), (tp2_pp2_sp(), 4)] {
         let all_real = run_all_real(&config, world, 1, clock()).unwrap();
         let c = collect(&config, world, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
         for rec in &c.records {
@@ -90,13 +100,18 @@ fn collected_ranks_issue_the_all_real_collectives_in_order() {
 
 #[test]
 fn emulation_with_one_real_rank_matches_the_all_real_run() {
-    let config = tp2_pp2();
+    for config in [tp2_pp2(), tp2_pp2_sp()] {
+        one_real_rank_matches_the_all_real_run(&config);
+    }
+}
+
+fn one_real_rank_matches_the_all_real_run(config: &TrainConfig) {
     let (cost, net) = models();
-    let collection = collect(&config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
-    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
+    let collection = collect(config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
+    let all_real = run_all_real(config, 4, 1, clock()).unwrap();
     for live in [RankId(0), RankId(3)] {
         let run = emulate(
-            &config,
+            config,
             &collection.collected,
             &cost,
             &net,

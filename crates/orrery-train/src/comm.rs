@@ -15,9 +15,11 @@
 //!   backward. Messages from one rank to another arrive in the order they were sent.
 //! - **Group collectives** over a [`Group`], an ordered list of distinct ranks:
 //!   [`Communicator::group_all_reduce_sum_f32`] (tensor-parallel partial sums, data-parallel
-//!   gradient averaging inside one pipeline stage), [`Communicator::group_all_gather_f32`] and
-//!   [`Communicator::group_all_to_all_v_f32`] (expert-parallel token dispatch). Sums are taken
-//!   in group order, so every member gets the same bits whatever the timing.
+//!   gradient averaging inside one pipeline stage), [`Communicator::group_reduce_scatter_sum_f32`]
+//!   and [`Communicator::group_all_gather_f32`] (sequence parallelism's halves of that
+//!   all-reduce), and [`Communicator::group_all_to_all_v_f32`] (expert-parallel token
+//!   dispatch). Sums are taken in group order, so every member gets the same bits whatever the
+//!   timing.
 //!
 //! Every operation is a named trait method, even where a default implementation built on
 //! point-to-point messages serves (the group collectives), so that a communicator wrapping
@@ -217,6 +219,24 @@ pub trait Communicator: Send {
         default_group_all_reduce(self, group, buf)
     }
 
+    /// Sums `buf` element-wise over the members of `group`, in group order, and leaves in `out`
+    /// this member's piece of the sum: `buf` is cut into `group.len()` contiguous pieces of
+    /// `out.len()` elements, and the member at position `j` gets piece `j`. Every member passes
+    /// the same group and the same lengths; `buf.len()` must be `group.len() * out.len()`. Each
+    /// element is summed in the same order as by [`Self::group_all_reduce_sum_f32`], so the
+    /// pieces are the all-reduce's bits.
+    ///
+    /// The default is the first half of the default all-reduce: member `j` receives piece `j`
+    /// of everyone's buffer through pairwise exchanges and sums them front to back.
+    fn group_reduce_scatter_sum_f32(
+        &mut self,
+        group: &Group,
+        buf: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        default_group_reduce_scatter(self, group, buf, out)
+    }
+
     /// Concatenates every member's `mine` (all the same length) in group order into `out`
     /// (`group.len() * mine.len()` elements) on every member.
     fn group_all_gather_f32(
@@ -317,6 +337,21 @@ pub fn check_all_gather(group: &Group, mine: &[f32], out: &[f32]) -> Result<(), 
     }
 }
 
+/// Checks that `buf` holds one piece of `out`'s length per member of `group`, as every
+/// implementation of [`Communicator::group_reduce_scatter_sum_f32`] requires.
+pub fn check_reduce_scatter(group: &Group, buf: &[f32], out: &[f32]) -> Result<(), CommError> {
+    let counted = group.len() * out.len();
+    if buf.len() == counted {
+        Ok(())
+    } else {
+        Err(CommError::CountMismatch {
+            what: "the scattered pieces",
+            counted,
+            len: buf.len(),
+        })
+    }
+}
+
 /// [`Communicator::group_all_to_all_v_f32`] from pairwise exchanges: in round `k` member `p`
 /// sends to member `p + k` and receives from member `p - k` (mod the group size), so every
 /// round pairs each sender with a receiver doing the mirror-image call.
@@ -377,6 +412,53 @@ pub fn default_group_all_gather<C: Communicator + ?Sized>(
     Ok(())
 }
 
+/// The reduce-scatter under both [`default_group_reduce_scatter`] and
+/// [`default_group_all_reduce`]: `buf` is cut into pieces of `counts[j]` elements for member
+/// `j`; this member (position `p`) receives its piece from every member and returns their sum,
+/// taken in group order.
+fn reduce_scatter_pieces<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    p: usize,
+    buf: &[f32],
+    counts: &[usize],
+) -> Result<Vec<f32>, CommError> {
+    let n = group.len();
+    let mine = counts[p];
+    // Slice `p` of every member, in group order.
+    let mut pieces = vec![0.0f32; mine * n];
+    default_group_all_to_all_v(comm, group, buf, counts, &mut pieces, &vec![mine; n])?;
+    let (acc, rest) = pieces.split_at_mut(mine);
+    if mine > 0 {
+        for piece in rest.chunks_exact(mine) {
+            for (a, x) in acc.iter_mut().zip(piece) {
+                *a += *x;
+            }
+        }
+    }
+    pieces.truncate(mine);
+    Ok(pieces)
+}
+
+/// [`Communicator::group_reduce_scatter_sum_f32`] from pairwise exchanges.
+pub fn default_group_reduce_scatter<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    buf: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    let n = group.len();
+    let p = group.position_of(comm.rank())?;
+    check_reduce_scatter(group, buf, out)?;
+    if n == 1 {
+        out.copy_from_slice(buf);
+        return Ok(());
+    }
+    let acc = reduce_scatter_pieces(comm, group, p, buf, &vec![out.len(); n])?;
+    out.copy_from_slice(&acc);
+    Ok(())
+}
+
 /// [`Communicator::group_all_reduce_sum_f32`] as a reduce-scatter and an all-gather.
 pub fn default_group_all_reduce<C: Communicator + ?Sized>(
     comm: &mut C,
@@ -388,24 +470,13 @@ pub fn default_group_all_reduce<C: Communicator + ?Sized>(
     if n == 1 {
         return Ok(());
     }
+    // Pieces as even as the length allows, so that any length reduces.
     let counts = even_counts(buf.len(), n);
-    let mine = counts[p];
-    // Slice `p` of every member, in group order.
-    let mut pieces = vec![0.0f32; mine * n];
-    default_group_all_to_all_v(comm, group, buf, &counts, &mut pieces, &vec![mine; n])?;
-    let (acc, rest) = pieces.split_at_mut(mine);
-    if mine > 0 {
-        for piece in rest.chunks_exact(mine) {
-            for (a, x) in acc.iter_mut().zip(piece) {
-                *a += *x;
-            }
-        }
-    }
+    let acc = reduce_scatter_pieces(comm, group, p, buf, &counts)?;
     // Pieces differ in length by one, so gather them one exchange at a time rather than
     // through the equal-length all-gather.
     let o = offsets(&counts);
-    buf[o[p]..o[p + 1]].copy_from_slice(acc);
-    let acc = acc.to_vec();
+    buf[o[p]..o[p + 1]].copy_from_slice(&acc);
     for k in 1..n {
         let to = (p + k) % n;
         let from = (p + n - k) % n;
@@ -956,6 +1027,45 @@ mod tests {
                 assert_eq!(out[r][li], expect(&[3, 1]), "rank {r} len {len}");
             }
         }
+    }
+
+    /// A reduce-scatter leaves each member its piece of the all-reduce, bit for bit, over two
+    /// disjoint groups at once; a buffer that is not one piece per member is refused.
+    #[test]
+    fn group_reduce_scatter_is_the_all_reduce_s_pieces() {
+        let values = [1e8f32, 1.0, -1e8, 3.0, 0.5];
+        let out = run(5, |mut c| {
+            let group = if c.rank() % 2 == 0 {
+                Group::new(vec![4, 0, 2], 5).unwrap()
+            } else {
+                Group::new(vec![3, 1], 5).unwrap()
+            };
+            let r = c.rank();
+            let buf: Vec<f32> = (0..3 * group.len())
+                .map(|i| values[r] + i as f32 * 0.25)
+                .collect();
+            let mut piece = vec![0.0f32; 3];
+            c.group_reduce_scatter_sum_f32(&group, &buf, &mut piece)
+                .unwrap();
+            let mut all = buf.clone();
+            c.group_all_reduce_sum_f32(&group, &mut all).unwrap();
+            let p = group.position(r).unwrap();
+            let bad = c.group_reduce_scatter_sum_f32(&group, &buf, &mut [0.0; 2]);
+            (piece, all[3 * p..3 * p + 3].to_vec(), bad)
+        });
+        for (r, (piece, expect, bad)) in out.into_iter().enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&piece), bits(&expect), "rank {r}");
+            assert!(
+                matches!(bad, Err(CommError::CountMismatch { .. })),
+                "rank {r}"
+            );
+        }
+        let mut one = [0.0f32; 2];
+        SingleRank
+            .group_reduce_scatter_sum_f32(&Group::world(1), &[1.0, 2.0], &mut one)
+            .unwrap();
+        assert_eq!(one, [1.0, 2.0]);
     }
 
     #[test]

@@ -569,6 +569,30 @@ mod tests {
             matches!(&r, Err(ConfigLoadError::Invalid(e)) if e.mentions("parallel.tp")),
             "{r:?}"
         );
+        // Sequence parallelism is off unless asked for, and not written when off.
+        assert!(!par.sequence_parallel);
+        let text = toml::to_string(&c).unwrap();
+        assert!(!text.contains("sequence_parallel"), "{text}");
+        let c = TrainConfig::from_toml_str(
+            "[model]\ncontext = 16\n[parallel]\ntp = 2\nsequence_parallel = true\n",
+        )
+        .unwrap();
+        assert!(c.parallel.is_some_and(|p| p.sequence_parallel));
+        for (toml, needle) in [
+            ("[parallel]\nsequence_parallel = true\n", "needs tp > 1"),
+            (
+                "[model]\ncontext = 15\n[parallel]\ntp = 2\nsequence_parallel = true\n",
+                "model.context 15 is not divisible by tp 2",
+            ),
+        ] {
+            let r = TrainConfig::from_toml_str(toml);
+            assert!(
+                matches!(&r, Err(ConfigLoadError::Invalid(e))
+                    if e.mentions("parallel.sequence_parallel")
+                        && e.to_string().contains(needle)),
+                "{toml}: {r:?}"
+            );
+        }
     }
 
     #[test]

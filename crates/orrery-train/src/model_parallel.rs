@@ -35,6 +35,37 @@
 //! over the tensor-parallel group after the backward pass (the other replicated parameters get
 //! identical gradients on every tensor-parallel rank already).
 //!
+//! **Sequence parallelism** (`parallel.sequence_parallel`, Megatron's). Without it, everything
+//! between the blocks — the layer norms and the residual adds — runs on the whole sequence on
+//! every tensor-parallel rank: the same work `tp` times over, and the same activations kept
+//! `tp` times. These regions work on each token by itself, so each rank can do them on its
+//! own `1 / tp` slice of the sequence instead (rank `r` of the group holds positions
+//! `[r · s / tp, (r + 1) · s / tp)` of every sequence of the micro-batch). The blocks
+//! themselves need every position (attention mixes them, and each rank holds only some heads
+//! or hidden units), so the operators change at the blocks' edges:
+//!
+//! - `g` becomes a **reduce-scatter** along the sequence: the all-reduce without its
+//!   all-gather, since each rank only needs the sum for its own slice. Backward it is an
+//!   all-gather of the slices' gradients.
+//! - `f` moves after the norm (so that the norm runs on the slice) and becomes an
+//!   **all-gather** of the normalised slices. Backward it is a reduce-scatter: the
+//!   all-reduce of the input gradient's shares, of which the norm's backward pass on the slice
+//!   needs only the slice.
+//!
+//! Each block is then two segments: the norm on the slice, and the block's share on the
+//! gathered sequence (a mixture of experts routes the gathered, already normalised tokens).
+//! The norms' gradients are still summed over the tensor-parallel group after the backward
+//! pass, for another reason: each rank now holds its slice's share. The embeddings and the
+//! head are replicated, so they run on the whole sequence as before: the first stage embeds
+//! it and keeps its slice (backward: an all-gather of the slices' gradients), the last stage
+//! all-gathers the slices in front of the final norm and head (backward: the rank keeps its
+//! slice of the input gradient, which every rank computed alike), and their gradients stay
+//! identical across the group. Activations and gradients passed between pipeline stages are
+//! the slices, `1 / tp` of the messages without it. The sums are the same sums taken in
+//! another order (the norms' backward passes run on summed gradients instead of summing
+//! their results), so a run with sequence parallelism matches one without within float
+//! tolerance, not bit for bit.
+//!
 //! **Pipeline.** [`train_step`] runs the micro-batches with the 1F1B schedule
 //! (`min(pp - stage - 1, m)` warm-up forwards, then alternating one forward and one backward,
 //! then the remaining backwards), passing activations forward and gradients backward with
@@ -66,16 +97,23 @@
 //! all-to-all, the rows' all-to-all there and the results' back, then the all-reduce), and
 //! backward the mirror image (all-to-alls of the gradients, then the all-reduce of the input
 //! gradient); between stages, activations and gradients as point-to-point messages of
-//! `n · seq · d` floats (interleaved 1F1B: 3 more, the tag). After the pipeline drains: one
+//! `n · seq · d` floats (interleaved 1F1B: 3 more, the tag). With sequence parallelism each of
+//! those tensor-parallel all-reduces becomes two collectives over the same group and the
+//! whole `n · seq · d` floats: forward, per block, an all-gather before it and a reduce-scatter
+//! after it; backward, per block, an all-gather of the output gradient and a reduce-scatter of
+//! the input gradient; plus an all-gather in front of the head (last stage, forward) and one
+//! of the embeddings' gradient (first stage, backward); stage-to-stage messages carry
+//! `n · seq / tp · d` floats. After the pipeline drains: one
 //! tensor-parallel all-reduce of the layer norms' and routers' gradients, the tied embedding's
 //! all-reduce between the first and last stage, the data-parallel all-reduce of the other
 //! gradients and the expert-data-parallel one of the experts'; then a world all-reduce of one
 //! float (the loss) and a world all-gather of 8 bytes (the gradient norm's partial sums).
 //! Collectives over a group of one rank are skipped (the all-to-alls are not: they copy).
 //!
-//! What this module does not do: no sequence parallelism, no overlap of communication with
-//! computation, no load-balancing loss or expert capacity limit, and no activation
-//! recomputation.
+//! What this module does not do: no overlap of communication with computation, no
+//! load-balancing loss or expert capacity limit, no activation recomputation, and with
+//! sequence parallelism no splitting of the embeddings' or the head's work (both are
+//! replicated, not vocabulary-parallel, so they run on the whole sequence).
 
 use std::collections::HashMap;
 
@@ -83,7 +121,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::comm::{CommError, Communicator, Group};
-use crate::config::{ModelConfig, NormKind};
+use crate::config::{ConfigErrors, ConfigProblem, ModelConfig, NormKind};
 use crate::data::Batch;
 use crate::model::{
     attention, cross_entropy, embed, mlp, moe_gates_and_mask, norm, param_specs, AttentionWeights,
@@ -382,6 +420,47 @@ fn tensor3<BB: Backend>(v: Vec<f32>, shape: [usize; 3], device: &BB::Device) -> 
     Tensor::from_data(TensorData::new(v, shape), device)
 }
 
+/// Activations `[n, seq, d]` (row-major) regrouped by sequence slice, as `[parts, n, seq /
+/// parts, d]`: slice `r` of every sequence, then slice `r + 1`, so that each slice is one
+/// contiguous block, the layout of a reduce-scatter's pieces.
+fn sequence_to_slices(v: &[f32], n: usize, parts: usize) -> Vec<f32> {
+    // Row `i` of the `[n · parts]` blocks is sequence `i / parts`, slice `i % parts`.
+    let block = v.len() / (n * parts).max(1);
+    let mut out = Vec::with_capacity(v.len());
+    for r in 0..parts {
+        for b in 0..n {
+            let at = (b * parts + r) * block;
+            out.extend_from_slice(&v[at..at + block]);
+        }
+    }
+    out
+}
+
+/// The inverse of [`sequence_to_slices`]: the slices `[parts, n, seq / parts, d]` (an
+/// all-gather's pieces in group order) put back into whole sequences `[n, seq, d]`.
+fn slices_to_sequence(v: &[f32], n: usize, parts: usize) -> Vec<f32> {
+    let block = v.len() / (n * parts).max(1);
+    let mut out = Vec::with_capacity(v.len());
+    for b in 0..n {
+        for r in 0..parts {
+            let at = (r * n + b) * block;
+            out.extend_from_slice(&v[at..at + block]);
+        }
+    }
+    out
+}
+
+/// Slice `part` of `parts` of every sequence of the activations `[n, seq, d]`.
+fn sequence_slice(v: &[f32], n: usize, parts: usize, part: usize) -> Vec<f32> {
+    let block = v.len() / (n * parts).max(1);
+    (0..n)
+        .flat_map(|b| {
+            let at = (b * parts + part) * block;
+            v[at..at + block].iter().copied()
+        })
+        .collect()
+}
+
 /// Parameters of one segment built from the store: leaves recording gradients in a backward
 /// pass, plain tensors in a forward pass.
 struct Leaves<B: AutodiffBackend> {
@@ -470,20 +549,39 @@ struct Kept<B: AutodiffBackend, const D: usize> {
     leaves: Leaves<B>,
 }
 
-/// A layer's feed-forward part, kept for the backward pass.
-enum FfnKept<B: AutodiffBackend> {
+/// One of a layer's two tensor-parallel blocks, attention or the feed-forward part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Attention,
+    FeedForward,
+}
+
+/// A block's body (the part between Megatron's `f` and `g`), kept for the backward pass.
+enum BodyKept<B: AutodiffBackend> {
+    /// A segment: attention or a dense MLP.
     Dense(Kept<B, 3>),
+    /// A mixture of experts.
     Experts(MoeSaved<B>),
+}
+
+/// A layer's block, kept for the backward pass.
+struct BlockKept<B: AutodiffBackend> {
+    /// With sequence parallelism, the layer norm on this rank's slice of the sequence, a
+    /// segment of its own (the all-gather sits between it and the body). Without, the norm is
+    /// the first step of the body's segment.
+    norm: Option<Kept<B, 3>>,
+    body: BodyKept<B>,
 }
 
 /// What the forward pass keeps of one micro-batch for its backward pass.
 struct Saved<B: AutodiffBackend> {
-    /// The activations' shape `[n, seq, d]`.
+    /// The shape `[n, seq, d]` of the activations passed between stages (with sequence
+    /// parallelism `seq` is this rank's slice of the sequence).
     shape: [usize; 3],
-    /// The first chunk's embedding output and its leaves.
+    /// The first chunk's embedding output (the whole sequence) and its leaves.
     embed: Option<(Tensor<B, 3>, Leaves<B>)>,
-    /// Per local layer: its attention and its feed-forward segment.
-    layers: Vec<(Kept<B, 3>, FfnKept<B>)>,
+    /// Per local layer: its attention block and its feed-forward block.
+    layers: Vec<(BlockKept<B>, BlockKept<B>)>,
     /// The last chunk's head: input leaf, loss and leaves.
     head: Option<Kept<B, 1>>,
 }
@@ -603,16 +701,45 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         Ok((gain, bias))
     }
 
-    /// This rank's partial sum of layer `l`'s attention branch.
-    fn attn_segment(
+    /// The layer norm in front of layer `l`'s `block`.
+    fn block_norm(
         &self,
+        block: Block,
         l: usize,
         x: Tensor<B, 3>,
         leaves: &mut Leaves<B>,
     ) -> Result<Tensor<B, 3>, TrainError> {
+        let which = match block {
+            Block::Attention => "norm1",
+            Block::FeedForward => "norm2",
+        };
+        let (gain, bias) = self.norm_params(&format!("blocks.{l}.{which}"), leaves)?;
+        Ok(norm(x, gain, bias, self.model.norm_eps))
+    }
+
+    /// This rank's partial sum of layer `l`'s dense `block` (attention or the MLP) on its
+    /// normalised input `h`.
+    fn block_core(
+        &self,
+        block: Block,
+        l: usize,
+        h: Tensor<B, 3>,
+        leaves: &mut Leaves<B>,
+    ) -> Result<Tensor<B, 3>, TrainError> {
+        match block {
+            Block::Attention => self.attn_core(l, h, leaves),
+            Block::FeedForward => self.mlp_core(l, h, leaves),
+        }
+    }
+
+    /// This rank's partial sum of layer `l`'s attention on its normalised input `h`.
+    fn attn_core(
+        &self,
+        l: usize,
+        h: Tensor<B, 3>,
+        leaves: &mut Leaves<B>,
+    ) -> Result<Tensor<B, 3>, TrainError> {
         let b = format!("blocks.{l}");
-        let (gain, bias) = self.norm_params(&format!("{b}.norm1"), leaves)?;
-        let h = norm(x, gain, bias, self.model.norm_eps);
         let (s, d) = (self.store, self.device);
         let w = AttentionWeights {
             wq: leaves.p2(s, &format!("{b}.attn.wq"), d)?,
@@ -631,16 +758,14 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         ))
     }
 
-    /// This rank's partial sum of layer `l`'s MLP branch.
-    fn mlp_segment(
+    /// This rank's partial sum of layer `l`'s MLP on its normalised input `h`.
+    fn mlp_core(
         &self,
         l: usize,
-        x: Tensor<B, 3>,
+        h: Tensor<B, 3>,
         leaves: &mut Leaves<B>,
     ) -> Result<Tensor<B, 3>, TrainError> {
         let b = format!("blocks.{l}");
-        let (gain, bias) = self.norm_params(&format!("{b}.norm2"), leaves)?;
-        let h = norm(x, gain, bias, self.model.norm_eps);
         let (s, d) = (self.store, self.device);
         let w_gate = match self.model.mlp {
             crate::config::MlpKind::SwiGlu => Some(leaves.p2(s, &format!("{b}.mlp.w_gate"), d)?),
@@ -704,15 +829,69 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         Ok(tensor3(v, dims, self.device))
     }
 
-    /// Runs a segment on `x`. Training: on a fresh leaf copy of `x` with parameter leaves,
-    /// keeping the graph for the backward pass; the output is returned detached, so that the
-    /// next segment starts its own graph.
+    /// Whether the regions between the tensor-parallel blocks run on a slice of the sequence
+    /// (sequence parallelism; never with a single tensor-parallel rank).
+    fn sequence_parallel(&self) -> bool {
+        self.mp.layout.sequence_parallel && self.mp.layout.tp > 1
+    }
+
+    /// The sequence length of the activations between blocks and stages: this rank's slice
+    /// with sequence parallelism, else the whole sequence.
+    fn local_seq(&self, mb: &MicroBatch) -> usize {
+        if self.sequence_parallel() {
+            mb.seq / self.mp.layout.tp
+        } else {
+            mb.seq
+        }
+    }
+
+    /// Sequence parallelism's all-gather: every tensor-parallel rank's slice `[n, s, d]` of
+    /// the sequence, put together in group order into the whole `[n, tp · s, d]`.
+    fn seq_gather(&mut self, t: Tensor<B, 3>) -> Result<Tensor<B, 3>, TrainError> {
+        let [n, s, d] = t.dims();
+        let tp = self.mp.layout.tp;
+        let mine = to_vec(t)?;
+        let mut parts = vec![0.0f32; mine.len() * tp];
+        let group = &self.mp.tp_group;
+        self.comm
+            .group_all_gather_f32(group, &mine, &mut parts)
+            .map_err(|source| TrainError::Comm {
+                rank: self.mp.rank,
+                source,
+            })?;
+        Ok(tensor3(
+            slices_to_sequence(&parts, n, tp),
+            [n, s * tp, d],
+            self.device,
+        ))
+    }
+
+    /// Sequence parallelism's reduce-scatter: the sum of `t` (`[n, s, d]`, this rank's
+    /// partial sum over the whole sequence) over the tensor-parallel group, of which this rank
+    /// keeps its slice `[n, s / tp, d]`.
+    fn seq_reduce_scatter(&mut self, t: Tensor<B, 3>) -> Result<Tensor<B, 3>, TrainError> {
+        let [n, s, d] = t.dims();
+        let tp = self.mp.layout.tp;
+        let whole = sequence_to_slices(&to_vec(t)?, n, tp);
+        let mut mine = vec![0.0f32; whole.len() / tp];
+        let group = &self.mp.tp_group;
+        self.comm
+            .group_reduce_scatter_sum_f32(group, &whole, &mut mine)
+            .map_err(|source| TrainError::Comm {
+                rank: self.mp.rank,
+                source,
+            })?;
+        Ok(tensor3(mine, [n, s / tp, d], self.device))
+    }
+
+    /// Runs the segment `body` on `x`. Training: on a fresh leaf copy of `x` with parameter
+    /// leaves, keeping the graph for the backward pass; the output is returned detached, so
+    /// that the next segment starts its own graph.
     fn run_segment(
-        &mut self,
-        attn: bool,
-        l: usize,
+        &self,
         x: &Tensor<B, 3>,
         train: bool,
+        body: impl FnOnce(&Self, Tensor<B, 3>, &mut Leaves<B>) -> Result<Tensor<B, 3>, TrainError>,
     ) -> Result<(Tensor<B, 3>, Option<Kept<B, 3>>), TrainError> {
         let mut leaves = Leaves::new(train);
         let xin = if train {
@@ -720,13 +899,61 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         } else {
             x.clone()
         };
-        let y = if attn {
-            self.attn_segment(l, xin.clone(), &mut leaves)?
-        } else {
-            self.mlp_segment(l, xin.clone(), &mut leaves)?
-        };
+        let y = body(self, xin.clone(), &mut leaves)?;
         let out = y.clone().detach();
         Ok((out, train.then_some(Kept { x: xin, y, leaves })))
+    }
+
+    /// Layer `l`'s `block` on the residual stream `x`: returns `x` plus the block's output,
+    /// and with `train` what its backward pass needs.
+    ///
+    /// Without sequence parallelism `x` is the whole sequence, the same on every
+    /// tensor-parallel rank. The norm and this rank's share of the block run as one segment
+    /// (`f`, identity forward, sits at the segment's input), and `g` is the all-reduce of the
+    /// partial sums.
+    ///
+    /// With sequence parallelism `x` is this rank's slice of the sequence. The norm is a
+    /// segment of its own on the slice; `f` all-gathers the normalised slices into the whole
+    /// sequence, which the block's share needs (attention mixes positions, and every rank
+    /// holds only some heads or hidden units for all of them); and `g` reduce-scatters the
+    /// partial sums, which is the all-reduce without its all-gather: each rank receives only
+    /// the slice that its residual add, the next norm and the next block's all-gather need.
+    fn block_forward(
+        &mut self,
+        block: Block,
+        l: usize,
+        x: Tensor<B, 3>,
+        train: bool,
+    ) -> Result<(Tensor<B, 3>, Option<BlockKept<B>>), TrainError> {
+        let sp = self.sequence_parallel();
+        let (input, norm) = if sp {
+            let (h, kept) =
+                self.run_segment(&x, train, |s, x, leaves| s.block_norm(block, l, x, leaves))?;
+            (self.seq_gather(h)?, kept)
+        } else {
+            (x.clone(), None)
+        };
+        let (partial, body) = if block == Block::FeedForward && self.model.moe.is_some() {
+            // With sequence parallelism the input is already normalised.
+            let (p, saved) = self.moe_forward(l, &input, sp, train)?;
+            (p, saved.map(BodyKept::Experts))
+        } else {
+            let (p, kept) = self.run_segment(&input, train, |s, x, leaves| {
+                let h = if sp {
+                    x
+                } else {
+                    s.block_norm(block, l, x, leaves)?
+                };
+                s.block_core(block, l, h, leaves)
+            })?;
+            (p, kept.map(BodyKept::Dense))
+        };
+        let y = if sp {
+            self.seq_reduce_scatter(partial)?
+        } else {
+            self.tp_sum(partial)?
+        };
+        Ok((x + y, body.map(|body| BlockKept { norm, body })))
     }
 
     /// The stage's forward pass over one micro-batch through model chunk `chunk`: from the
@@ -739,9 +966,10 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         input: Option<Vec<f32>>,
         train: bool,
     ) -> Result<Forwarded<B>, TrainError> {
+        let seq = self.local_seq(mb);
         let mut embed = None;
         let mut x = match input {
-            Some(v) => tensor3(v, [mb.n, mb.seq, self.model.d_model], self.device),
+            Some(v) => tensor3(v, [mb.n, seq, self.model.d_model], self.device),
             None => {
                 let tokens = self.int2(&mb.inputs, mb.n, mb.seq);
                 let mut leaves = Leaves::new(train);
@@ -750,21 +978,21 @@ impl<B: AutodiffBackend> Stage<'_, B> {
                 if train {
                     embed = Some((y, leaves));
                 }
-                out
+                // Sequence parallelism: the embeddings are replicated, so every rank embeds
+                // the whole sequence and keeps its slice (the backward pass all-gathers the
+                // slices' gradients, giving every rank the same embedding gradient).
+                if seq < mb.seq {
+                    out.narrow(1, self.mp.coords.tp * seq, seq)
+                } else {
+                    out
+                }
             }
         };
         let mut layers = Vec::new();
         for l in self.layers(chunk) {
-            let (p, attn) = self.run_segment(true, l, &x, train)?;
-            x = x + self.tp_sum(p)?;
-            let (p, ffn) = if self.model.moe.is_some() {
-                let (p, s) = self.moe_forward(l, &x, train)?;
-                (p, s.map(FfnKept::Experts))
-            } else {
-                let (p, k) = self.run_segment(false, l, &x, train)?;
-                (p, k.map(FfnKept::Dense))
-            };
-            x = x + self.tp_sum(p)?;
+            let (x1, attn) = self.block_forward(Block::Attention, l, x, train)?;
+            let (x2, ffn) = self.block_forward(Block::FeedForward, l, x1, train)?;
+            x = x2;
             if let (Some(a), Some(f)) = (attn, ffn) {
                 layers.push((a, f));
             }
@@ -773,6 +1001,12 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         let mut loss = None;
         let mut out = None;
         if self.mp.is_last_chunk(chunk) {
+            // Sequence parallelism: the head is replicated too, so it runs on the whole
+            // sequence, gathered; every rank then computes the same loss and the same input
+            // gradient, of which the backward pass keeps this rank's slice.
+            if seq < mb.seq {
+                x = self.seq_gather(x)?;
+            }
             let targets = self.int2(&mb.targets, mb.n, mb.seq);
             let mut leaves = Leaves::new(train);
             let xin = if train { x.detach().require_grad() } else { x };
@@ -794,7 +1028,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
             out = Some(to_vec(x)?);
         }
         let saved = train.then_some(Saved {
-            shape: [mb.n, mb.seq, self.model.d_model],
+            shape: [mb.n, seq, self.model.d_model],
             embed,
             layers,
             head,
@@ -802,22 +1036,53 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         Ok(Forwarded { out, loss, saved })
     }
 
-    /// Backward through a kept segment with upstream gradient `g` of its (summed) output; the
-    /// gradient of its input, summed over the tensor-parallel group (Megatron's `f`), plus the
-    /// residual path's `g`.
+    /// Backward through a kept segment with upstream gradient `g` of its output: adds its
+    /// parameters' gradients to the rank's and returns its input's gradient (this rank's
+    /// share; the caller applies Megatron's `f`).
     fn segment_backward(
         &mut self,
         k: Kept<B, 3>,
         g: Tensor<B, 3>,
     ) -> Result<Tensor<B, 3>, TrainError> {
         let dims = k.x.dims();
-        let grads = (k.y * g.clone()).sum().backward();
+        let grads = (k.y * g).sum().backward();
         k.leaves.accumulate(&grads, self.grads)?;
         let dx = match k.x.grad(&grads) {
             Some(d) => to_vec(d)?,
             None => vec![0.0; dims.iter().product()],
         };
-        let dx = self.tp_sum(tensor3(dx, dims, self.device))?;
+        Ok(tensor3(dx, dims, self.device))
+    }
+
+    /// The backward pass of [`Self::block_forward`] with upstream gradient `g` of the new
+    /// residual stream: the old one's, `g` itself (the residual path) plus the block's.
+    ///
+    /// The operators' backward passes mirror their forward passes: without sequence
+    /// parallelism `g`'s is the identity and `f`'s the all-reduce of the input gradient's
+    /// shares; with it `g`'s is an all-gather of the slices' gradients (the body's partial
+    /// sums went to every slice) and `f`'s a reduce-scatter of the shares, which sums them and
+    /// hands each rank its slice for the norm's backward pass.
+    fn block_backward(
+        &mut self,
+        k: BlockKept<B>,
+        g: Tensor<B, 3>,
+    ) -> Result<Tensor<B, 3>, TrainError> {
+        let gy = if k.norm.is_some() {
+            self.seq_gather(g.clone())?
+        } else {
+            g.clone()
+        };
+        let dh = match k.body {
+            BodyKept::Dense(kept) => self.segment_backward(kept, gy)?,
+            BodyKept::Experts(saved) => self.moe_backward(gy, saved)?,
+        };
+        let dx = match k.norm {
+            Some(norm) => {
+                let dh = self.seq_reduce_scatter(dh)?;
+                self.segment_backward(norm, dh)?
+            }
+            None => self.tp_sum(dh)?,
+        };
         Ok(g + dx)
     }
 
@@ -839,7 +1104,15 @@ impl<B: AutodiffBackend> Stage<'_, B> {
                     Some(d) => to_vec(d)?,
                     None => vec![0.0; shape.iter().product()],
                 };
-                tensor3(dx, shape, self.device)
+                // Sequence parallelism: the head ran on the gathered sequence; this rank's
+                // slice of its input gradient is the gradient of this rank's slice.
+                let parts = shape[1] / saved.shape[1];
+                let dx = if parts > 1 {
+                    sequence_slice(&dx, shape[0], parts, self.mp.coords.tp)
+                } else {
+                    dx
+                };
+                tensor3(dx, saved.shape, self.device)
             }
             (None, Some(v)) => tensor3(v, saved.shape, self.device),
             (None, None) => {
@@ -849,14 +1122,16 @@ impl<B: AutodiffBackend> Stage<'_, B> {
             }
         };
         for (attn, ffn) in saved.layers.into_iter().rev() {
-            g = match ffn {
-                FfnKept::Experts(m) => self.moe_backward(g, m)?,
-                FfnKept::Dense(k) => self.segment_backward(k, g)?,
-            };
-            g = self.segment_backward(attn, g)?;
+            g = self.block_backward(ffn, g)?;
+            g = self.block_backward(attn, g)?;
         }
         match saved.embed {
             Some((y, leaves)) => {
+                // Sequence parallelism: the forward pass kept this rank's slice of the
+                // embeddings, so the whole sequence's gradient is the slices' put together.
+                if g.dims()[1] < y.dims()[1] {
+                    g = self.seq_gather(g)?;
+                }
                 let grads = (y * g).sum().backward();
                 leaves.accumulate(&grads, self.grads)?;
                 Ok(None)
@@ -865,8 +1140,9 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         }
     }
 
+    /// Elements of a micro-batch's activations (or their gradient) between stages.
     fn act_len(&self, mb: &MicroBatch) -> usize {
-        mb.n * mb.seq * self.model.d_model
+        mb.n * self.local_seq(mb) * self.model.d_model
     }
 
     /// A micro-batch's activations or their gradient from `peer` (`None`: there is no such
@@ -1169,17 +1445,22 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         e / (self.moe_experts() / self.mp.layout.ep).max(1)
     }
 
-    /// Layer `l`'s router: the normalised input `h` (`[n, d]`) and the gates
-    /// (`[n, experts]`), with the chosen experts' mask.
+    /// Layer `l`'s router: the normalised input `h` (`[n, d]`; `x` normalised here unless
+    /// `normed`) and the gates (`[n, experts]`), with the chosen experts' mask.
     fn router_segment(
         &self,
         l: usize,
         x: Tensor<B, 3>,
+        normed: bool,
         leaves: &mut Leaves<B>,
     ) -> Result<Routed<B>, TrainError> {
         let [b, t, d] = x.dims();
-        let (gain, bias) = self.norm_params(&format!("blocks.{l}.norm2"), leaves)?;
-        let h = norm(x, gain, bias, self.model.norm_eps).reshape([b * t, d]);
+        let h = if normed {
+            x
+        } else {
+            self.block_norm(Block::FeedForward, l, x, leaves)?
+        };
+        let h = h.reshape([b * t, d]);
         let router = leaves.p2(self.store, &format!("blocks.{l}.moe.router"), self.device)?;
         let (gates, mask) = moe_gates_and_mask(h.clone(), router, self.moe_top_k());
         Ok(Routed { h, gates, mask })
@@ -1267,14 +1548,16 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         Ok((out, kept))
     }
 
-    /// Layer `l`'s mixture of experts on `x`: route, dispatch each token to its chosen
-    /// experts' ranks, run the local experts, return the results, and sum them weighted by
-    /// the gates in expert order (the reference's order). The output is this rank's
-    /// tensor-parallel partial sum, like the dense MLP's.
+    /// Layer `l`'s mixture of experts on `x` (normalised first unless `normed`, as with
+    /// sequence parallelism, where the norm ran on the slice before the all-gather): route,
+    /// dispatch each token to its chosen experts' ranks, run the local experts, return the
+    /// results, and sum them weighted by the gates in expert order (the reference's order).
+    /// The output is this rank's tensor-parallel partial sum, like the dense MLP's.
     fn moe_forward(
         &mut self,
         l: usize,
         x: &Tensor<B, 3>,
+        normed: bool,
         train: bool,
     ) -> Result<(Tensor<B, 3>, Option<MoeSaved<B>>), TrainError> {
         let [b, t, d] = x.dims();
@@ -1287,7 +1570,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
             x.clone()
         };
         let mut leaves = Leaves::new(train);
-        let Routed { h, gates, mask } = self.router_segment(l, xin.clone(), &mut leaves)?;
+        let Routed { h, gates, mask } = self.router_segment(l, xin.clone(), normed, &mut leaves)?;
         let hv = to_vec(h.clone().detach())?;
         let gv = to_vec(gates.clone().detach())?;
         let mut pairs = Vec::new();
@@ -1332,8 +1615,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
     }
 
     /// The backward pass of [`Self::moe_forward`] with upstream gradient `g`; like
-    /// [`Self::segment_backward`] it returns `g` plus the input's gradient summed over the
-    /// tensor-parallel group.
+    /// [`Self::segment_backward`] it returns this rank's share of the input's gradient.
     fn moe_backward(
         &mut self,
         g: Tensor<B, 3>,
@@ -1342,7 +1624,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         let [b, t, d] = s.router.x.dims();
         let n = b * t;
         let experts = self.moe_experts();
-        let gv = to_vec(g.clone())?;
+        let gv = to_vec(g)?;
         // The weighted sum: d y = gate · g, d gate = y · g (chosen experts only; the others'
         // gates are a constant zero).
         let mut dy = Vec::with_capacity(s.y.len());
@@ -1393,8 +1675,7 @@ impl<B: AutodiffBackend> Stage<'_, B> {
             Some(v) => to_vec(v)?,
             None => vec![0.0; n * d],
         };
-        let dx = self.tp_sum(tensor3(dx, [b, t, d], self.device))?;
-        Ok(g + dx)
+        Ok(tensor3(dx, [b, t, d], self.device))
     }
 }
 
@@ -1428,6 +1709,25 @@ fn combine(
         }
     }
     out
+}
+
+/// With sequence parallelism, refuses micro-batches whose sequences do not cut into as many
+/// equal slices as there are tensor-parallel ranks, before anything is sent (the
+/// configuration's check of `model.context` keeps the trainer's batches from ever failing it).
+fn check_sequence_split(mp: &ModelParallel, micro: &[MicroBatch]) -> Result<(), TrainError> {
+    let tp = mp.layout.tp;
+    match micro.iter().find(|mb| !mb.seq.is_multiple_of(tp)) {
+        Some(mb) if mp.layout.sequence_parallel => Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "parallel.sequence_parallel".into(),
+                message: format!(
+                    "sequences of {} tokens do not cut into tp {tp} equal slices",
+                    mb.seq
+                ),
+            }],
+        })),
+        _ => Ok(()),
+    }
 }
 
 /// Sums `buf` over `group` unless it has one member.
@@ -1471,6 +1771,7 @@ pub fn train_step<B: AutodiffBackend>(
 ) -> Result<StepOutcome, TrainError> {
     grads.flat_mut().fill(0.0);
     let rank = mp.rank;
+    check_sequence_split(mp, micro)?;
     let loss_sum = {
         let mut stage = Stage::<B> {
             mp,
@@ -1488,8 +1789,10 @@ pub fn train_step<B: AutodiffBackend>(
             stage.one_f_one_b(micro)?
         }
     };
-    // The layer norms sit after `f`, so each tensor-parallel rank holds its heads' (or hidden
-    // units') share of their gradients.
+    // Each tensor-parallel rank holds a share of the layer norms' gradients: without sequence
+    // parallelism the norms sit after `f`, so it holds its heads' (or hidden units') share;
+    // with it they run on the rank's slice of the sequence, so it holds its slice's share. The
+    // routers' gradients come from this rank's share of the experts' outputs either way.
     if mp.layout.tp > 1 {
         let idx: Vec<usize> = (0..grads.len())
             .filter(|&i| {
@@ -1592,6 +1895,7 @@ pub fn eval_forward<B: AutodiffBackend>(
     aux: &Aux<B>,
     batch: &MicroBatch,
 ) -> Result<Option<f32>, TrainError> {
+    check_sequence_split(mp, std::slice::from_ref(batch))?;
     let mut unused = ParamStore::zeros(&[]);
     let mut stage = Stage::<B> {
         mp,
@@ -1658,6 +1962,7 @@ mod tests {
             micro_batches: 1,
             virtual_stages: 1,
             ep: 1,
+            sequence_parallel: false,
         };
         let layout = Layout::new(&par, &m, 8, 8).unwrap();
         let full = ParamStore::init(&param_specs(&m), &mut Rng::new(3, 1));
@@ -1695,6 +2000,7 @@ mod tests {
             micro_batches: 1,
             virtual_stages: 1,
             ep: 2,
+            sequence_parallel: false,
         };
         let layout = Layout::new(&par, &m, 8, 8).unwrap();
         let full = ParamStore::init(&param_specs(&m), &mut Rng::new(3, 1));

@@ -20,8 +20,12 @@
 //! stages: `rank = tp + TP · (dp + DP · pp)`. Tensor-parallel groups, which talk the most, are
 //! consecutive ranks (one host, in a real job); pipeline neighbours are `TP · DP` apart.
 //!
+//! With `sequence_parallel` the tensor-parallel group also splits the sequence between its
+//! blocks (Megatron's sequence parallelism); that is an option of the tensor-parallel axis,
+//! not an axis of its own, so it adds no ranks and no groups.
+//!
 //! What this module does not do: it computes nothing and sends nothing (the trainer and
-//! [`crate::model_parallel`] do); it has no sequence- or context-parallel axis.
+//! [`crate::model_parallel`] do); it has no context-parallel axis.
 
 use serde::{Deserialize, Serialize};
 
@@ -51,6 +55,18 @@ pub struct ParallelConfig {
     /// replica's tokens are dispatched to the experts of `ep` consecutive replicas, each of
     /// which holds `experts / ep` of them. Divides `dp` and `model.moe.experts`.
     pub ep: usize,
+    /// Megatron's sequence parallelism over the tensor-parallel group: the layer norms and
+    /// residual adds between the tensor-parallel blocks run on `1 / tp` of the sequence on
+    /// each rank, and each block's all-reduce becomes an all-gather before it and a
+    /// reduce-scatter after it. Needs `tp > 1` and `model.context` divisible by `tp`. Not
+    /// written when off, so configurations and checkpoints from before it read back
+    /// unchanged.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Default for ParallelConfig {
@@ -62,6 +78,7 @@ impl Default for ParallelConfig {
             micro_batches: 1,
             virtual_stages: 1,
             ep: 1,
+            sequence_parallel: false,
         }
     }
 }
@@ -175,6 +192,27 @@ impl ParallelConfig {
                 Some(_) => {}
             }
         }
+        if self.sequence_parallel {
+            // The sequence is cut into `tp` equal slices, one per tensor-parallel rank; with
+            // one rank there is nothing to cut, and a silent no-op would hide a typo in `tp`.
+            if self.tp == 1 {
+                bad(
+                    "parallel.sequence_parallel",
+                    "sequence parallelism splits the sequence over the tensor-parallel group \
+                     and needs tp > 1"
+                        .into(),
+                );
+            } else if self.tp > 1 && !model.context.is_multiple_of(self.tp) {
+                bad(
+                    "parallel.sequence_parallel",
+                    format!(
+                        "model.context {} is not divisible by tp {}, as sequence parallelism \
+                         needs",
+                        model.context, self.tp
+                    ),
+                );
+            }
+        }
         let replicas = self.dp * self.micro_batches;
         if replicas > 0 && !batch_size.is_multiple_of(replicas) {
             bad(
@@ -207,6 +245,9 @@ pub struct Layout {
     pub virtual_stages: usize,
     /// Expert-parallel ranks (1 without experts).
     pub ep: usize,
+    /// Whether the regions between tensor-parallel blocks run on `1 / tp` of the sequence
+    /// (Megatron's sequence parallelism).
+    pub sequence_parallel: bool,
     /// Consecutive layers per model chunk (`n_layers / (pp · virtual_stages)`).
     pub layers_per_chunk: usize,
 }
@@ -244,6 +285,7 @@ impl Layout {
             micro_batches: config.micro_batches,
             virtual_stages: config.virtual_stages,
             ep: config.ep,
+            sequence_parallel: config.sequence_parallel,
             layers_per_chunk: model.n_layers / (config.pp * config.virtual_stages),
         })
     }
@@ -379,6 +421,7 @@ mod tests {
             micro_batches: 2,
             virtual_stages: 1,
             ep: 1,
+            sequence_parallel: false,
         };
         let l = Layout::new(&cfg, &model(), 12, 12).unwrap();
         for rank in 0..12 {
@@ -405,6 +448,7 @@ mod tests {
             micro_batches: 2,
             virtual_stages: 2,
             ep: 1,
+            sequence_parallel: false,
         };
         let l = Layout::new(&cfg, &model(), 8, 2).unwrap();
         assert_eq!(l.chunk_layers(0, 1), 2..3);
@@ -424,6 +468,7 @@ mod tests {
             micro_batches: 5,
             virtual_stages: 1,
             ep: 1,
+            sequence_parallel: false,
         };
         let err = Layout::new(&cfg, &model(), 8, 9).unwrap_err();
         for path in ["parallel.tp", "parallel.pp", "parallel.micro_batches"] {
@@ -437,6 +482,7 @@ mod tests {
             micro_batches: 1,
             virtual_stages: 1,
             ep: 1,
+            sequence_parallel: false,
         };
         let err = Layout::new(&ok, &model(), 8, 8).unwrap_err();
         assert!(err.mentions("parallel.dp"), "{err}");
@@ -448,9 +494,47 @@ mod tests {
             micro_batches: 3,
             virtual_stages: 4,
             ep: 1,
+            sequence_parallel: false,
         };
         let err = Layout::new(&interleaved, &model(), 6, 2).unwrap_err();
         assert!(err.mentions("parallel.virtual_stages"), "{err}");
         assert!(err.mentions("parallel.micro_batches"), "{err}");
+    }
+
+    #[test]
+    fn sequence_parallelism_needs_tensor_parallelism_and_a_divisible_context() {
+        let sp = |tp: usize| ParallelConfig {
+            tp,
+            sequence_parallel: true,
+            ..ParallelConfig::default()
+        };
+        // Nothing to split the sequence over.
+        let err = Layout::new(&sp(1), &model(), 8, 1).unwrap_err();
+        assert!(err.mentions("parallel.sequence_parallel"), "{err}");
+        assert!(err.to_string().contains("needs tp > 1"), "{err}");
+        // A context that does not cut into tp equal slices, reported with the other problems.
+        let odd = ModelConfig {
+            context: 9,
+            d_ff: 63,
+            ..model()
+        };
+        let err = Layout::new(&sp(2), &odd, 8, 2).unwrap_err();
+        assert!(err.mentions("parallel.sequence_parallel"), "{err}");
+        assert!(err.mentions("parallel.tp"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("model.context 9 is not divisible by tp 2"),
+            "{err}"
+        );
+        // Off, the same shapes are only the tensor-parallel problem.
+        let plain = ParallelConfig {
+            sequence_parallel: false,
+            ..sp(2)
+        };
+        let err = Layout::new(&plain, &odd, 8, 2).unwrap_err();
+        assert!(!err.mentions("parallel.sequence_parallel"), "{err}");
+        let ok = Layout::new(&sp(2), &model(), 8, 2).unwrap();
+        assert!(ok.sequence_parallel);
+        assert!(sp(2).splits_model());
     }
 }

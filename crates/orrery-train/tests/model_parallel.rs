@@ -49,6 +49,19 @@ fn interleaved(
     })
 }
 
+/// [`par`] with Megatron's sequence parallelism over the tensor-parallel group.
+fn sequence_parallel(
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    micro_batches: usize,
+) -> Option<ParallelConfig> {
+    par(tp, pp, dp, micro_batches).map(|p| ParallelConfig {
+        sequence_parallel: true,
+        ..p
+    })
+}
+
 struct Run {
     losses: Vec<f32>,
     val: Vec<Option<f32>>,
@@ -240,6 +253,110 @@ fn expert_parallel_hybrid_matches_single_rank() {
     check("moe swiglu tp2 pp2 dp2 ep2 m2", &c);
 }
 
+/// Sequence parallelism: the norms and residual adds run on half the sequence on each
+/// tensor-parallel rank, between an all-gather and a reduce-scatter.
+#[test]
+fn sequence_parallel_matches_single_rank() {
+    let mut c = config();
+    c.parallel = sequence_parallel(2, 1, 1, 1);
+    check("tp2 sp", &c);
+}
+
+/// Sequence parallelism with pipeline stages, which pass each other the slices.
+#[test]
+fn sequence_parallel_with_pipeline_matches_single_rank() {
+    let mut c = config();
+    c.parallel = sequence_parallel(2, 2, 1, 2);
+    check("tp2 pp2 m2 sp", &c);
+}
+
+/// Sequence parallelism with pipeline and data parallelism.
+#[test]
+fn sequence_parallel_hybrid_matches_single_rank() {
+    let mut c = config();
+    c.parallel = sequence_parallel(2, 2, 2, 2);
+    check("tp2 pp2 dp2 m2 sp", &c);
+}
+
+/// Sequence parallelism with the other model variants (learned positions, embedded on the
+/// whole sequence and sliced; an untied head on the gathered sequence), with interleaved
+/// 1F1B, and with experts, which route the gathered tokens.
+#[test]
+fn sequence_parallel_variants_match_single_rank() {
+    let mut c = config();
+    c.model.mlp = MlpKind::SwiGlu;
+    c.model.norm = NormKind::RmsNorm;
+    c.model.positions = PositionKind::Learned;
+    c.model.tie_embeddings = false;
+    c.parallel = sequence_parallel(2, 2, 1, 2);
+    check("swiglu rmsnorm learned untied tp2 pp2 m2 sp", &c);
+
+    let mut c = config();
+    c.parallel = sequence_parallel(2, 2, 1, 2).map(|p| ParallelConfig {
+        virtual_stages: 2,
+        ..p
+    });
+    check("tp2 pp2 v2 m2 sp", &c);
+
+    // The experts' configuration of `expert_parallel_hybrid_matches_single_rank`.
+    let mut c = config();
+    c.model.moe = Some(MoeConfig {
+        experts: 4,
+        top_k: 2,
+    });
+    c.model.mlp = MlpKind::SwiGlu;
+    c.parallel = sequence_parallel(2, 2, 2, 2).map(|p| ParallelConfig { ep: 2, ..p });
+    check("moe swiglu tp2 pp2 dp2 ep2 m2 sp", &c);
+}
+
+/// Sequence parallelism changes where sums are taken, not what is computed: the same losses
+/// and weights as plain tensor parallelism within float tolerance.
+#[test]
+fn sequence_parallel_matches_plain_tensor_parallel() {
+    let mut c = config();
+    c.parallel = par(2, 2, 1, 2);
+    let plain = parallel(&c);
+    c.parallel = sequence_parallel(2, 2, 1, 2);
+    let sp = parallel(&c);
+    let (mut loss_diff, mut weight_diff) = (0.0f32, 0.0f32);
+    for (rank, (a, b)) in sp.iter().zip(&plain).enumerate() {
+        for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
+            assert!(
+                rel(*x, *y) <= LOSS_RTOL,
+                "rank {rank} step {step}: {x} vs {y}"
+            );
+            loss_diff = loss_diff.max(rel(*x, *y));
+        }
+        for (x, y) in a.val.iter().zip(&b.val) {
+            match (x, y) {
+                (Some(x), Some(y)) => {
+                    assert!(rel(*x, *y) <= LOSS_RTOL, "rank {rank}: val {x} vs {y}");
+                    loss_diff = loss_diff.max(rel(*x, *y));
+                }
+                (None, None) => {}
+                other => panic!("rank {rank}: evaluation differs {other:?}"),
+            }
+        }
+        assert_eq!(a.weights.len(), b.weights.len());
+        for (i, (x, y)) in a.weights.iter().zip(&b.weights).enumerate() {
+            assert!(
+                (x - y).abs() <= ADAMW_WEIGHT_ATOL,
+                "rank {rank} weight {i}: {x} vs {y}"
+            );
+            weight_diff = weight_diff.max((x - y).abs());
+        }
+    }
+    // Not bit for bit: the sequence-parallel path did run.
+    assert_ne!(
+        common::bits(&sp[0].weights),
+        common::bits(&plain[0].weights)
+    );
+    eprintln!(
+        "tp2 pp2 m2 sp vs plain tp: max loss rel diff {loss_diff:e}, weight abs diff \
+         {weight_diff:e}"
+    );
+}
+
 /// With plain gradient descent the weights agree far more tightly (see [`SGD_WEIGHT_ATOL`]).
 #[test]
 fn hybrid_parallel_sgd_weights_match_tightly() {
@@ -284,6 +401,16 @@ fn a_bad_layout_names_the_field() {
     c.parallel = interleaved(1, 2, 1, 2, 3);
     let err = c.validate().unwrap_err();
     assert!(err.mentions("parallel.virtual_stages"), "{err}");
+
+    // Sequence parallelism needs a tensor-parallel group and a context it cuts evenly.
+    c.parallel = sequence_parallel(1, 2, 1, 2);
+    let err = c.validate().unwrap_err();
+    assert!(err.mentions("parallel.sequence_parallel"), "{err}");
+    c.parallel = sequence_parallel(2, 1, 1, 1);
+    c.model.context = 15;
+    let err = c.validate().unwrap_err();
+    assert!(err.mentions("parallel.sequence_parallel"), "{err}");
+    c.model.context = 16;
 
     // Expert parallelism needs experts, and must divide both dp and their number.
     c.parallel = par(1, 1, 2, 1).map(|p| ParallelConfig { ep: 2, ..p });

@@ -164,6 +164,7 @@ pub fn mp_config(tp: usize, pp: usize, dp: usize, micro_batches: usize) -> Train
         micro_batches,
         virtual_stages: 1,
         ep: 1,
+        sequence_parallel: false,
     });
     c
 }
