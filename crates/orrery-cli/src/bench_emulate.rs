@@ -183,7 +183,8 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     let base = fidelity_base();
     let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
     outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
-    outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process\n");
+    outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process");
+    outln!("threads of one process measure memory to within some KB (burn keeps one autodiff registry per process): --mpi runs each measurement in a process of its own\n");
     outln!(
         "{:<14} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
         "world",
