@@ -261,7 +261,7 @@ fn collect_then_emulate_the_real_program() {
     assert!(v["step_time_ps"].as_u64().unwrap() > 0);
     assert!(v["collected_step_time_ps"].as_u64().unwrap() > 0);
     assert!(v["real_ranks"][0]["peak_memory_bytes"].as_u64().unwrap() > 0);
-    // A collection of another world, a damaged file and interleaving are refused.
+    // A collection of another world and a damaged file are refused.
     let (code, _, stderr) = orrery(&[
         "emulate",
         "--train",
@@ -330,16 +330,34 @@ fn collect_then_emulate_the_real_program() {
             .replace("n_layers = 2", "n_layers = 4"),
     )
     .unwrap();
-    let (code, _, stderr) = orrery(&[
+    // Interleaved 1F1B collects and emulates too: its tagged messages meet by tag.
+    let interleaved_coll = job.with_file_name("interleaved.bin");
+    let (code, stdout, stderr) = orrery(&[
         "collect",
         interleaved.to_str().unwrap(),
         "--ranks",
         "8",
         "--out",
-        p,
+        interleaved_coll.to_str().unwrap(),
     ]);
-    assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("parallel.virtual_stages"), "{stderr}");
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("collected 2 ranks of 8"), "{stdout}");
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        interleaved.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--graph",
+        interleaved_coll.to_str().unwrap(),
+        "--real-ranks",
+        "6",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["real_ranks"][0]["rank"], 6);
+    assert!(v["step_time_ps"].as_u64().unwrap() > 0);
 }
 
 #[test]

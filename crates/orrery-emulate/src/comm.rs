@@ -36,8 +36,10 @@
 //! contribute the first real member's (so every real member computes the same sum); sends
 //! and receives between real ranks go over it.
 //!
-//! What it does not do: emulate interleaved 1F1B, whose messages carry routing tags in
-//! their payload that synthetic data cannot provide (refused by the drivers).
+//! Tagged messages (`Communicator::send_f32_tagged`, interleaved 1F1B's) are recorded with
+//! the program's own tag, marked as such, so that a receive meets the send of the same tag
+//! whatever order the pair's messages were wanted in; a tagged receive from a virtual
+//! neighbour is synthesised like an untagged one.
 
 use crate::coordinator::RankReporter;
 use crate::memory;
@@ -288,6 +290,31 @@ fn synthesise(buf: &mut [f32], seed: u64) {
         x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         x ^= x >> 31;
         *v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04;
+    }
+}
+
+/// Set in the recorded tag of a tagged message (`Communicator::send_f32_tagged`): the program's
+/// own tag below it. The tags of untagged messages (their place in the pair's order) stay far
+/// below, so the two kinds never meet in the stitched graph.
+const PROGRAM_TAG: u64 = 1 << 63;
+
+/// A tagged message as recorded: a send to `peer` or a receive from it, of `len` floats.
+fn tagged_message(send: bool, peer: usize, len: usize, tag: u64) -> RecordedOp {
+    let (peer, bytes, tag) = (peer as u32, Bytes(4 * len as u64), PROGRAM_TAG | tag);
+    if send {
+        RecordedOp::Send {
+            peer,
+            bytes,
+            tag,
+            duration: Picos::ZERO,
+        }
+    } else {
+        RecordedOp::Recv {
+            peer,
+            bytes,
+            tag,
+            duration: Picos::ZERO,
+        }
     }
 }
 
@@ -556,6 +583,34 @@ impl Communicator for VirtualPeers {
 
     fn sends_never_wait(&self) -> bool {
         self.real.as_ref().is_none_or(|r| r.comm.sends_never_wait())
+    }
+
+    fn send_f32_tagged(&mut self, dest: usize, tag: u64, buf: &[f32]) -> Result<(), CommError> {
+        lock(&self.state).check_peer(dest)?;
+        self.operation(
+            None,
+            |v| v.with_real_rank(dest, |c, d| c.send_f32_tagged(d, tag, buf)),
+            |_, _| tagged_message(true, dest, buf.len(), tag),
+        )
+    }
+
+    fn recv_f32_tagged(&mut self, src: usize, tag: u64, buf: &mut [f32]) -> Result<(), CommError> {
+        lock(&self.state).check_peer(src)?;
+        let len = buf.len();
+        let rank = self.rank as u64;
+        self.operation(
+            None,
+            |v| match v.real.as_ref().and_then(|r| r.index(src)) {
+                Some(i) => v.on_real(|r| r.comm.recv_f32_tagged(i, tag, buf)).map(drop),
+                // A virtual sender: small deterministic values, as for untagged messages,
+                // seeded by the pair and the tag.
+                None => {
+                    synthesise(buf, ((src as u64) << 40) ^ (rank << 20) ^ tag ^ PROGRAM_TAG);
+                    Ok(())
+                }
+            },
+            |_, _| tagged_message(false, src, len, tag),
+        )
     }
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
@@ -930,6 +985,22 @@ impl<C: Communicator> Communicator for Recorded<C> {
 
     fn sends_never_wait(&self) -> bool {
         self.inner.sends_never_wait()
+    }
+
+    fn send_f32_tagged(&mut self, dest: usize, tag: u64, buf: &[f32]) -> Result<(), CommError> {
+        let len = buf.len();
+        self.around(
+            |_| [tagged_message(true, dest, len, tag)],
+            |c| c.send_f32_tagged(dest, tag, buf),
+        )
+    }
+
+    fn recv_f32_tagged(&mut self, src: usize, tag: u64, buf: &mut [f32]) -> Result<(), CommError> {
+        let len = buf.len();
+        self.around(
+            |_| [tagged_message(false, src, len, tag)],
+            |c| c.recv_f32_tagged(src, tag, buf),
+        )
     }
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {

@@ -75,14 +75,6 @@ pub fn layout_of(config: &TrainConfig, ranks: usize) -> Result<Layout, DriveErro
                     ),
                 });
             }
-            if p.virtual_stages > 1 {
-                return Err(DriveError::Config {
-                    field: "parallel.virtual_stages",
-                    message: "interleaved 1F1B cannot run among virtual peers (its messages \
-                              carry routing tags that synthetic data cannot provide)"
-                        .into(),
-                });
-            }
             (p.tp, p.pp, p.dp, p.ep)
         }
         None => (1, 1, ranks, 1),

@@ -79,6 +79,8 @@ pub enum CommError {
         counted: usize,
         len: usize,
     },
+    #[error("this communicator does not support {what}")]
+    Unsupported { what: &'static str },
 }
 
 /// Why a list of ranks is not a group.
@@ -188,6 +190,31 @@ pub trait Communicator: Send {
     /// Receives the next message from rank `src` (not this rank) into `buf`, whose length must
     /// be the message's ([`CommError::LengthMismatch`] otherwise; the message is consumed).
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError>;
+
+    /// Sends `buf` to `dest` as the message `tag` of this pair of ranks. The receiver takes it
+    /// with [`Self::recv_f32_tagged`] under the same tag, in whatever order it wants the pair's
+    /// tagged messages: interleaved 1F1B, where two stages exchange activations one way and
+    /// gradients the other, names each message by what it carries instead of relying on
+    /// arrival order. A tag must not be reused for a pair while its message is in flight.
+    /// Tagged and untagged messages do not overtake each other's kind: each has its own order.
+    ///
+    /// The default refuses ([`CommError::Unsupported`]); schedules that use tags also need
+    /// [`Self::sends_never_wait`], and the communicators that promise that implement both.
+    fn send_f32_tagged(&mut self, dest: usize, tag: u64, buf: &[f32]) -> Result<(), CommError> {
+        let _ = (dest, tag, buf);
+        Err(CommError::Unsupported {
+            what: "tagged messages",
+        })
+    }
+
+    /// Receives the message `tag` from rank `src` into `buf`, whose length must be the
+    /// message's (see [`Self::send_f32_tagged`]). The default refuses.
+    fn recv_f32_tagged(&mut self, src: usize, tag: u64, buf: &mut [f32]) -> Result<(), CommError> {
+        let _ = (src, tag, buf);
+        Err(CommError::Unsupported {
+            what: "tagged messages",
+        })
+    }
 
     /// Sends `send` to `dest` and receives the next message from `src` into `recv`, as one
     /// operation that cannot deadlock against a peer doing the mirror-image call (MPI's
@@ -554,6 +581,9 @@ struct State {
     /// Point-to-point messages in flight, one queue per ordered pair: `mail[src * world +
     /// dst]`. Unbounded, so a send never waits.
     mail: Vec<VecDeque<Vec<f32>>>,
+    /// Tagged messages in flight, per ordered pair as `mail`, with their tags (few at a time:
+    /// a linear search finds one).
+    tagged: Vec<Vec<(u64, Vec<f32>)>>,
 }
 
 #[derive(Debug)]
@@ -584,6 +614,7 @@ impl ThreadComm {
                 floats: vec![Vec::new(); world],
                 bytes: vec![Vec::new(); world],
                 mail: vec![VecDeque::new(); world * world],
+                tagged: vec![Vec::new(); world * world],
             }),
             cv: Condvar::new(),
         });
@@ -746,22 +777,50 @@ impl Communicator for ThreadComm {
     }
 
     fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
+        self.post(dest, |st, slot| st.mail[slot].push_back(buf.to_vec()))
+    }
+
+    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        self.take(src, buf, |st, slot| st.mail[slot].pop_front())
+    }
+
+    fn send_f32_tagged(&mut self, dest: usize, tag: u64, buf: &[f32]) -> Result<(), CommError> {
+        self.post(dest, |st, slot| st.tagged[slot].push((tag, buf.to_vec())))
+    }
+
+    fn recv_f32_tagged(&mut self, src: usize, tag: u64, buf: &mut [f32]) -> Result<(), CommError> {
+        self.take(src, buf, |st, slot| {
+            let at = st.tagged[slot].iter().position(|(t, _)| *t == tag)?;
+            Some(st.tagged[slot].remove(at).1)
+        })
+    }
+}
+
+impl ThreadComm {
+    /// Posts a message to `dest` with `put`, which gets the state and the pair's slot.
+    fn post(&mut self, dest: usize, put: impl FnOnce(&mut State, usize)) -> Result<(), CommError> {
         self.check_peer(dest)?;
         let mut st = self.lock()?;
-        let world = self.shared.world;
-        st.mail[self.rank * world + dest].push_back(buf.to_vec());
+        put(&mut st, self.rank * self.shared.world + dest);
         drop(st);
         self.shared.cv.notify_all();
         Ok(())
     }
 
-    fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
+    /// Waits until `find` takes a message from `src`'s slot to this rank, and copies it into
+    /// `buf`.
+    fn take(
+        &mut self,
+        src: usize,
+        buf: &mut [f32],
+        mut find: impl FnMut(&mut State, usize) -> Option<Vec<f32>>,
+    ) -> Result<(), CommError> {
         self.check_peer(src)?;
         let slot = src * self.shared.world + self.rank;
         let mut st = self.lock()?;
         // A message already sent is delivered even when its sender has left since.
         let msg = loop {
-            if let Some(m) = st.mail[slot].pop_front() {
+            if let Some(m) = find(&mut st, slot) {
                 break m;
             }
             if st.departed[src] {
@@ -821,6 +880,61 @@ mod tests {
                 assert_eq!(rank[round], out[0][round], "identical on every rank");
             }
         }
+    }
+
+    #[test]
+    fn tagged_messages_are_received_by_tag_in_any_order() {
+        let out = run(2, |mut c| {
+            if c.rank() == 0 {
+                for tag in [5u64, 9, 1 << 48] {
+                    c.send_f32_tagged(1, tag, &[tag as f32, 1.0]).unwrap();
+                }
+                // An untagged message keeps its own order beside the tagged ones.
+                c.send_f32(1, &[42.0]).unwrap();
+                Vec::new()
+            } else {
+                let mut got = Vec::new();
+                let mut one = [0.0f32];
+                c.recv_f32(0, &mut one).unwrap();
+                got.push(one[0]);
+                for tag in [1u64 << 48, 5, 9] {
+                    let mut buf = [0.0f32; 2];
+                    c.recv_f32_tagged(0, tag, &mut buf).unwrap();
+                    got.push(buf[0]);
+                }
+                got
+            }
+        });
+        assert_eq!(out[1], vec![42.0, (1u64 << 48) as f32, 5.0, 9.0]);
+    }
+
+    #[test]
+    fn a_tagged_receive_fails_once_its_sender_has_left() {
+        let out = run(2, |mut c| {
+            if c.rank() == 0 {
+                c.send_f32_tagged(1, 7, &[1.0]).unwrap();
+                drop(c);
+                None
+            } else {
+                let mut buf = [0.0f32];
+                // Sent before the sender left: delivered. Never sent: the peer is gone.
+                let first = c.recv_f32_tagged(0, 7, &mut buf);
+                let second = c.recv_f32_tagged(0, 8, &mut buf);
+                Some((first, second))
+            }
+        });
+        assert_eq!(out[1], Some((Ok(()), Err(CommError::PeerGone))));
+    }
+
+    #[test]
+    fn communicators_without_tagged_messages_refuse_them() {
+        let mut c = SingleRank;
+        assert_eq!(
+            c.send_f32_tagged(0, 1, &[0.0]),
+            Err(CommError::Unsupported {
+                what: "tagged messages"
+            })
+        );
     }
 
     #[test]

@@ -78,9 +78,10 @@
 //! With `virtual_stages` model chunks per rank the schedule is Megatron's interleaved 1F1B
 //! (`Stage::interleaved`): chunk `c` of stage `s` is the model's chunk `c · pp + s`, the last
 //! stage feeds the first stage's next chunk, and since two stages may then exchange both
-//! activations and gradients, every message carries a small tag (kind, chunk, micro-batch) and
-//! early arrivals wait in a stash. Its sends are posted eagerly, so it needs a communicator
-//! whose sends never wait ([`Communicator::sends_never_wait`]).
+//! activations and gradients, every message is tagged with its kind, chunk and micro-batch
+//! ([`Communicator::send_f32_tagged`]) and received by its tag, whatever order the pair's
+//! messages arrive in. Its sends are posted eagerly, so it needs a communicator whose sends
+//! never wait ([`Communicator::sends_never_wait`]).
 //!
 //! **Experts.** With `model.moe`, each block's MLP segment becomes a mixture of experts: the
 //! router runs where the token is; each token-expert pair's row goes to the member of the
@@ -97,7 +98,7 @@
 //! all-to-all, the rows' all-to-all there and the results' back, then the all-reduce), and
 //! backward the mirror image (all-to-alls of the gradients, then the all-reduce of the input
 //! gradient); between stages, activations and gradients as point-to-point messages of
-//! `n · seq · d` floats (interleaved 1F1B: 3 more, the tag). With sequence parallelism each of
+//! `n · seq · d` floats. With sequence parallelism each of
 //! those tensor-parallel all-reduces becomes two collectives over the same group and the
 //! whole `n · seq · d` floats: forward, per block, an all-gather before it and a reduce-scatter
 //! after it; backward, per block, an all-gather of the output gradient and a reduce-scatter of
@@ -661,12 +662,16 @@ struct Stage<'a, B: AutodiffBackend> {
     comm: &'a mut dyn Communicator,
     device: &'a B::Device,
     aux: &'a Aux<B>,
-    /// Interleaved 1F1B: tagged messages that arrived before they were wanted, by sender,
-    /// kind, chunk and micro-batch.
-    stash: HashMap<(usize, u8, usize, usize), Vec<f32>>,
 }
 
-/// Message kinds of interleaved 1F1B (the first element of a tagged message).
+/// The tag of an interleaved-1F1B message: what it carries (its kind), for which model chunk
+/// of the receiver and which micro-batch. Unique among a pair's messages of one step, and
+/// the same on both sides, so the receiver can ask for the one it needs next.
+fn message_tag(kind: u8, chunk: usize, mb: usize) -> u64 {
+    (u64::from(kind) << 48) | ((chunk as u64 & 0xff_ffff) << 24) | (mb as u64 & 0xff_ffff)
+}
+
+/// Message kinds of interleaved 1F1B (part of a message's tag).
 const TAG_FORWARD: u8 = 0;
 const TAG_BACKWARD: u8 = 1;
 
@@ -1303,16 +1308,13 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         mb: usize,
         data: &[f32],
     ) -> Result<(), TrainError> {
-        // Small integers are exact in f32; the tag rides in front of the data so that one
-        // pair's forward and backward messages (two stages exchange both) can be told apart.
-        let mut msg = Vec::with_capacity(data.len() + 3);
-        msg.extend([f32::from(kind), chunk as f32, mb as f32]);
-        msg.extend_from_slice(data);
-        self.comm.send_f32(to, &msg).map_err(|e| self.comm_err(e))
+        self.comm
+            .send_f32_tagged(to, message_tag(kind, chunk, mb), data)
+            .map_err(|e| self.comm_err(e))
     }
 
-    /// The message of `kind` for `chunk` and micro-batch `mb` from `from`, of `len` elements:
-    /// from the stash, or received, stashing the others that arrive first.
+    /// The message of `kind` for `chunk` and micro-batch `mb` from `from`, of `len` elements,
+    /// whenever it was sent among the pair's other messages.
     fn recv_tagged(
         &mut self,
         from: usize,
@@ -1321,22 +1323,11 @@ impl<B: AutodiffBackend> Stage<'_, B> {
         mb: usize,
         len: usize,
     ) -> Result<Vec<f32>, TrainError> {
-        let want = (from, kind, chunk, mb);
-        if let Some(v) = self.stash.remove(&want) {
-            return Ok(v);
-        }
-        loop {
-            let mut buf = vec![0.0f32; len + 3];
-            self.comm
-                .recv_f32(from, &mut buf)
-                .map_err(|e| self.comm_err(e))?;
-            let key = (from, buf[0] as u8, buf[1] as usize, buf[2] as usize);
-            buf.drain(..3);
-            if key == want {
-                return Ok(buf);
-            }
-            self.stash.insert(key, buf);
-        }
+        let mut buf = vec![0.0f32; len];
+        self.comm
+            .recv_f32_tagged(from, message_tag(kind, chunk, mb), &mut buf)
+            .map_err(|e| self.comm_err(e))?;
+        Ok(buf)
     }
 
     /// Interleaved 1F1B (Megatron's schedule for `v` model chunks per rank): the `m · v`
@@ -1781,7 +1772,6 @@ pub fn train_step<B: AutodiffBackend>(
             comm: &mut *comm,
             device,
             aux,
-            stash: HashMap::new(),
         };
         if mp.layout.virtual_stages > 1 {
             stage.interleaved(micro)?
@@ -1905,7 +1895,6 @@ pub fn eval_forward<B: AutodiffBackend>(
         comm,
         device,
         aux,
-        stash: HashMap::new(),
     };
     // One pass through the chunks in model order: a chain, so plain messages in order do.
     let mut loss = None;
