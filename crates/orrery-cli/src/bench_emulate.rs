@@ -304,19 +304,53 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cmd` to completion: its stdout, or an error with its stderr.
-fn child_stdout(mut cmd: std::process::Command, what: &str) -> Result<String> {
-    let out = cmd
-        .output()
+/// A child of the `--mpi` bench that has not finished by then has hung (a healthy one takes
+/// seconds).
+const CHILD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// Runs `cmd` to completion, its output kept in `dir`: its stdout, or an error with its
+/// stderr, also when it outlives [`CHILD_DEADLINE`] (it is killed).
+fn child_stdout(
+    mut cmd: std::process::Command,
+    what: &str,
+    dir: &std::path::Path,
+) -> Result<String> {
+    let (out, err) = (dir.join("child.out"), dir.join("child.err"));
+    let mut child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out)?)
+        .stderr(std::fs::File::create(&err)?)
+        .spawn()
         .with_context(|| format!("cannot start {what}"))?;
-    if !out.status.success() {
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if started.elapsed() > CHILD_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!(
+                "{what} did not finish within {} s",
+                CHILD_DEADLINE.as_secs()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    if !status.success() {
         anyhow::bail!(
-            "{what} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
+            "{what} failed ({status}):\n{}",
+            std::fs::read_to_string(&err).unwrap_or_default()
         );
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(std::fs::read_to_string(&out)?)
+}
+
+/// The field `key` of a child's JSON, which must be there.
+fn json_u64(v: &serde_json::Value, key: &str, what: &str) -> Result<u64> {
+    v[key]
+        .as_u64()
+        .with_context(|| format!("{what}: no {key} in its JSON"))
 }
 
 /// `orrery bench --emulate-fidelity --mpi`: the same comparison with every measurement in a
@@ -337,6 +371,18 @@ pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let dir = std::env::temp_dir().join(format!("orrery-fidelity-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
+    let result = fidelity_mpi_rows(runs, &exe, &launcher, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// The rows of [`run_fidelity_bench_mpi`], its files in `dir`.
+fn fidelity_mpi_rows(
+    runs: u32,
+    exe: &std::path::Path,
+    launcher: &str,
+    dir: &std::path::Path,
+) -> Result<()> {
     // A single machine: more ranks than cores, loopback TCP (works in containers). Settings
     // the caller made win.
     let defaults = [
@@ -365,9 +411,9 @@ pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for run in 0..runs {
             let reference = dir.join(format!("world{world}-{run}.collection"));
-            let mut mpi = std::process::Command::new(&launcher);
+            let mut mpi = std::process::Command::new(launcher);
             mpi.args(["-n", &world.to_string()])
-                .arg(&exe)
+                .arg(exe)
                 .arg("collect")
                 .arg(&path)
                 .args(["--ranks", &world.to_string(), "--comm", "mpi", "--json"])
@@ -378,36 +424,35 @@ pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
                     mpi.env(k, v);
                 }
             }
-            let real: serde_json::Value =
-                serde_json::from_str(&child_stdout(mpi, "the all-real MPI job")?)?;
-            let ranks = real["real_run"].as_array().context("no real run")?;
-            real_steps.push(
-                ranks
-                    .iter()
-                    .filter_map(|r| r["step_ps"].as_u64())
-                    .max()
-                    .unwrap_or(0),
-            );
-            real_peaks.push(ranks[0]["peak_memory_bytes"].as_u64().unwrap_or(0));
-            let mut emulate = std::process::Command::new(&exe);
+            let what = "the all-real MPI job";
+            let real: serde_json::Value = serde_json::from_str(&child_stdout(mpi, what, dir)?)?;
+            let ranks = real["real_run"]
+                .as_array()
+                .with_context(|| format!("{what}: no real_run in its JSON"))?;
+            let mut slowest = 0;
+            for r in ranks {
+                slowest = slowest.max(json_u64(r, "step_ps", what)?);
+            }
+            real_steps.push(slowest);
+            let rank0 = ranks
+                .iter()
+                .find(|r| r["rank"] == 0)
+                .with_context(|| format!("{what}: no rank 0"))?;
+            real_peaks.push(json_u64(rank0, "peak_memory_bytes", what)?);
+            let mut emulate = std::process::Command::new(exe);
             emulate
                 .args(["emulate", "--train"])
                 .arg(&path)
                 .args(["--ranks", &world.to_string(), "--real-ranks", "0", "--json"])
                 .arg("--graph")
                 .arg(&reference);
-            let emu: serde_json::Value =
-                serde_json::from_str(&child_stdout(emulate, "the emulation")?)?;
-            emu_steps.push(emu["step_time_ps"].as_u64().unwrap_or(0));
-            emu_peaks.push(
-                emu["real_ranks"][0]["peak_memory_bytes"]
-                    .as_u64()
-                    .unwrap_or(0),
-            );
+            let what = "the emulation";
+            let emu: serde_json::Value = serde_json::from_str(&child_stdout(emulate, what, dir)?)?;
+            emu_steps.push(json_u64(&emu, "step_time_ps", what)?);
+            emu_peaks.push(json_u64(&emu["real_ranks"][0], "peak_memory_bytes", what)?);
         }
         fidelity_row(name, world, real_steps, emu_steps, real_peaks, emu_peaks);
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 

@@ -29,9 +29,9 @@ pub struct CollectArgs {
     /// data parallelism).
     #[arg(long)]
     pub ranks: usize,
-    /// Real ranks run at a time (`--comm threads`).
-    #[arg(long, default_value_t = 1)]
-    pub slots: usize,
+    /// Real ranks run at a time (`--comm threads`; default 1).
+    #[arg(long)]
+    pub slots: Option<usize>,
     /// `threads`: representatives of the world's ranks run as threads of this process,
     /// `--slots` at a time, among virtual peers. `mpi`: every rank is real, one process per
     /// rank of an MPI job (`mpirun -n RANKS orrery collect ... --comm mpi`; needs orrery
@@ -49,7 +49,7 @@ pub struct CollectArgs {
     #[arg(long)]
     pub json: bool,
     /// Seconds a real rank may take over its warm-up and recorded steps before the
-    /// collection gives up on it as hung (`--comm threads`).
+    /// collection gives up on it as hung (with `--comm mpi`, before the job is ended).
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
     /// Also export every rank's collected graph as Chakra ET, with the measured durations:
@@ -72,14 +72,21 @@ pub fn train_config(path: Option<&Path>) -> Result<TrainConfig> {
     Ok(config)
 }
 
-/// Maps errors of the input (configuration, layout) to exit status 2.
+/// Maps errors of the input (configuration, its data, layout) to exit status 2.
 fn input_error(e: DriveError) -> anyhow::Error {
-    match e {
-        DriveError::Config { .. } | DriveError::Stitch(_) | DriveError::Emulate(_) => {
-            bad(e.to_string())
-        }
-        other => anyhow::Error::new(other),
+    if e.is_input() {
+        bad(e.to_string())
+    } else {
+        anyhow::Error::new(e)
     }
+}
+
+/// `--timeout` in seconds: zero would fail every run at once.
+fn check_timeout(seconds: u64) -> Result<()> {
+    if seconds == 0 {
+        return Err(bad("--timeout must be at least 1 second"));
+    }
+    Ok(())
 }
 
 fn clock() -> Arc<dyn Clock> {
@@ -98,7 +105,7 @@ fn run_collection(
         u64::from(layout.num_classes()),
         "collecting {bar:40} {pos}/{len} ranks",
     );
-    let timeout = Duration::from_secs(timeout.max(1));
+    let timeout = Duration::from_secs(timeout);
     let c = collect(
         config,
         ranks,
@@ -142,11 +149,17 @@ struct MeasuredRank {
 
 pub fn run_collect(args: &CollectArgs) -> Result<()> {
     let config = train_config(args.config.as_deref())?;
-    if args.slots == 0 {
-        return Err(bad("--slots must be at least 1"));
-    }
-    let (file, measured) = if args.comm == "mpi" {
-        match mpi_collect::collect_this_rank(&config, args.ranks, args.warmup)? {
+    check_timeout(args.timeout)?;
+    let mpi = args.comm == "mpi";
+    let slots = match (args.slots, mpi) {
+        (Some(0), _) => return Err(bad("--slots must be at least 1")),
+        // Every rank of an MPI job runs at once; a flag that would be ignored is refused.
+        (Some(_), true) => return Err(bad("--slots applies to --comm threads, not mpi")),
+        (slots, _) => slots.unwrap_or(1),
+    };
+    let (file, measured) = if mpi {
+        let timeout = Duration::from_secs(args.timeout);
+        match mpi_collect::collect_this_rank(&config, args.ranks, args.warmup, timeout)? {
             Some((file, walls)) => {
                 // Threads stitch as they collect; here the records meet for the first time.
                 // A collection that does not stitch is not written.
@@ -171,7 +184,7 @@ pub fn run_collect(args: &CollectArgs) -> Result<()> {
             None => return Ok(()),
         }
     } else {
-        let file = run_collection(&config, args.ranks, args.slots, args.warmup, args.timeout)?;
+        let file = run_collection(&config, args.ranks, slots, args.warmup, args.timeout)?;
         (file, None)
     };
     atomic_write(&args.out, &file.to_bytes())?;
@@ -289,20 +302,24 @@ fn export_collected(file: &CollectionFile, prefix: &Path) -> Result<()> {
 mod mpi_collect {
     use super::{clock, collection_file, input_error};
     use crate::bad;
+    use crate::train::mpi_rank::or_abort;
     use anyhow::Result;
-    use orrery_emulate::drive::{record_real_rank, DriveError};
+    use orrery_emulate::drive::record_real_rank;
     use orrery_emulate::file::CollectionFile;
     use orrery_graph::collect::RankRecord;
     use orrery_train::{Communicator, MpiComm, TrainConfig};
     use orrery_units::Picos;
+    use std::time::Duration;
 
     /// Records this rank's step and gathers every rank's record on rank 0, which gets the
-    /// collection file and each rank's step time; the other ranks get `None`. A rank that fails ends the whole job
-    /// (its peers would otherwise wait for it forever), with status 2 for bad input.
+    /// collection file and each rank's step time; the other ranks get `None`. A rank that
+    /// fails or panics ends the whole job (its peers would otherwise wait for it forever),
+    /// with status 2 for bad input; one that has not gathered within `timeout` ends it too.
     pub fn collect_this_rank(
         config: &TrainConfig,
         ranks: usize,
         warmup: u64,
+        timeout: Duration,
     ) -> Result<Option<(CollectionFile, Vec<Picos>)>> {
         let comm = MpiComm::init().map_err(|e| bad(format!("--comm mpi: {e}")))?;
         // Every rank sees the same arguments, so every rank refuses alike and ends normally.
@@ -314,28 +331,32 @@ mod mpi_collect {
         }
         orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
         let abort = comm.abort_handle();
-        let mut after = comm.duplicate();
+        let mut gatherer = comm.second_handle();
         let rank = comm.rank();
-        let step = match record_real_rank(config, ranks, comm, warmup, clock()) {
-            Ok(step) => step,
-            Err(e) => {
-                let code = if matches!(e, DriveError::Config { .. }) {
-                    2
-                } else {
-                    1
-                };
-                eprintln!("error: collection failed on MPI rank {rank}: {e}");
-                abort.abort(code)
+        // The watchdog: a rank still working at the deadline (hung, or waiting for one that
+        // is) leaves without finalising MPI, and the launcher ends the job. It exits rather
+        // than calling MPI from this thread, which MPI_THREAD_SERIALIZED does not allow.
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(timeout)
+            {
+                eprintln!(
+                    "error: MPI rank {rank} did not finish its steps within {} s (hung?)",
+                    timeout.as_secs()
+                );
+                std::process::exit(1);
             }
-        };
-        let mine = serde_json::to_vec(&(step.record, step.wall))?;
-        let all = match after.all_gather_bytes(&mine) {
-            Ok(all) => all,
-            Err(e) => {
-                eprintln!("error: gathering the records failed on MPI rank {rank}: {e}");
-                abort.abort(1)
-            }
-        };
+        });
+        let all = or_abort(&abort, "collection failed", || {
+            let step = record_real_rank(config, ranks, comm, warmup, clock())
+                .map_err(|e| (if e.is_input() { 2 } else { 1 }, e.to_string()))?;
+            let mine = serde_json::to_vec(&(step.record, step.wall))
+                .map_err(|e| (1, format!("rank {rank}: {e}")))?;
+            gatherer
+                .all_gather_bytes(&mine)
+                .map_err(|e| (1, format!("rank {rank}: gathering the records: {e}")))
+        });
+        drop(done);
         if rank != 0 {
             return Ok(None);
         }
@@ -361,6 +382,7 @@ mod mpi_collect {
         _config: &TrainConfig,
         _ranks: usize,
         _warmup: u64,
+        _timeout: std::time::Duration,
     ) -> Result<Option<(CollectionFile, Vec<Picos>)>> {
         Err(bad(crate::train::NO_MPI))
     }
@@ -402,7 +424,7 @@ pub struct TrainEmulateArgs {
     #[arg(long, default_value_t = 1)]
     pub warmup: u64,
     /// With --train: seconds a real rank may go without reporting before the emulation
-    /// fails (a hung rank).
+    /// fails (a hung rank); without --graph, also what each rank collected first may take.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
     /// With --train: the GPU preset whose cluster the virtual ranks' network is modelled
@@ -420,6 +442,7 @@ pub fn run_train_emulation(
 ) -> Result<()> {
     let config = train_config(args.train.as_deref())?;
     let ranks = args.ranks.ok_or_else(|| bad("--train needs --ranks"))?;
+    check_timeout(args.timeout)?;
     let live = parse_ranks("--real-ranks", real_ranks)?;
     let perturb = perturbations(perturb_args)?;
     let file = match &args.graph {
@@ -465,7 +488,7 @@ pub fn run_train_emulation(
         &live,
         &perturb,
         args.warmup,
-        Duration::from_secs(args.timeout.max(1)),
+        Duration::from_secs(args.timeout),
         clock(),
     )
     .map_err(input_error)?;

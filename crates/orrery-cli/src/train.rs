@@ -339,13 +339,38 @@ fn spill_dir(root: &Path, rank: usize) -> PathBuf {
 
 /// This process's rank of an MPI job (`--comm mpi`).
 #[cfg(feature = "mpi")]
-mod mpi_rank {
+pub(crate) mod mpi_rank {
     use crate::bad;
     use anyhow::Result;
     use orrery_train::{
         train_with_comm, Communicator, MpiAbort, MpiComm, RunOptions, TrainConfig, TrainError,
         TrainObserver, TrainSummary,
     };
+
+    /// Runs `f`, this rank's share of an MPI job, and returns what it returns; a failure or
+    /// a panic ends the whole job instead. A rank that simply returned an error, or unwound,
+    /// would drop its communicator and wait in `MPI_Finalize` for peers that wait for it in
+    /// their next collective: the job would hang. The error, `(exit status, message)`, is
+    /// printed here, as `what` failed, and the launcher exits with that status (Open MPI's
+    /// does), as the CLI does without MPI.
+    pub fn or_abort<T>(
+        abort: &MpiAbort,
+        what: &str,
+        f: impl FnOnce() -> Result<T, (i32, String)>,
+    ) -> T {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => v,
+            Ok(Err((code, message))) => {
+                eprintln!("error: {what}: {message}");
+                abort.abort(code)
+            }
+            // The panic's own message was printed by the panic hook.
+            Err(_) => {
+                eprintln!("error: {what}: panicked");
+                abort.abort(1)
+            }
+        }
+    }
 
     pub struct MpiRank {
         comm: MpiComm,
@@ -379,18 +404,17 @@ mod mpi_rank {
             observer: &mut dyn TrainObserver,
         ) -> Result<TrainSummary, TrainError> {
             let rank = self.comm.rank();
-            match train_with_comm(config, options, Box::new(self.comm), observer) {
-                Ok(summary) => Ok(summary),
-                Err(e) => {
+            let what = format!("training failed on MPI rank {rank}");
+            Ok(or_abort(&self.abort, &what, || {
+                train_with_comm(config, options, Box::new(self.comm), observer).map_err(|e| {
                     let code = if matches!(e, TrainError::Config(_)) {
                         2
                     } else {
                         1
                     };
-                    eprintln!("error: training failed on MPI rank {rank}: {e}");
-                    self.abort.abort(code)
-                }
-            }
+                    (code, e.to_string())
+                })
+            }))
         }
     }
 }

@@ -382,3 +382,42 @@ fn collecting_over_mpi_outside_an_mpi_job_exits_2() {
     assert!(stderr.contains("--comm mpi"), "{stderr}");
     assert!(!out.exists());
 }
+
+#[test]
+fn collection_flags_and_input_errors_exit_2() {
+    let job = job_file("collect-flags");
+    let config = job.with_file_name("train.toml");
+    std::fs::write(&config, TRAIN).unwrap();
+    let out = job.with_file_name("never.bin");
+    let (c, o) = (config.to_str().unwrap(), out.to_str().unwrap());
+    let pure_dp = job.with_file_name("dp.toml");
+    // No [parallel] section: pure data parallelism over --ranks, which must divide the batch.
+    std::fs::write(&pure_dp, TRAIN.split("[parallel]").next().unwrap()).unwrap();
+    for (args, expected) in [
+        (
+            vec![
+                "collect", c, "--ranks", "8", "--comm", "mpi", "--slots", "2",
+            ],
+            "--slots applies to --comm threads",
+        ),
+        (
+            vec!["collect", c, "--ranks", "8", "--timeout", "0"],
+            "--timeout must be at least 1",
+        ),
+        (
+            vec!["collect", c, "--ranks", "8", "--slots", "0"],
+            "--slots must be at least 1",
+        ),
+        (
+            vec!["collect", pure_dp.to_str().unwrap(), "--ranks", "3"],
+            "batch_size 8 is not divisible",
+        ),
+    ] {
+        let mut args = args;
+        args.extend(["--out", o]);
+        let (code, _, stderr) = orrery(&args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!out.exists());
+    }
+}

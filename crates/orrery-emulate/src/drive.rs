@@ -58,6 +58,23 @@ pub enum DriveError {
     Coordinator(#[from] CoordinatorError),
 }
 
+impl DriveError {
+    /// Whether the input is at fault (the configuration, its data, the layout, a collection
+    /// that does not fit), rather than the run: the CLI's exit status 2.
+    pub fn is_input(&self) -> bool {
+        match self {
+            DriveError::Config { .. } | DriveError::Stitch(_) | DriveError::Emulate(_) => true,
+            DriveError::Train { source, .. } => matches!(
+                source,
+                TrainError::Config(_) | TrainError::Data(_) | TrainError::BatchNotDivisible { .. }
+            ),
+            DriveError::Panicked { .. } | DriveError::Hung { .. } | DriveError::Coordinator(_) => {
+                false
+            }
+        }
+    }
+}
+
 /// The world of a training configuration run on `ranks` ranks: its `[parallel]` layout, or
 /// pure data parallelism over the ranks.
 pub fn layout_of(config: &TrainConfig, ranks: usize) -> Result<Layout, DriveError> {
@@ -161,6 +178,8 @@ fn in_slots<T: Send + 'static>(
         for &r in chunk {
             let (work, done) = (work.clone(), done.clone());
             std::thread::spawn(move || {
+                // A panic is caught and reported as such: a thread that died without a
+                // word would otherwise look hung, and its slot would wait out the timeout.
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(r)))
                     .unwrap_or(Err(DriveError::Panicked { rank: r }));
                 // The receiver is gone only once the collection has given up on this slot.
@@ -171,18 +190,26 @@ fn in_slots<T: Send + 'static>(
         let mut results: Vec<(u32, Result<T, DriveError>)> = Vec::with_capacity(chunk.len());
         while results.len() < chunk.len() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let pending = || {
+                chunk
+                    .iter()
+                    .copied()
+                    .find(|r| results.iter().all(|(d, _)| d != r))
+                    .unwrap_or(chunk[0])
+            };
             match finished.recv_timeout(left) {
                 Ok(r) => results.push(r),
-                Err(_) => {
-                    let rank = chunk
-                        .iter()
-                        .copied()
-                        .find(|r| results.iter().all(|(d, _)| d != r))
-                        .unwrap_or(chunk[0]);
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     return Err(DriveError::Hung {
-                        rank,
+                        rank: pending(),
                         seconds: timeout.as_secs_f64(),
                     });
+                }
+                // Every thread sends before it ends, panicking or not, and this function
+                // holds a sender of its own; should that ever change, a thread that ended
+                // without a word has failed.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(DriveError::Panicked { rank: pending() });
                 }
             }
         }
@@ -343,6 +370,15 @@ pub fn record_real_rank<C: Communicator + 'static>(
     clock: Arc<dyn Clock>,
 ) -> Result<RankStep, DriveError> {
     let layout = layout_of(config, ranks)?;
+    if comm.world_size() != ranks {
+        return Err(DriveError::Config {
+            field: "ranks",
+            message: format!(
+                "{ranks} ranks, but the communicator has {}",
+                comm.world_size()
+            ),
+        });
+    }
     let config = driven(config, warmup);
     let rank = comm.rank() as u32;
     let (comm, handle) = Recorded::new(comm, layout, clock.clone());
@@ -417,14 +453,18 @@ pub fn peak_and_compute(record: &RankRecord) -> (u64, Picos) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
     use std::time::Instant;
 
     #[test]
     fn a_hung_rank_stops_its_slot_with_an_error_naming_it() {
-        // Rank 7 blocks until the test lets it go; rank 3 of the same slot finishes.
+        // Rank 7 blocks until the test lets it go (after `in_slots` returned, so reaching
+        // the asserts proves the timeout fired); rank 3 of the same slot finishes.
         let (release, blocked) = std::sync::mpsc::channel::<()>();
         let blocked = Arc::new(Mutex::new(blocked));
+        let ran_9 = Arc::new(AtomicBool::new(false));
+        let flag = ran_9.clone();
         let started = Instant::now();
         let result = in_slots(
             &[3, 7, 9],
@@ -434,6 +474,9 @@ mod tests {
                 if r == 7 {
                     let _ = blocked.lock().map(|b| b.recv());
                 }
+                if r == 9 {
+                    flag.store(true, Ordering::SeqCst);
+                }
                 Ok(r)
             }),
             &mut |_, _| {},
@@ -442,8 +485,9 @@ mod tests {
             matches!(result, Err(DriveError::Hung { rank: 7, .. })),
             "{result:?}"
         );
-        // Within the timeout, not after the hung rank: it is still blocked.
-        assert!(started.elapsed() < Duration::from_secs(60));
+        // It waited the timeout out, and the next slot never started.
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(!ran_9.load(Ordering::SeqCst));
         drop(release);
     }
 

@@ -198,11 +198,12 @@ impl MpiComm {
         })
     }
 
-    /// A second handle on this rank of `MPI_COMM_WORLD`, for a caller that gives the first
-    /// away (to a trainer, say) and still has to talk to the other ranks afterwards. Both
-    /// reach the same world; MPI stays initialised until every handle is gone. Calls from
-    /// the two must not overlap (the library was initialised `MPI_THREAD_SERIALIZED`).
-    pub fn duplicate(&self) -> MpiComm {
+    /// A second handle on this rank of `MPI_COMM_WORLD` (not a new communicator, as
+    /// `MPI_Comm_dup` would make), for a caller that gives the first away (to a trainer, say)
+    /// and still has to talk to the other ranks afterwards. MPI stays initialised until every
+    /// handle is gone. Calls from the two must not overlap (the library was initialised
+    /// `MPI_THREAD_SERIALIZED`).
+    pub fn second_handle(&self) -> MpiComm {
         MpiComm {
             env: self.env.clone(),
             rank: self.rank,
