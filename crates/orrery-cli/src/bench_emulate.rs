@@ -186,7 +186,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process");
     outln!("threads of one process measure memory to within some KB (burn keeps one autodiff registry per process): --mpi runs each measurement in a process of its own\n");
     outln!(
-        "{:<14} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
         "world",
         "cores",
         "all-real step",
@@ -328,6 +328,17 @@ fn child_stdout(
             break status;
         }
         if started.elapsed() > CHILD_DEADLINE {
+            // SIGTERM first, so that mpirun can take its ranks down with it; then SIGKILL.
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let grace = std::time::Instant::now();
+            while grace.elapsed() < std::time::Duration::from_secs(10) {
+                if child.try_wait()?.is_some() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             let _ = child.kill();
             let _ = child.wait();
             anyhow::bail!(
@@ -392,9 +403,9 @@ fn fidelity_mpi_rows(
         ("OMPI_MCA_oob_tcp_if_include", "lo"),
     ];
     outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
-    outln!("virtual ranks replay the real run's own collection; their communication is modelled (H100 cluster), the real run's is MPI on this machine\n");
+    outln!("virtual ranks replay the real run's own collection; their collectives are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
     outln!(
-        "{:<14} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
         "world",
         "cores",
         "all-real step",
@@ -407,8 +418,9 @@ fn fidelity_mpi_rows(
     for (name, config, world) in fidelity_worlds() {
         let path = dir.join(format!("world{world}.toml"));
         std::fs::write(&path, toml::to_string(&config)?)?;
-        let (mut real_steps, mut real_peaks, mut emu_steps, mut emu_peaks) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut real_steps, mut real_peaks) = (Vec::new(), Vec::new());
+        // Per network: the cluster model, and the collectives as the real run measured them.
+        let mut emulated: [(Vec<u64>, Vec<u64>); 2] = Default::default();
         for run in 0..runs {
             let reference = dir.join(format!("world{world}-{run}.collection"));
             let mut mpi = std::process::Command::new(launcher);
@@ -439,19 +451,41 @@ fn fidelity_mpi_rows(
                 .find(|r| r["rank"] == 0)
                 .with_context(|| format!("{what}: no rank 0"))?;
             real_peaks.push(json_u64(rank0, "peak_memory_bytes", what)?);
-            let mut emulate = std::process::Command::new(exe);
-            emulate
-                .args(["emulate", "--train"])
-                .arg(&path)
-                .args(["--ranks", &world.to_string(), "--real-ranks", "0", "--json"])
-                .arg("--graph")
-                .arg(&reference);
-            let what = "the emulation";
-            let emu: serde_json::Value = serde_json::from_str(&child_stdout(emulate, what, dir)?)?;
-            emu_steps.push(json_u64(&emu, "step_time_ps", what)?);
-            emu_peaks.push(json_u64(&emu["real_ranks"][0], "peak_memory_bytes", what)?);
+            for (calibrate, (steps, peaks)) in [false, true].into_iter().zip(&mut emulated) {
+                let mut emulate = std::process::Command::new(exe);
+                emulate
+                    .args(["emulate", "--train"])
+                    .arg(&path)
+                    .args(["--ranks", &world.to_string(), "--real-ranks", "0", "--json"])
+                    .arg("--graph")
+                    .arg(&reference);
+                if calibrate {
+                    emulate.arg("--calibrate");
+                }
+                let what = "the emulation";
+                let emu: serde_json::Value =
+                    serde_json::from_str(&child_stdout(emulate, what, dir)?)?;
+                steps.push(json_u64(&emu, "step_time_ps", what)?);
+                peaks.push(json_u64(&emu["real_ranks"][0], "peak_memory_bytes", what)?);
+            }
         }
-        fidelity_row(name, world, real_steps, emu_steps, real_peaks, emu_peaks);
+        let [(h100_steps, h100_peaks), (measured_steps, measured_peaks)] = emulated;
+        fidelity_row(
+            &format!("{name}, H100 net"),
+            world,
+            real_steps.clone(),
+            h100_steps,
+            real_peaks.clone(),
+            h100_peaks,
+        );
+        fidelity_row(
+            &format!("{name}, measured net"),
+            world,
+            real_steps,
+            measured_steps,
+            real_peaks,
+            measured_peaks,
+        );
     }
     Ok(())
 }
@@ -473,7 +507,7 @@ fn fidelity_row(
     let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
     let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
     outln!(
-        "{:<14} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
+        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
         format!("{name} ({world})"),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         rs as f64 / 1e9,

@@ -617,10 +617,10 @@ fn variants(args: &BenchTrainArgs) -> Result<Vec<Variant>> {
 }
 
 fn train_error(e: TrainError) -> anyhow::Error {
-    match e {
-        TrainError::Config(c) => bad(c.to_string()),
-        TrainError::Data(d) => bad(d.to_string()),
-        other => anyhow::anyhow!("training failed: {other}"),
+    if e.is_input() {
+        bad(e.to_string())
+    } else {
+        anyhow::anyhow!("training failed: {e}")
     }
 }
 

@@ -11,6 +11,7 @@
 use crate::emulate::{parse_ranks, perturbations, PerturbArgs};
 use crate::{atomic_write, bad, progress_bar};
 use anyhow::{Context, Result};
+use orrery_emulate::calibrate::MeasuredNetwork;
 use orrery_emulate::drive::{collect, emulate, peak_and_compute, DriveError};
 use orrery_emulate::file::CollectionFile;
 use orrery_graph::collect::stitch;
@@ -81,10 +82,16 @@ fn input_error(e: DriveError) -> anyhow::Error {
     }
 }
 
+/// The longest `--timeout` taken: a year, far beyond any step, and far from overflowing the
+/// clock's deadline arithmetic.
+const MAX_TIMEOUT_SECS: u64 = 365 * 24 * 3600;
+
 /// `--timeout` in seconds: zero would fail every run at once.
 fn check_timeout(seconds: u64) -> Result<()> {
-    if seconds == 0 {
-        return Err(bad("--timeout must be at least 1 second"));
+    if seconds == 0 || seconds > MAX_TIMEOUT_SECS {
+        return Err(bad(format!(
+            "--timeout must be between 1 and {MAX_TIMEOUT_SECS} seconds, not {seconds}"
+        )));
     }
     Ok(())
 }
@@ -431,6 +438,11 @@ pub struct TrainEmulateArgs {
     /// on (8 per node, its usual NIC).
     #[arg(long, default_value = "H100-SXM")]
     pub gpu: String,
+    /// With --train and --graph: collectives take the time the collection measured (a real
+    /// run's: `orrery collect --comm mpi`), each size and group size at the median over its
+    /// instances of its fastest member's time; anything not measured is the --gpu cluster's.
+    #[arg(long, requires = "graph")]
+    pub calibrate: bool,
 }
 
 pub fn run_train_emulation(
@@ -479,7 +491,26 @@ pub fn run_train_emulation(
         )));
     }
     let collected = stitched(&file)?;
-    let (cost, net) = program_models(&args.gpu, ranks)?;
+    let (cost, analytical) = program_models(&args.gpu, ranks)?;
+    // Without --calibrate the table is empty and every answer is the cluster model's.
+    let measured: &[orrery_graph::collect::RankRecord] =
+        if args.calibrate { &file.records } else { &[] };
+    let net = MeasuredNetwork::from_records(measured, world as u32, analytical);
+    if args.calibrate && net.calibrated() == 0 {
+        return Err(bad(
+            "--calibrate: the collection measured no collective (ranks collected among \
+             virtual peers spend no time in them; collect a real run with --comm mpi)",
+        ));
+    }
+    let network = if args.calibrate {
+        format!(
+            "collectives as measured in the collection ({} sizes), the rest on the {} cluster model",
+            net.calibrated(),
+            args.gpu
+        )
+    } else {
+        format!("communication on the {} cluster model", args.gpu)
+    };
     let run = emulate(
         &config,
         &collected,
@@ -555,7 +586,7 @@ pub fn run_train_emulation(
                     .map_or("(default)".into(), |p| p.display().to_string())
             ),
             gpu: "CPU (measured), virtual ranks collected".into(),
-            network_model: format!("analytical ({})", args.gpu),
+            network_model: network.clone(),
             world_size: ranks as u64,
             step_time: step,
             mfu: 0.0,
@@ -619,6 +650,7 @@ pub fn run_train_emulation(
             .collect();
         let v = serde_json::json!({
             "world_size": ranks,
+            "network": network,
             "engine_wall_ms": run.step.engine.as_secs_f64() * 1e3,
             "collected_step_time_ps": replayed.0,
             "participants": run.step.timeline.participants.len(),
@@ -635,11 +667,7 @@ pub fn run_train_emulation(
         "orrery emulate --train: {ranks} ranks, real ranks {real_ranks}, {} participants",
         run.step.timeline.participants.len()
     );
-    let _ = writeln!(
-        s,
-        "  virtual ranks replay the collected step; communication on the {} cluster model",
-        args.gpu
-    );
+    let _ = writeln!(s, "  virtual ranks replay the collected step; {network}");
     let _ = writeln!(
         s,
         "\nemulated step time: {:.3} ms (the collected step replayed alone: {:.3} ms, {:+.2}%)",

@@ -9,7 +9,7 @@ use anyhow::Result;
 use orrery_optim::{RefreshMode, SplitRefresh, TierConfig};
 use orrery_train::{
     make_optimizer_with, train_with, OptimizerRuntime, OptimizerSummary, RunOptions, StepMetrics,
-    TrainConfig, TrainError, TrainObserver, TrainSummary,
+    TrainConfig, TrainObserver, TrainSummary,
 };
 use orrery_units::Bytes;
 use serde::Serialize;
@@ -253,9 +253,12 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         Some(mpi) => mpi.train(&config, &options, &mut observer),
     };
     bar.finish_and_clear();
-    let summary = result.map_err(|e| match e {
-        TrainError::Config(c) => bad(c.to_string()),
-        other => anyhow::anyhow!("training failed: {other}"),
+    let summary = result.map_err(|e| {
+        if e.is_input() {
+            bad(e.to_string())
+        } else {
+            anyhow::anyhow!("training failed: {e}")
+        }
     })?;
     if rank != 0 {
         return Ok(());
@@ -406,14 +409,8 @@ pub(crate) mod mpi_rank {
             let rank = self.comm.rank();
             let what = format!("training failed on MPI rank {rank}");
             Ok(or_abort(&self.abort, &what, || {
-                train_with_comm(config, options, Box::new(self.comm), observer).map_err(|e| {
-                    let code = if matches!(e, TrainError::Config(_)) {
-                        2
-                    } else {
-                        1
-                    };
-                    (code, e.to_string())
-                })
+                train_with_comm(config, options, Box::new(self.comm), observer)
+                    .map_err(|e| (if e.is_input() { 2 } else { 1 }, e.to_string()))
             }))
         }
     }

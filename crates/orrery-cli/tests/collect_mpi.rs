@@ -45,13 +45,26 @@ micro_batches = 4
 /// Runs `mpirun -n ranks orrery args...`: exit status and stdout (stderr goes to a log in
 /// `dir`, shown on failure).
 fn mpirun(ranks: usize, args: &[&str], dir: &Path) -> (i32, String) {
+    mpirun_apps(&[(ranks, args)], dir)
+}
+
+/// Runs one MPI job of several programs (`mpirun -n a orrery A : -n b orrery B`), each
+/// `(ranks, args)`, as [`mpirun`] does.
+fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let log = dir.join("mpirun.log");
     let out = dir.join("mpirun.out");
-    let mut child = Command::new(&launcher)
-        .args(["-n", &ranks.to_string()])
-        .arg(env!("CARGO_BIN_EXE_orrery"))
-        .args(args)
+    let mut command = Command::new(&launcher);
+    for (i, (ranks, args)) in apps.iter().enumerate() {
+        if i > 0 {
+            command.arg(":");
+        }
+        command
+            .args(["-n", &ranks.to_string()])
+            .arg(env!("CARGO_BIN_EXE_orrery"))
+            .args(*args);
+    }
+    let mut child = command
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         // More ranks than this machine's cores.
@@ -186,6 +199,25 @@ fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
         );
         assert!(error.abs() < 0.02, "rank {rank}: {:+.3}%", 100.0 * error);
     }
+    // The real run timed its collectives: an emulation can take those times for its
+    // virtual ranks' (--calibrate) instead of the cluster model's.
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "4",
+        "--graph",
+        dir.join("reference.collection").to_str().unwrap(),
+        "--real-ranks",
+        "0",
+        "--calibrate",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let network = v["network"].as_str().unwrap();
+    assert!(network.starts_with("collectives as measured"), "{network}");
 }
 
 #[test]
@@ -215,9 +247,50 @@ fn mpi_collection_refuses_a_world_of_another_size() {
 }
 
 #[test]
+fn one_failing_rank_ends_the_job_its_peers_wait_in() {
+    // Rank 1 cannot read its corpus while rank 0 trains and then waits for rank 1 in a
+    // collective: the job ends (MPI_Abort) with rank 1's error and status 2, instead of
+    // hanging. Two ranks of pure data parallelism, one program each.
+    let dir = temp_dir("collect-mpi-one-fails");
+    let dp = TRAIN.split("[parallel]").next().unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(&good, dp).unwrap();
+    let broken = dir.join("broken.toml");
+    std::fs::write(
+        &broken,
+        dp.replace(
+            "[model]",
+            "[data]\npath = \"/nonexistent/orrery-corpus\"\n[model]",
+        ),
+    )
+    .unwrap();
+    let out = dir.join("never.collection");
+    let args = |config: &Path| {
+        [
+            "collect",
+            config.to_str().unwrap(),
+            "--ranks",
+            "2",
+            "--comm",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ]
+        .map(str::to_string)
+    };
+    let (a, b) = (args(&good), args(&broken));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let b: Vec<&str> = b.iter().map(String::as_str).collect();
+    let (code, _) = mpirun_apps(&[(1, &a), (1, &b)], &dir);
+    assert_eq!(code, 2);
+    let log = std::fs::read_to_string(dir.join("mpirun.log")).unwrap();
+    assert!(log.contains("orrery-corpus"), "{log}");
+    assert!(!out.exists());
+}
+
+#[test]
 fn a_rank_that_fails_ends_the_whole_job_with_its_error() {
-    // Every rank fails to read its corpus: an input error, so status 2, and no hang in
-    // MPI_Finalize while peers wait in a collective.
+    // Every rank fails to read its corpus: an input error, so status 2.
     let dir = temp_dir("collect-mpi-fail");
     let config = dir.join("train.toml");
     std::fs::write(

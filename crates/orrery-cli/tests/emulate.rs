@@ -261,6 +261,21 @@ fn collect_then_emulate_the_real_program() {
     assert!(v["step_time_ps"].as_u64().unwrap() > 0);
     assert!(v["collected_step_time_ps"].as_u64().unwrap() > 0);
     assert!(v["real_ranks"][0]["peak_memory_bytes"].as_u64().unwrap() > 0);
+    // A collection among virtual peers measured no communication to calibrate on.
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "8",
+        "--graph",
+        p,
+        "--real-ranks",
+        "5",
+        "--calibrate",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--calibrate"), "{stderr}");
     // A collection of another world and a damaged file are refused.
     let (code, _, stderr) = orrery(&[
         "emulate",
@@ -402,7 +417,18 @@ fn collection_flags_and_input_errors_exit_2() {
         ),
         (
             vec!["collect", c, "--ranks", "8", "--timeout", "0"],
-            "--timeout must be at least 1",
+            "--timeout must be between 1 and",
+        ),
+        (
+            vec![
+                "collect",
+                c,
+                "--ranks",
+                "8",
+                "--timeout",
+                "18446744073709551615",
+            ],
+            "--timeout must be between 1 and",
         ),
         (
             vec!["collect", c, "--ranks", "8", "--slots", "0"],

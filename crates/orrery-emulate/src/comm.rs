@@ -38,8 +38,8 @@
 //!
 //! Tagged messages (`Communicator::send_f32_tagged`, interleaved 1F1B's) are recorded with
 //! the program's own tag, marked as such, so that a receive meets the send of the same tag
-//! whatever order the pair's messages were wanted in; a tagged receive from a virtual
-//! neighbour is synthesised like an untagged one.
+//! rather than the send of the same place in the pair's order; a tagged receive from a
+//! virtual neighbour is synthesised like an untagged one.
 
 use crate::coordinator::RankReporter;
 use crate::memory;
@@ -885,16 +885,31 @@ impl<C: Communicator> Recorded<C> {
         ops: impl FnOnce(&mut State) -> R,
         f: impl FnOnce(&mut C) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        self.state().segment_ends()?;
+        let clock = {
+            let mut s = self.state();
+            s.segment_ends()?;
+            s.clock.clone()
+        };
         let before = memory::thread_live();
+        let started = clock.now_seconds();
         let out = f(&mut self.inner)?;
+        let took = Picos::from_secs_f64((clock.now_seconds() - started).max(0.0));
         let retained = memory::thread_live() - before;
         let mut s = self.state();
         s.comm_bytes += retained;
-        let ops = ops(&mut s);
+        let ops: Vec<RecordedOp> = ops(&mut s).into_iter().map(|o| timed(o, took)).collect();
         s.ops_end(ops);
         Ok(out)
     }
+}
+
+/// `op` with the time the rank spent in it: waiting for its peers and the transfer (a
+/// send-and-receive's two halves each get the pair's time).
+fn timed(mut op: RecordedOp, took: Picos) -> RecordedOp {
+    if let Some(d) = op.communication_time_mut() {
+        *d = took;
+    }
+    op
 }
 
 /// A collective over every rank, recorded by its role alone (no member list), as

@@ -64,10 +64,7 @@ impl DriveError {
     pub fn is_input(&self) -> bool {
         match self {
             DriveError::Config { .. } | DriveError::Stitch(_) | DriveError::Emulate(_) => true,
-            DriveError::Train { source, .. } => matches!(
-                source,
-                TrainError::Config(_) | TrainError::Data(_) | TrainError::BatchNotDivisible { .. }
-            ),
+            DriveError::Train { source, .. } => source.is_input(),
             DriveError::Panicked { .. } | DriveError::Hung { .. } | DriveError::Coordinator(_) => {
                 false
             }
@@ -420,14 +417,21 @@ pub fn run_all_real(
     })
 }
 
-/// A record's communication, without its segments: what "the same collective order"
-/// compares.
+/// A record's communication, without its segments and without the time spent in each
+/// operation: what "the same collective order" compares (ranks among virtual peers spend
+/// none, real ones wait for their peers).
 pub fn communication(record: &RankRecord) -> Vec<RecordedOp> {
     record
         .ops
         .iter()
         .filter(|o| !matches!(o, RecordedOp::Compute { .. }))
-        .cloned()
+        .map(|o| {
+            let mut o = o.clone();
+            if let Some(d) = o.communication_time_mut() {
+                *d = Picos::ZERO;
+            }
+            o
+        })
         .collect()
 }
 

@@ -23,6 +23,8 @@
 //!   timeout, a rank whose program ended early (crashed) is an error at once, and a rank
 //!   that reports more or fewer segments than its graph has is an error naming the rank.
 //! - [`file::CollectionFile`]: a collection on disk (magic, version, length, CRC32).
+//! - [`calibrate::MeasuredNetwork`]: a network model calibrated on the collectives a real
+//!   run measured, to compare an emulation with that run on the run's own interconnect.
 //!
 //! The real ranks never wait for the coordinator: a rank reports a segment when it enters
 //! its next communication call and goes on. Simulated time only follows from the reports,
@@ -43,6 +45,7 @@
 //! `orrery_train::Clock`; the coordinator itself reads the wall clock for its timeout and
 //! to time its own engine.
 
+pub mod calibrate;
 pub mod comm;
 pub mod coordinator;
 pub mod drive;

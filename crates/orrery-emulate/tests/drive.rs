@@ -63,8 +63,8 @@ fn tp2_pp2_sp() -> TrainConfig {
     c
 }
 
-/// Interleaved 1F1B, two model chunks per stage, on TP 2 x PP 2: tagged messages, wanted in
-/// another order than they are sent.
+/// Interleaved 1F1B, two model chunks per stage, on TP 2 x PP 2: tagged messages, activations
+/// and gradients both ways between the two stages.
 fn interleaved() -> TrainConfig {
     let mut c = tp2_pp2();
     c.model.n_layers = 4;

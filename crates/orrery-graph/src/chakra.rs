@@ -103,7 +103,7 @@ use orrery_units::{Bytes, Flops, GroupId, OpId, Picos, RankId};
 use prost::Message;
 use serde::{de::DeserializeOwned, Serialize};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 /// The Chakra ET schema version written into the metadata message.
 pub const SCHEMA_VERSION: &str = "0.0.4";
@@ -473,6 +473,42 @@ fn comm_tag(tag: u64) -> i32 {
     ((boundary << 21) | low) as i32
 }
 
+/// Whether a tag is wider than [`crate::build::tag`]'s 43 bits, so that [`comm_tag`] would
+/// lose part of it: a collected program's own tags (interleaved 1F1B names each message by
+/// its kind, chunk and micro-batch, recorded with the top bit set).
+fn is_wide(tag: u64) -> bool {
+    tag >> 43 != 0
+}
+
+/// The 31-bit tags of a rank's wide tags ([`is_wide`]): each pair's wide tags, per direction,
+/// numbered in increasing order from `1 << 30`. A send and its receive hold the same tag in
+/// the two ranks' graphs, so both sides number it alike, and the numbers stay clear of
+/// [`comm_tag`]'s range for a collected graph's other tags (message places, below `1 << 21`).
+fn wide_tags(g: &ExecGraph, peer_of: impl Fn(usize) -> RankId) -> BTreeMap<(bool, u32, u64), i32> {
+    let mut per_pair: BTreeMap<(bool, u32), BTreeSet<u64>> = BTreeMap::new();
+    for (i, op) in g.ops().iter().enumerate() {
+        let (send, tag) = match op.kind {
+            OpKind::Send { tag, .. } => (true, tag),
+            OpKind::Recv { tag, .. } => (false, tag),
+            _ => continue,
+        };
+        if is_wide(tag) {
+            per_pair
+                .entry((send, peer_of(i).0))
+                .or_default()
+                .insert(tag);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for ((send, peer), tags) in per_pair {
+        for (n, tag) in tags.into_iter().enumerate() {
+            let n = i32::try_from(n).unwrap_or(i32::MAX).min((1 << 30) - 1);
+            out.insert((send, peer, tag), (1 << 30) | n);
+        }
+    }
+    out
+}
+
 fn micros(p: Picos) -> u64 {
     p.0.saturating_add(500_000) / 1_000_000
 }
@@ -527,6 +563,12 @@ fn write_rank(
         ],
     };
     let mut meta = meta;
+    let peer_of = |i: usize| match (rg.resolved.get(i), &g.ops()[i].kind) {
+        (Some(Concrete::Peer(r)), _) => *r,
+        (_, OpKind::Send { peer, .. } | OpKind::Recv { peer, .. }) => layout.peer(rank, *peer),
+        _ => rank,
+    };
+    let wide = wide_tags(g, peer_of);
     // Nodes are encoded first so the metadata can carry their length and checksum.
     let mut body = Vec::new();
     let mut last_on_stream: [Option<usize>; Stream::ALL.len()] = [None; Stream::ALL.len()];
@@ -589,7 +631,11 @@ fn write_rank(
                 let (src, dst) = if send { (rank, other) } else { (other, rank) };
                 attr.push(AttributeProto::int32("comm_src", rank_i32(src)));
                 attr.push(AttributeProto::int32("comm_dst", rank_i32(dst)));
-                attr.push(AttributeProto::int32("comm_tag", comm_tag(tag)));
+                let packed = match wide.get(&(send, other.0, tag)) {
+                    Some(&n) => n,
+                    None => comm_tag(tag),
+                };
+                attr.push(AttributeProto::int32("comm_tag", packed));
                 attr.push(AttributeProto::int64("comm_size", to_i64(bytes.0)));
                 attr.push(AttributeProto::string("orrery.peer", &enum_name(peer)));
                 attr.push(AttributeProto::uint64("orrery.tag", tag));
@@ -1327,6 +1373,53 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn wide_tags_are_numbered_alike_by_sender_and_receiver() {
+        use crate::{Op, PeerStage, Phase, Stream};
+        use orrery_units::OpId;
+        let program =
+            |kind: u64, chunk: u64, mb: u64| (1 << 63) | (kind << 48) | (chunk << 24) | mb;
+        // The sender's order and the receiver's differ; the pair's set of tags is the same.
+        let sent = [program(0, 1, 0), program(1, 0, 3), program(0, 0, 2), 6];
+        let received = [program(0, 0, 2), 6, program(0, 1, 0), program(1, 0, 3)];
+        let graph = |send: bool, tags: &[u64]| {
+            let mut g = ExecGraph::new();
+            for (i, &tag) in tags.iter().enumerate() {
+                let (peer, bytes) = (PeerStage::Next, Bytes(4));
+                let name = g.intern("msg");
+                g.push(Op {
+                    kind: if send {
+                        OpKind::Send { peer, bytes, tag }
+                    } else {
+                        OpKind::Recv { peer, bytes, tag }
+                    },
+                    stream: Stream::PpComm,
+                    phase: Phase::Forward,
+                    deps: if i == 0 {
+                        Vec::new()
+                    } else {
+                        vec![OpId::from_index(i - 1)]
+                    },
+                    name,
+                    microbatch: None,
+                });
+            }
+            g
+        };
+        let s = wide_tags(&graph(true, &sent), |_| RankId(1));
+        let r = wide_tags(&graph(false, &received), |_| RankId(0));
+        // The untagged message's place (6) is not wide and keeps `comm_tag`'s packing.
+        assert_eq!(s.len(), 3);
+        for &tag in &sent[..3] {
+            let (a, b) = (s[&(true, 1, tag)], r[&(false, 0, tag)]);
+            assert_eq!(a, b);
+            assert!((1 << 30..i32::MAX).contains(&a));
+        }
+        let distinct: BTreeSet<i32> = s.values().copied().collect();
+        assert_eq!(distinct.len(), 3);
+        assert!(comm_tag(6) < 1 << 21);
     }
 
     #[test]

@@ -95,6 +95,19 @@ pub enum RecordedOp {
     },
 }
 
+impl RecordedOp {
+    /// The time a communication op took (a collective, a send or a receive), to read or set;
+    /// `None` for compute and memory ops.
+    pub fn communication_time_mut(&mut self) -> Option<&mut Picos> {
+        match self {
+            RecordedOp::Collective { duration, .. }
+            | RecordedOp::Send { duration, .. }
+            | RecordedOp::Recv { duration, .. } => Some(duration),
+            RecordedOp::Compute { .. } | RecordedOp::Alloc { .. } | RecordedOp::Free { .. } => None,
+        }
+    }
+}
+
 /// Memory a rank held around a compute segment: `live` at its end, `peak` during it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemorySample {

@@ -164,6 +164,7 @@ impl AnalyticalNetwork {
         let shape = Shape::of(placement);
         let multi = shape.is_some_and(Shape::multi_node);
         match (algorithm, kind) {
+            (Algorithm::Measured, _) => false,
             (Algorithm::Direct, CollectiveKind::AllToAll) => true,
             (_, CollectiveKind::AllToAll) | (Algorithm::Direct, _) => false,
             (Algorithm::Ring, _) => true,
@@ -282,6 +283,8 @@ impl AnalyticalNetwork {
             Algorithm::Tree => self.tree_time(s, shape),
             Algorithm::Hierarchical => self.hierarchical_time(kind, s, shape),
             Algorithm::Direct => self.all_to_all_time(s, shape),
+            // Never applicable (above).
+            Algorithm::Measured => return None,
         };
         Some(time)
     }
@@ -361,6 +364,8 @@ impl AnalyticalNetwork {
             AlgorithmChoice::Fixed(Algorithm::Tree) => &[Algorithm::Tree],
             AlgorithmChoice::Fixed(Algorithm::Hierarchical) => &[Algorithm::Hierarchical],
             AlgorithmChoice::Fixed(Algorithm::Direct) => &[Algorithm::Direct],
+            // Nothing to model: the fallback below answers (Ring).
+            AlgorithmChoice::Fixed(Algorithm::Measured) => &[],
         }
     }
 }

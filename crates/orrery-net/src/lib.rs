@@ -91,6 +91,9 @@ pub enum Algorithm {
     Hierarchical,
     /// Direct pairwise exchange (all-to-all, point-to-point).
     Direct,
+    /// Not modelled: measured in a real run (a calibrated model's answer). No model applies
+    /// it by choice.
+    Measured,
 }
 
 /// Which algorithm a model should use for a collective.

@@ -198,8 +198,9 @@ pub trait Communicator: Send {
     /// arrival order. A tag must not be reused for a pair while its message is in flight.
     /// Tagged and untagged messages do not overtake each other's kind: each has its own order.
     ///
-    /// The default refuses ([`CommError::Unsupported`]); schedules that use tags also need
-    /// [`Self::sends_never_wait`], and the communicators that promise that implement both.
+    /// The default refuses ([`CommError::Unsupported`]). Schedules that use tags also need
+    /// [`Self::sends_never_wait`]; `ThreadComm` offers both, MPI neither (`SingleRank` has no
+    /// peer to send to).
     fn send_f32_tagged(&mut self, dest: usize, tag: u64, buf: &[f32]) -> Result<(), CommError> {
         let _ = (dest, tag, buf);
         Err(CommError::Unsupported {

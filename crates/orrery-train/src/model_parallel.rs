@@ -79,9 +79,10 @@
 //! (`Stage::interleaved`): chunk `c` of stage `s` is the model's chunk `c · pp + s`, the last
 //! stage feeds the first stage's next chunk, and since two stages may then exchange both
 //! activations and gradients, every message is tagged with its kind, chunk and micro-batch
-//! ([`Communicator::send_f32_tagged`]) and received by its tag, whatever order the pair's
-//! messages arrive in. Its sends are posted eagerly, so it needs a communicator whose sends
-//! never wait ([`Communicator::sends_never_wait`]).
+//! ([`Communicator::send_f32_tagged`]) and received by its tag: the pairing names each
+//! message rather than relying on the order of the pair's messages (which, in the schedules
+//! checked, happens to be the order they are wanted in). Its sends are posted eagerly, so it
+//! needs a communicator whose sends never wait ([`Communicator::sends_never_wait`]).
 //!
 //! **Experts.** With `model.moe`, each block's MLP segment becomes a mixture of experts: the
 //! router runs where the token is; each token-expert pair's row goes to the member of the
@@ -668,6 +669,11 @@ struct Stage<'a, B: AutodiffBackend> {
 /// of the receiver and which micro-batch. Unique among a pair's messages of one step, and
 /// the same on both sides, so the receiver can ask for the one it needs next.
 fn message_tag(kind: u8, chunk: usize, mb: usize) -> u64 {
+    // 24 bits each: more than 16 million chunks or micro-batches per step would alias.
+    debug_assert!(
+        chunk < 1 << 24 && mb < 1 << 24,
+        "chunk {chunk}, micro-batch {mb}"
+    );
     (u64::from(kind) << 48) | ((chunk as u64 & 0xff_ffff) << 24) | (mb as u64 & 0xff_ffff)
 }
 

@@ -68,6 +68,18 @@ pub enum TrainError {
     BatchNotDivisible { batch: usize, world: usize },
 }
 
+impl TrainError {
+    /// Whether the run's input is at fault (its configuration, its data, a batch that does
+    /// not split over the ranks) rather than the run: what a command-line tool reports as
+    /// bad input.
+    pub fn is_input(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Config(_) | TrainError::Data(_) | TrainError::BatchNotDivisible { .. }
+        )
+    }
+}
+
 /// A monotonic source of seconds. Libraries do not read the wall clock themselves: the caller
 /// passes one in (the CLI a real one, tests a fixed one so output is reproducible).
 pub trait Clock: Send + Sync {

@@ -1,0 +1,212 @@
+//! A network model calibrated on a real run's measured collectives.
+//!
+//! An emulation models its virtual ranks' communication, by default on a cluster the user
+//! names. When the comparison is with a real run on another interconnect (the process-per-rank
+//! run of `orrery collect --comm mpi`, over whatever transport MPI chose), the emulated step
+//! is off by the difference between the two networks, not by anything the emulation got
+//! wrong. [`MeasuredNetwork`] answers with what the real run measured instead.
+//!
+//! Every rank of an all-real collection records how long it spent in each collective. That
+//! is its wait for the last member to arrive plus the transfer; the last member to arrive
+//! waits for no one, so the shortest time among the members of one instance is the
+//! transfer's. Instances are told apart by their group, kind and size and by their place
+//! among the rank's collectives of that group, kind and size. The model keeps, per kind,
+//! size and group size, the median over instances of that shortest time, and answers every
+//! other request (and every point-to-point transfer) from a fallback model.
+//!
+//! What it does not do: interpolate between sizes it has not seen, or calibrate
+//! point-to-point transfers (a blocking send returns once its buffer is handed over and a
+//! receive waits for its sender, so neither time is the transfer's). Records without
+//! measured durations (ranks among virtual peers, whose communication takes no time) give
+//! it nothing.
+
+use orrery_graph::collect::{RankRecord, RecordedOp};
+use orrery_net::{Algorithm, CollectiveCost, CollectiveKind, CollectiveRequest, NetworkModel};
+use orrery_predict::replay::net_kind;
+use orrery_units::{Bytes, Picos};
+use std::collections::HashMap;
+
+/// Collective times measured in a real run, over a fallback model (see the module docs).
+#[derive(Debug, Clone)]
+pub struct MeasuredNetwork<N> {
+    /// Per (kind, bytes, group size): the median transfer time.
+    table: HashMap<(CollectiveKind, u64, u32), Picos>,
+    fallback: N,
+}
+
+impl<N> MeasuredNetwork<N> {
+    /// Calibrates on `records`, ranks of a world of `world` ranks whose communication was
+    /// timed; what they did not measure is `fallback`'s.
+    pub fn from_records(records: &[RankRecord], world: u32, fallback: N) -> MeasuredNetwork<N> {
+        // One instance: its kind, members (empty: the whole world), bytes and place.
+        type Instance = (CollectiveKind, Vec<u32>, u64, u32);
+        let mut shortest: HashMap<Instance, Picos> = HashMap::new();
+        for record in records {
+            let mut seen: HashMap<(CollectiveKind, Vec<u32>, u64), u32> = HashMap::new();
+            for op in &record.ops {
+                let RecordedOp::Collective {
+                    op,
+                    group,
+                    bytes,
+                    duration,
+                    ..
+                } = op
+                else {
+                    continue;
+                };
+                let kind = net_kind(*op);
+                let mut members = group.clone();
+                members.sort_unstable();
+                let place = seen.entry((kind, members.clone(), bytes.0)).or_insert(0);
+                let instance = (kind, members, bytes.0, *place);
+                *place += 1;
+                if *duration == Picos::ZERO {
+                    continue;
+                }
+                let t = shortest.entry(instance).or_insert(*duration);
+                *t = (*t).min(*duration);
+            }
+        }
+        let mut samples: HashMap<(CollectiveKind, u64, u32), Vec<Picos>> = HashMap::new();
+        for ((kind, members, bytes, _), t) in shortest {
+            let size = if members.is_empty() {
+                world
+            } else {
+                members.len() as u32
+            };
+            samples.entry((kind, bytes, size)).or_default().push(t);
+        }
+        let table = samples
+            .into_iter()
+            .map(|(key, mut ts)| {
+                ts.sort_unstable();
+                (key, ts[ts.len() / 2])
+            })
+            .collect();
+        MeasuredNetwork { table, fallback }
+    }
+
+    /// How many (kind, size, group size) combinations were measured.
+    pub fn calibrated(&self) -> usize {
+        self.table.len()
+    }
+}
+
+impl<N: NetworkModel> NetworkModel for MeasuredNetwork<N> {
+    fn name(&self) -> &'static str {
+        "measured"
+    }
+
+    fn collective(&self, request: &CollectiveRequest) -> CollectiveCost {
+        let key = (request.kind, request.bytes.0, request.placement.size);
+        match self.table.get(&key) {
+            Some(&time) => CollectiveCost {
+                time,
+                algorithm: Algorithm::Measured,
+            },
+            None => self.fallback.collective(request),
+        }
+    }
+
+    fn point_to_point(&self, bytes: Bytes, same_node: bool) -> Picos {
+        self.fallback.point_to_point(bytes, same_node)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orrery_graph::CollectiveOp;
+    use orrery_net::GroupPlacement;
+
+    fn all_reduce(group: Vec<u32>, bytes: u64, us: u64) -> RecordedOp {
+        RecordedOp::Collective {
+            op: CollectiveOp::AllReduce,
+            group,
+            role: None,
+            bytes: Bytes(bytes),
+            duration: Picos::from_micros(us),
+        }
+    }
+
+    /// Answers every request with 1 s, so a fallback answer is recognisable.
+    struct Slow;
+    impl NetworkModel for Slow {
+        fn name(&self) -> &'static str {
+            "slow"
+        }
+        fn collective(&self, _: &CollectiveRequest) -> CollectiveCost {
+            CollectiveCost {
+                time: Picos::from_micros(1_000_000),
+                algorithm: Algorithm::Ring,
+            }
+        }
+        fn point_to_point(&self, _: Bytes, _: bool) -> Picos {
+            Picos::from_micros(1_000_000)
+        }
+    }
+
+    fn request(bytes: u64, size: u32) -> CollectiveRequest {
+        CollectiveRequest {
+            kind: CollectiveKind::AllReduce,
+            bytes: Bytes(bytes),
+            placement: GroupPlacement::single_node(size),
+        }
+    }
+
+    #[test]
+    fn an_instance_takes_its_fastest_member_and_a_size_the_median_instance() {
+        // Three all-reduces of 64 B over ranks 0 and 1: rank 0 waited in the first two.
+        let records = [
+            RankRecord {
+                rank: 0,
+                ops: vec![
+                    all_reduce(vec![0, 1], 64, 50),
+                    all_reduce(vec![0, 1], 64, 40),
+                    all_reduce(vec![0, 1], 64, 7),
+                ],
+            },
+            RankRecord {
+                rank: 1,
+                ops: vec![
+                    all_reduce(vec![1, 0], 64, 5),
+                    all_reduce(vec![1, 0], 64, 6),
+                    all_reduce(vec![1, 0], 64, 30),
+                ],
+            },
+        ];
+        let net = MeasuredNetwork::from_records(&records, 2, Slow);
+        assert_eq!(net.calibrated(), 1);
+        // Instances: 5, 6 and 7 us; the median is 6.
+        assert_eq!(net.collective(&request(64, 2)).time, Picos::from_micros(6));
+        assert_eq!(
+            net.collective(&request(64, 2)).algorithm,
+            Algorithm::Measured
+        );
+        // Another size, another group size and point-to-point are the fallback's.
+        for r in [request(128, 2), request(64, 4)] {
+            assert_eq!(net.collective(&r).time, Picos::from_micros(1_000_000));
+        }
+        assert_eq!(
+            net.point_to_point(Bytes(64), true),
+            Picos::from_micros(1_000_000)
+        );
+    }
+
+    #[test]
+    fn unmeasured_records_and_world_groups() {
+        // Durations of zero were not measured (ranks among virtual peers); a world
+        // collective lists no members and counts the whole world.
+        let records = [RankRecord {
+            rank: 0,
+            ops: vec![all_reduce(vec![0, 1], 64, 0), all_reduce(vec![], 4, 9)],
+        }];
+        let net = MeasuredNetwork::from_records(&records, 8, Slow);
+        assert_eq!(net.calibrated(), 1);
+        assert_eq!(net.collective(&request(4, 8)).time, Picos::from_micros(9));
+        assert_eq!(
+            net.collective(&request(64, 2)).time,
+            Picos::from_micros(1_000_000)
+        );
+    }
+}
