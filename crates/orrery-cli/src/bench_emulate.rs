@@ -177,7 +177,7 @@ fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 2] {
 }
 
 pub fn run_fidelity_bench(runs: u32) -> Result<()> {
-    use orrery_emulate::drive::{collect, emulate, peak_and_compute, run_all_real};
+    use orrery_emulate::drive::{emulate, peak_and_compute, run_all_real};
     use orrery_train::{Clock, MonotonicClock, ParallelConfig, TrainConfig};
     use std::sync::Arc;
     let base = fidelity_base();
@@ -185,28 +185,9 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
     outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process");
     outln!("threads of one process measure memory to within some KB (burn keeps one autodiff registry per process): --mpi runs each measurement in a process of its own\n");
-    outln!(
-        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
-        "world",
-        "cores",
-        "all-real step",
-        "emulated step",
-        "error",
-        "all-real peak",
-        "emulated peak",
-        "error"
-    );
+    fidelity_header();
     for (name, config, world) in fidelity_worlds() {
-        let collection = collect(
-            &config,
-            world,
-            1,
-            1,
-            std::time::Duration::from_secs(600),
-            clock(),
-            &mut |_, _| {},
-        )?;
-        let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
+        let (collection, cost, net) = collected_world(&config, world)?;
         let mut real_steps = Vec::new();
         let mut real_peaks = Vec::new();
         let mut emu_steps = Vec::new();
@@ -256,16 +237,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
             }),
             ..base.clone()
         };
-        let collection = collect(
-            &config,
-            world,
-            1,
-            1,
-            std::time::Duration::from_secs(600),
-            clock(),
-            &mut |_, _| {},
-        )?;
-        let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
+        let (collection, cost, net) = collected_world(&config, world)?;
         let mut engine = Vec::new();
         let mut compute = Vec::new();
         let mut participants = 0;
@@ -404,17 +376,7 @@ fn fidelity_mpi_rows(
     ];
     outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
     outln!("virtual ranks replay the real run's own collection; their collectives are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
-    outln!(
-        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
-        "world",
-        "cores",
-        "all-real step",
-        "emulated step",
-        "error",
-        "all-real peak",
-        "emulated peak",
-        "error"
-    );
+    fidelity_header();
     for (name, config, world) in fidelity_worlds() {
         let path = dir.join(format!("world{world}.toml"));
         std::fs::write(&path, toml::to_string(&config)?)?;
@@ -488,6 +450,40 @@ fn fidelity_mpi_rows(
         );
     }
     Ok(())
+}
+
+/// `config`'s world of `world` ranks collected (one slot, one warm-up step) and the models
+/// of the H100 cluster it is emulated on.
+fn collected_world(
+    config: &orrery_train::TrainConfig,
+    world: usize,
+) -> Result<(
+    orrery_emulate::drive::Collection,
+    orrery_predict::CostModel,
+    orrery_net::AnalyticalNetwork,
+)> {
+    let clock: std::sync::Arc<dyn orrery_train::Clock> =
+        std::sync::Arc::new(orrery_train::MonotonicClock::new());
+    let timeout = std::time::Duration::from_secs(600);
+    let collection =
+        orrery_emulate::drive::collect(config, world, 1, 1, timeout, clock, &mut |_, _| {})?;
+    let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
+    Ok((collection, cost, net))
+}
+
+/// The columns of a fidelity table ([`fidelity_row`]).
+fn fidelity_header() {
+    outln!(
+        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "world",
+        "cores",
+        "all-real step",
+        "emulated step",
+        "error",
+        "all-real peak",
+        "emulated peak",
+        "error"
+    );
 }
 
 /// One world's row of a fidelity table: the medians of the runs and their errors.

@@ -100,6 +100,14 @@ fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
     (code, std::fs::read_to_string(&out).unwrap_or_default())
 }
 
+/// `config` reading its corpus from a file that does not exist: every rank fails to load it.
+fn without_corpus(config: &str) -> String {
+    config.replace(
+        "[model]",
+        "[data]\npath = \"/nonexistent/orrery-corpus\"\n[model]",
+    )
+}
+
 fn peak(file: &CollectionFile, rank: u32) -> u64 {
     let record = file.records.iter().find(|r| r.rank == rank).unwrap();
     peak_and_compute(record).0
@@ -256,14 +264,7 @@ fn one_failing_rank_ends_the_job_its_peers_wait_in() {
     let good = dir.join("good.toml");
     std::fs::write(&good, dp).unwrap();
     let broken = dir.join("broken.toml");
-    std::fs::write(
-        &broken,
-        dp.replace(
-            "[model]",
-            "[data]\npath = \"/nonexistent/orrery-corpus\"\n[model]",
-        ),
-    )
-    .unwrap();
+    std::fs::write(&broken, without_corpus(dp)).unwrap();
     let out = dir.join("never.collection");
     let args = |config: &Path| {
         [
@@ -293,14 +294,7 @@ fn a_rank_that_fails_ends_the_whole_job_with_its_error() {
     // Every rank fails to read its corpus: an input error, so status 2.
     let dir = temp_dir("collect-mpi-fail");
     let config = dir.join("train.toml");
-    std::fs::write(
-        &config,
-        TRAIN.replace(
-            "[model]",
-            "[data]\npath = \"/nonexistent/orrery-corpus\"\n[model]",
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, without_corpus(TRAIN)).unwrap();
     let out = dir.join("never.collection");
     let (code, _) = mpirun(
         4,

@@ -3,7 +3,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use orrery_emulate::drive::{collect, communication, emulate, peak_and_compute, run_all_real};
+use orrery_emulate::drive::{
+    collect, communication, emulate, peak_and_compute, run_all_real, Collection, RankStep,
+};
 use orrery_emulate::memory::CountingAlloc;
 use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
 use orrery_predict::emulate::Perturbations;
@@ -163,23 +165,23 @@ fn one_real_rank_matches_the_all_real_run(config: &TrainConfig) {
     }
 }
 
-#[test]
-fn real_ranks_of_one_emulation_exchange_real_data() {
-    let config = tp2_pp2();
+/// Emulates `config` on 4 ranks with every rank real and checks it is the real program: each
+/// rank's loss bit for bit and its collectives in order, as in the all-real run. Returns the
+/// collection and the all-real run for further checks.
+fn every_rank_real_is_the_real_program(config: &TrainConfig) -> (Collection, Vec<RankStep>) {
     let (cost, net) = models();
-    let collection = collect(&config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
-    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
-    // Every rank real: the emulated program is the real program, bit for bit.
+    let collection = collect(config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
+    let all_real = run_all_real(config, 4, 1, clock()).unwrap();
     let every = [RankId(0), RankId(1), RankId(2), RankId(3)];
     let run = emulate(
-        &config,
+        config,
         &collection.collected,
         &cost,
         &net,
         &every,
         &Perturbations::default(),
         1,
-        Duration::from_secs(60),
+        TIMEOUT,
         clock(),
     )
     .unwrap();
@@ -197,6 +199,15 @@ fn real_ranks_of_one_emulation_exchange_real_data() {
             communication(&reference.record)
         );
     }
+    (collection, all_real)
+}
+
+#[test]
+fn real_ranks_of_one_emulation_exchange_real_data() {
+    let config = tp2_pp2();
+    let (cost, net) = models();
+    // Every rank real: the emulated program is the real program, bit for bit.
+    let (collection, all_real) = every_rank_real_is_the_real_program(&config);
     // Two real ranks (a tensor-parallel pair) among virtual ones: they agree with each
     // other, as replicas of one computation must.
     let pair = emulate(
@@ -224,29 +235,5 @@ fn real_ranks_of_one_emulation_exchange_real_data() {
 
 #[test]
 fn interleaved_1f1b_with_every_rank_real_is_the_real_program() {
-    let config = interleaved();
-    let (cost, net) = models();
-    let collection = collect(&config, 4, 2, 1, TIMEOUT, clock(), &mut |_, _| {}).unwrap();
-    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
-    let every = [RankId(0), RankId(1), RankId(2), RankId(3)];
-    let run = emulate(
-        &config,
-        &collection.collected,
-        &cost,
-        &net,
-        &every,
-        &Perturbations::default(),
-        1,
-        TIMEOUT,
-        clock(),
-    )
-    .unwrap();
-    for step in &run.records {
-        let reference = &all_real[step.record.rank as usize];
-        assert_eq!(step.loss.to_bits(), reference.loss.to_bits());
-        assert_eq!(
-            communication(&step.record),
-            communication(&reference.record)
-        );
-    }
+    every_rank_real_is_the_real_program(&interleaved());
 }
