@@ -474,12 +474,13 @@ fn collected_world(
 /// The columns of a fidelity table ([`fidelity_row`]).
 fn fidelity_header() {
     outln!(
-        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>14}  {:>14}  {:>8}",
+        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>26}  {:>12}  {:>12}  {:>8}",
         "world",
         "cores",
         "all-real step",
         "emulated step",
         "error",
+        "paired error [min, max]",
         "all-real peak",
         "emulated peak",
         "error"
@@ -495,20 +496,32 @@ fn fidelity_row(
     mut real_peaks: Vec<u64>,
     mut emu_peaks: Vec<u64>,
 ) {
+    let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
+    // Each run's emulation against the real run next to it in time: on a shared machine the
+    // load drifts, and pairs see the same drift.
+    let mut paired: Vec<f64> = real_steps
+        .iter()
+        .zip(&emu_steps)
+        .map(|(&r, &e)| err(r, e))
+        .collect();
+    paired.sort_by(f64::total_cmp);
     let median = |v: &mut Vec<u64>| {
         v.sort_unstable();
         v.get(v.len() / 2).copied().unwrap_or(0)
     };
     let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
     let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
-    let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
+    let at = |i: usize| paired.get(i).copied().unwrap_or(0.0);
     outln!(
-        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>10} B  {:>10} B  {:>+7.3}%",
+        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>+8.2}% [{:+.1}, {:+.1}]  {:>10} B  {:>10} B  {:>+7.3}%",
         format!("{name} ({world})"),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         rs as f64 / 1e9,
         es as f64 / 1e9,
         err(rs, es),
+        at(paired.len() / 2),
+        at(0),
+        at(paired.len().saturating_sub(1)),
         rp,
         ep,
         err(rp, ep)
