@@ -513,15 +513,18 @@ fn fidelity_row(
     let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
     let at = |i: usize| paired.get(i).copied().unwrap_or(0.0);
     outln!(
-        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>+8.2}% [{:+.1}, {:+.1}]  {:>10} B  {:>10} B  {:>+7.3}%",
+        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>26}  {:>10} B  {:>10} B  {:>+7.3}%",
         format!("{name} ({world})"),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         rs as f64 / 1e9,
         es as f64 / 1e9,
         err(rs, es),
-        at(paired.len() / 2),
-        at(0),
-        at(paired.len().saturating_sub(1)),
+        format!(
+            "{:+.2}% [{:+.1}, {:+.1}]",
+            at(paired.len() / 2),
+            at(0),
+            at(paired.len().saturating_sub(1))
+        ),
         rp,
         ep,
         err(rp, ep)

@@ -586,7 +586,15 @@ pub fn run_train_emulation(
                     .map_or("(default)".into(), |p| p.display().to_string())
             ),
             gpu: "CPU (measured), virtual ranks collected".into(),
-            network_model: network.clone(),
+            network_model: format!(
+                "{} ({})",
+                if args.calibrate {
+                    "measured"
+                } else {
+                    "analytical"
+                },
+                args.gpu
+            ),
             world_size: ranks as u64,
             step_time: step,
             mfu: 0.0,

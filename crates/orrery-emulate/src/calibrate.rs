@@ -14,9 +14,11 @@
 //! size and group size, the median over instances of that shortest time, and answers every
 //! other request (and every point-to-point transfer) from a fallback model.
 //!
-//! What it does not do: interpolate between sizes it has not seen, or calibrate
-//! point-to-point transfers (a blocking send returns once its buffer is handed over and a
-//! receive waits for its sender, so neither time is the transfer's). Records without
+//! What it does not do: interpolate between sizes it has not seen; calibrate all-to-alls
+//! (each member records the bytes it sends, which differ within one exchange, so the
+//! members of an instance cannot be matched); or calibrate point-to-point transfers (a
+//! blocking send returns once its buffer is handed over and a receive waits for its
+//! sender, so neither time is the transfer's). Records without
 //! measured durations (ranks among virtual peers, whose communication takes no time) give
 //! it nothing.
 
@@ -55,6 +57,11 @@ impl<N> MeasuredNetwork<N> {
                     continue;
                 };
                 let kind = net_kind(*op);
+                // An all-to-all's members move different amounts (each records its own),
+                // so its instances cannot be matched by size; the fallback answers them.
+                if kind == CollectiveKind::AllToAll {
+                    continue;
+                }
                 let mut members = group.clone();
                 members.sort_unstable();
                 let place = seen.entry((kind, members.clone(), bytes.0)).or_insert(0);

@@ -237,3 +237,38 @@ fn real_ranks_of_one_emulation_exchange_real_data() {
 fn interleaved_1f1b_with_every_rank_real_is_the_real_program() {
     every_rank_real_is_the_real_program(&interleaved());
 }
+
+#[test]
+fn a_real_run_calibrates_every_collective_its_graphs_ask_for() {
+    use orrery_emulate::calibrate::MeasuredNetwork;
+    use orrery_graph::OpKind;
+    use orrery_net::{Algorithm, CollectiveRequest, GroupPlacement, NetworkModel};
+    // Every rank real (threads), its operations timed: the collectives its stitched graphs
+    // replay are all answered from the measurements, asked as the replay asks (kind, bytes,
+    // group size).
+    let config = tp2_pp2();
+    let all_real = run_all_real(&config, 4, 1, clock()).unwrap();
+    let records: Vec<_> = all_real.iter().map(|s| s.record.clone()).collect();
+    let layout = orrery_emulate::drive::layout_of(&config, 4).unwrap();
+    let collected = orrery_graph::collect::stitch(layout.clone(), &records).unwrap();
+    let (_, fallback) = models();
+    let net = MeasuredNetwork::from_records(&records, 4, fallback);
+    assert!(net.calibrated() > 0);
+    let mut asked = 0;
+    for (class, graph) in collected.graphs.classes.iter().enumerate() {
+        let rank = layout.representative(orrery_units::ClassId(class as u32));
+        for op in graph.ops() {
+            if let OpKind::Collective { op, group, bytes } = op.kind {
+                let size = layout.group_members(rank, group).len() as u32;
+                let cost = net.collective(&CollectiveRequest {
+                    kind: orrery_predict::replay::net_kind(op),
+                    bytes,
+                    placement: GroupPlacement::single_node(size),
+                });
+                assert_eq!(cost.algorithm, Algorithm::Measured, "{op:?} of {bytes:?}");
+                asked += 1;
+            }
+        }
+    }
+    assert!(asked > 10, "{asked}");
+}

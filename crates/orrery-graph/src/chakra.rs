@@ -473,11 +473,11 @@ fn comm_tag(tag: u64) -> i32 {
     ((boundary << 21) | low) as i32
 }
 
-/// Whether a tag is wider than [`crate::build::tag`]'s 43 bits, so that [`comm_tag`] would
-/// lose part of it: a collected program's own tags (interleaved 1F1B names each message by
-/// its kind, chunk and micro-batch, recorded with the top bit set).
+/// Whether a tag is a collected program's own (interleaved 1F1B names each message by its
+/// kind, chunk and micro-batch, recorded with the top bit set), which [`comm_tag`]'s
+/// packing of [`crate::build::tag`]'s layout would mangle.
 fn is_wide(tag: u64) -> bool {
-    tag >> 43 != 0
+    tag >> 63 != 0
 }
 
 /// The 31-bit tags of a rank's wide tags ([`is_wide`]): each pair's wide tags, per direction,

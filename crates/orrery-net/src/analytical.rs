@@ -523,6 +523,28 @@ mod tests {
     }
 
     #[test]
+    fn measured_is_no_algorithm_to_model() {
+        // It names answers a calibrated model measured; chosen here, Ring answers.
+        let p = GroupPlacement::single_node(8);
+        assert!(!AnalyticalNetwork::is_applicable(
+            Algorithm::Measured,
+            CollectiveKind::AllReduce,
+            p
+        ));
+        let measured = fixed(round_fabric(), Algorithm::Measured).collective(&request(
+            CollectiveKind::AllReduce,
+            8_000_000,
+            p,
+        ));
+        let ring = fixed(round_fabric(), Algorithm::Ring).collective(&request(
+            CollectiveKind::AllReduce,
+            8_000_000,
+            p,
+        ));
+        assert_eq!(measured, ring);
+    }
+
+    #[test]
     fn ring_all_gather_and_reduce_scatter_closed_form() {
         let net = fixed(round_fabric(), Algorithm::Ring);
         for kind in [CollectiveKind::AllGather, CollectiveKind::ReduceScatter] {

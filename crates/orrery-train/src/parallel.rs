@@ -169,6 +169,19 @@ impl ParallelConfig {
                     ),
                 );
             }
+            // Interleaved 1F1B names its messages by chunk and micro-batch in 24 bits each
+            // (`model_parallel::message_tag`).
+            for (field, n) in [
+                ("parallel.micro_batches", self.micro_batches),
+                ("parallel.virtual_stages", self.virtual_stages),
+            ] {
+                if n >= 1 << 24 {
+                    bad(
+                        field,
+                        format!("{n} is too many for interleaved 1F1B (at most 16,777,215)"),
+                    );
+                }
+            }
         }
         if self.ep > 1 {
             if !self.dp.is_multiple_of(self.ep) {
@@ -499,6 +512,17 @@ mod tests {
         let err = Layout::new(&interleaved, &model(), 6, 2).unwrap_err();
         assert!(err.mentions("parallel.virtual_stages"), "{err}");
         assert!(err.mentions("parallel.micro_batches"), "{err}");
+        // Interleaved messages name their micro-batch in 24 bits.
+        let many = ParallelConfig {
+            micro_batches: 1 << 24,
+            virtual_stages: 2,
+            ..interleaved
+        };
+        let err = Layout::new(&many, &model(), 1 << 24, 2).unwrap_err();
+        assert!(
+            err.to_string().contains("too many for interleaved"),
+            "{err}"
+        );
     }
 
     #[test]

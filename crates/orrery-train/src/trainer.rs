@@ -70,12 +70,15 @@ pub enum TrainError {
 
 impl TrainError {
     /// Whether the run's input is at fault (its configuration, its data, a batch that does
-    /// not split over the ranks) rather than the run: what a command-line tool reports as
-    /// bad input.
+    /// not split over the ranks, a checkpoint of another run to resume) rather than the run:
+    /// what a command-line tool reports as bad input.
     pub fn is_input(&self) -> bool {
         matches!(
             self,
-            TrainError::Config(_) | TrainError::Data(_) | TrainError::BatchNotDivisible { .. }
+            TrainError::Config(_)
+                | TrainError::Data(_)
+                | TrainError::BatchNotDivisible { .. }
+                | TrainError::Resume(_)
         )
     }
 }
