@@ -378,9 +378,20 @@ pub fn record_real_rank<C: Communicator + 'static>(
     }
     let config = driven(config, warmup);
     let rank = comm.rank() as u32;
-    let (comm, handle) = Recorded::new(comm, layout, clock.clone());
-    run_rank(&config, Box::new(comm), &handle, &clock, warmup)
-        .map_err(|source| DriveError::Train { rank, source })
+    // The rank runs on a thread of its own, with its configuration and layout made here, as
+    // an emulation's real rank does: its thread's memory is then the rank's alone, not also
+    // what the caller's thread held before (an MPI rank's main thread holds its arguments
+    // and set-up), so the two measure alike.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                let (comm, handle) = Recorded::new(comm, layout, clock.clone());
+                run_rank(&config, Box::new(comm), &handle, &clock, warmup)
+                    .map_err(|source| DriveError::Train { rank, source })
+            })
+            .join()
+            .unwrap_or(Err(DriveError::Panicked { rank }))
+    })
 }
 
 /// Every rank real: `ranks` threads over a `ThreadComm`, each recorded; returns the records
