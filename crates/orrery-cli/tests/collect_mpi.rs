@@ -181,8 +181,8 @@ fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
     // One real rank among virtual ones, replayed from the real run's collection, peaks where
     // the same rank peaked in the real run. Each measurement has a process to itself (the
     // emulation's real rank is its only thread using burn). On this 650 KB model the peaks
-    // of two real runs of the same rank differ by up to about 0.8% (a cause not traced;
-    // burn's randomly seeded hash tables are a suspect); the bound leaves room for that.
+    // of two real runs of the same rank differ by up to about 0.8% (with the address-space
+    // layout: fixed by `setarch -R`, they repeat); the bound leaves room for that.
     for rank in ["0", "3"] {
         let (code, stdout, stderr) = orrery(&[
             "emulate",
