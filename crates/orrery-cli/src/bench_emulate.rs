@@ -177,7 +177,7 @@ fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 2] {
 }
 
 pub fn run_fidelity_bench(runs: u32) -> Result<()> {
-    use orrery_emulate::drive::{emulate, peak_and_compute, run_all_real};
+    use orrery_emulate::drive::{peak_and_compute, run_all_real};
     use orrery_train::{Clock, MonotonicClock, ParallelConfig, TrainConfig};
     use std::sync::Arc;
     let base = fidelity_base();
@@ -196,17 +196,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
             let all = run_all_real(&config, world, 1, clock())?;
             real_steps.push(all.iter().map(|s| s.wall.0).max().unwrap_or(0));
             real_peaks.push(peak_and_compute(&all[0].record).0);
-            let e = emulate(
-                &config,
-                &collection.collected,
-                &cost,
-                &net,
-                &[RankId(0)],
-                &Perturbations::default(),
-                1,
-                std::time::Duration::from_secs(600),
-                clock(),
-            )?;
+            let e = emulate_rank_0(&config, &collection, &cost, &net)?;
             emu_steps.push(e.step.timeline.step_time().0);
             emu_peaks.push(
                 e.records
@@ -242,17 +232,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         let mut compute = Vec::new();
         let mut participants = 0;
         for _ in 0..runs {
-            let e = emulate(
-                &config,
-                &collection.collected,
-                &cost,
-                &net,
-                &[RankId(0)],
-                &Perturbations::default(),
-                1,
-                std::time::Duration::from_secs(600),
-                clock(),
-            )?;
+            let e = emulate_rank_0(&config, &collection, &cost, &net)?;
             participants = e.step.participants.len();
             engine.push(e.step.engine.as_nanos() as u64);
             compute.push(
@@ -469,6 +449,29 @@ fn collected_world(
         orrery_emulate::drive::collect(config, world, 1, 1, timeout, clock, &mut |_, _| {})?;
     let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
     Ok((collection, cost, net))
+}
+
+/// One step of `config` with rank 0 real among virtual ranks replayed from `collection`,
+/// after one warm-up step, unperturbed.
+fn emulate_rank_0(
+    config: &orrery_train::TrainConfig,
+    collection: &orrery_emulate::drive::Collection,
+    cost: &orrery_predict::CostModel,
+    net: &orrery_net::AnalyticalNetwork,
+) -> Result<orrery_emulate::drive::Emulated> {
+    let clock: std::sync::Arc<dyn orrery_train::Clock> =
+        std::sync::Arc::new(orrery_train::MonotonicClock::new());
+    Ok(orrery_emulate::drive::emulate(
+        config,
+        &collection.collected,
+        cost,
+        net,
+        &[RankId(0)],
+        &Perturbations::default(),
+        1,
+        std::time::Duration::from_secs(600),
+        clock,
+    )?)
 }
 
 /// The columns of a fidelity table ([`fidelity_row`]).

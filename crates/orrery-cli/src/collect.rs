@@ -336,6 +336,8 @@ mod mpi_collect {
                 comm.world_size()
             )));
         }
+        // Checked before the rank starts (`record_real_rank` checks again) so that a layout
+        // that does not fit ends every rank normally with status 2, not the job by MPI_Abort.
         orrery_emulate::drive::layout_of(config, ranks).map_err(input_error)?;
         let abort = comm.abort_handle();
         let mut gatherer = comm.second_handle();

@@ -298,6 +298,13 @@ fn synthesise(buf: &mut [f32], seed: u64) {
 /// below, so the two kinds never meet in the stitched graph.
 const PROGRAM_TAG: u64 = 1 << 63;
 
+/// Which message of a pair: its place in the pair's order (untagged), or its tag.
+#[derive(Debug, Clone, Copy)]
+enum Message {
+    Place(u64),
+    Tag(u64),
+}
+
 /// A tagged message as recorded: a send to `peer` or a receive from it, of `len` floats.
 fn tagged_message(send: bool, peer: usize, len: usize, tag: u64) -> RecordedOp {
     let (peer, bytes, tag) = (peer as u32, Bytes(4 * len as u64), PROGRAM_TAG | tag);
@@ -479,13 +486,24 @@ impl VirtualPeers {
     }
 
     /// A receive from `src` (the `seq`-th from it): real if `src` is real, else synthesised.
-    fn receive(&mut self, src: usize, seq: u64, buf: &mut [f32]) -> Result<(), CommError> {
+    /// The message `which` from `src` into `buf`: over the real peers when `src` is real,
+    /// otherwise small deterministic values seeded by the pair and the message's place or tag.
+    fn receive(&mut self, src: usize, which: Message, buf: &mut [f32]) -> Result<(), CommError> {
         let real_src = self.real.as_ref().and_then(|r| r.index(src));
-        match real_src {
-            Some(i) => {
+        match (real_src, which) {
+            (Some(i), Message::Place(_)) => {
                 self.on_real(|r| r.comm.recv_f32(i, buf))?;
             }
-            None => synthesise(buf, ((src as u64) << 40) ^ ((self.rank as u64) << 20) ^ seq),
+            (Some(i), Message::Tag(tag)) => {
+                self.on_real(|r| r.comm.recv_f32_tagged(i, tag, buf))?;
+            }
+            (None, which) => {
+                let key = match which {
+                    Message::Place(seq) => seq,
+                    Message::Tag(tag) => tag ^ PROGRAM_TAG,
+                };
+                synthesise(buf, ((src as u64) << 40) ^ ((self.rank as u64) << 20) ^ key);
+            }
         }
         Ok(())
     }
@@ -597,18 +615,9 @@ impl Communicator for VirtualPeers {
     fn recv_f32_tagged(&mut self, src: usize, tag: u64, buf: &mut [f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(src)?;
         let len = buf.len();
-        let rank = self.rank as u64;
         self.operation(
             None,
-            |v| match v.real.as_ref().and_then(|r| r.index(src)) {
-                Some(i) => v.on_real(|r| r.comm.recv_f32_tagged(i, tag, buf)).map(drop),
-                // A virtual sender: small deterministic values, as for untagged messages,
-                // seeded by the pair and the tag.
-                None => {
-                    synthesise(buf, ((src as u64) << 40) ^ (rank << 20) ^ tag ^ PROGRAM_TAG);
-                    Ok(())
-                }
-            },
+            |v| v.receive(src, Message::Tag(tag), buf),
             |_, _| tagged_message(false, src, len, tag),
         )
     }
@@ -619,7 +628,7 @@ impl Communicator for VirtualPeers {
         let bytes = 4 * buf.len() as u64;
         self.operation(
             None,
-            |v| v.receive(src, seq, buf),
+            |v| v.receive(src, Message::Place(seq), buf),
             |s, _| RecordedOp::Recv {
                 peer: src as u32,
                 bytes: Bytes(bytes),
@@ -655,9 +664,9 @@ impl Communicator for VirtualPeers {
             }
             (Some(d), None) => {
                 self.on_real(|p| p.comm.send_f32(d, send))?;
-                self.receive(src, rseq, recv)?;
+                self.receive(src, Message::Place(rseq), recv)?;
             }
-            (None, _) => self.receive(src, rseq, recv)?,
+            (None, _) => self.receive(src, Message::Place(rseq), recv)?,
         }
         let mut s = lock(&self.state);
         let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
@@ -897,8 +906,8 @@ impl<C: Communicator> Recorded<C> {
         let retained = memory::thread_live() - before;
         let mut s = self.state();
         s.comm_bytes += retained;
-        let ops: Vec<RecordedOp> = ops(&mut s).into_iter().map(|o| timed(o, took)).collect();
-        s.ops_end(ops);
+        let ops = ops(&mut s);
+        s.ops_end(ops.into_iter().map(|o| timed(o, took)));
         Ok(out)
     }
 }
