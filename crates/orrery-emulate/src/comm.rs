@@ -11,8 +11,11 @@
 //! - a reduce-scatter is that all-reduce's piece for the rank (so every member contributing
 //!   the rank's own data gives it `group.len()` times its own piece);
 //! - an all-gather fills every member's part with the rank's own;
-//! - an all-to-all receives from each member what the rank sends it (so expert traffic is
-//!   as large both ways as the real router makes it);
+//! - an all-to-all receives from each member what the rank sends itself: every member is
+//!   taken to route as the rank's own router does, so a rank whose experts the router
+//!   favours receives that share from every member, and the load imbalance and its memory
+//!   spike show on the real rank (the exchange's size follows the same model, see
+//!   `busiest_member_elements`);
 //! - a broadcast keeps the rank's own data (the roots' copies are equal at initialisation);
 //! - a send is dropped; a receive is filled with small deterministic values (a virtual
 //!   pipeline neighbour's activations or gradients), seeded by the pair and the message's
@@ -756,21 +759,33 @@ impl Communicator for VirtualPeers {
     ) -> Result<(), CommError> {
         let me = group.position_of(self.rank)?;
         let (so, ro) = all_to_all_v_offsets(group, send, send_counts, recv, recv_counts)?;
-        let bytes = 4 * send.len() as u64;
+        let routed_like_me = self
+            .split(group.ranks())
+            .real_pos
+            .iter()
+            .any(Option::is_none);
+        let bytes = 4 * busiest_member_elements(send_counts, recv_counts, routed_like_me) as u64;
         // The router's choices size this exchange: the engine replays it at this size.
         self.operation(
             Some(bytes),
             |v| {
                 let split = v.split(group.ranks());
-                // Virtual members (and this rank itself): what this rank sends them, cut
-                // or zero-padded to the expected count.
+                // Virtual members send what this rank sends itself: every member routes as
+                // this rank's router does (see the module docs). The rank's own share is
+                // repeated (or cut) to the count expected from each.
+                let own = &send[so[me]..so[me + 1]];
                 for j in 0..group.len() {
                     if split.real_pos[j].is_some() && j != me {
                         continue;
                     }
-                    let k = send_counts[j].min(recv_counts[j]);
-                    recv[ro[j]..ro[j] + k].copy_from_slice(&send[so[j]..so[j] + k]);
-                    recv[ro[j] + k..ro[j + 1]].fill(0.0);
+                    let into = &mut recv[ro[j]..ro[j + 1]];
+                    if own.is_empty() {
+                        into.fill(0.0);
+                    } else {
+                        for (x, y) in into.iter_mut().zip(own.iter().cycle()) {
+                            *x = *y;
+                        }
+                    }
                 }
                 if !split.has_real_peers() {
                     return Ok(());
@@ -808,6 +823,39 @@ impl Communicator for VirtualPeers {
             |_, _| collective(CollectiveOp::AllToAll, State::members(group), bytes),
         )
     }
+}
+
+/// The elements an all-to-all moves through its busiest member, as far as one member can
+/// tell from its own counts: the larger of what it sends and what it receives, so that the
+/// replay, which lets an exchange last as long as its largest member's size takes, sees a
+/// member flooded by the others.
+///
+/// With `routed_like_me` (some members are virtual, and every member is taken to route as
+/// this one does), the member this one sends the most to receives that share from every
+/// member, and the member it receives the most from is sent back that much by every member:
+/// `members` times the largest share either way. A router that favours one expert thus
+/// slows the exchange as a real world's would; an even one changes nothing (`members`
+/// times an even share is the whole). An approximation: members' routers differ in a real
+/// world, and the network model sees one size per member, not the pattern of shares.
+fn busiest_member_elements(
+    send_counts: &[usize],
+    recv_counts: &[usize],
+    routed_like_me: bool,
+) -> usize {
+    let own = send_counts
+        .iter()
+        .sum::<usize>()
+        .max(recv_counts.iter().sum::<usize>());
+    if !routed_like_me {
+        return own;
+    }
+    let widest = send_counts
+        .iter()
+        .chain(recv_counts)
+        .copied()
+        .max()
+        .unwrap_or(0);
+    own.max(widest * send_counts.len())
 }
 
 /// A send to `dest` followed at once by a receive from `src` (the `sseq`-th and `rseq`-th
@@ -1111,7 +1159,7 @@ impl<C: Communicator> Communicator for Recorded<C> {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let bytes = 4 * send.len() as u64;
+        let bytes = 4 * busiest_member_elements(send_counts, recv_counts, false) as u64;
         let members = State::members(group);
         self.around(
             |_| [collective(CollectiveOp::AllToAll, members, bytes)],
@@ -1190,6 +1238,78 @@ mod tests {
                 (CollectiveOp::AllReduce, vec![0, 1], 16),
             ]
         );
+    }
+
+    /// Data parallelism 4 with expert parallelism over all four ranks, on one node.
+    fn ep_layout() -> Layout {
+        Layout::from_dims(1, 1, 4, 1, 4, 4)
+    }
+
+    /// Alone among virtual peers, an expert all-to-all receives from every member what the
+    /// rank routes to itself, as if every member's router chose as this one did: a rank
+    /// whose own expert is favoured receives that share four times over, and the exchange
+    /// is sized by the busiest member under the same model.
+    #[test]
+    fn virtual_all_to_all_members_route_as_the_real_rank_does() {
+        let (mut v, handle) = VirtualPeers::new(1, ep_layout(), Arc::new(FixedClock), None);
+        handle.start();
+        let group = Group::new(vec![0, 1, 2, 3], 4).unwrap();
+        // Row counts (width 1): 1 row to member 0, 5 to itself, none to 2, 2 to 3.
+        let counts = [1.0f32, 5.0, 0.0, 2.0];
+        let mut got = [0.0f32; 4];
+        v.group_all_to_all_v_f32(&group, &counts, &[1; 4], &mut got, &[1; 4])
+            .unwrap();
+        assert_eq!(got, [5.0; 4]);
+        // The rows themselves (width 2): every member sends the rank's own five rows.
+        let send: Vec<f32> = (0..16).map(|k| k as f32).collect();
+        let own = &send[2..12];
+        let mut recv = vec![-1.0f32; 40];
+        v.group_all_to_all_v_f32(&group, &send, &[2, 10, 0, 4], &mut recv, &[10; 4])
+            .unwrap();
+        for piece in recv.chunks(10) {
+            assert_eq!(piece, own);
+        }
+        // The results back: each member returns as many rows as it was sent, the rank's own
+        // results repeated; a member sent nothing returns nothing.
+        let results: Vec<f32> = (0..40).map(|k| 100.0 + k as f32).collect();
+        let mut back = vec![-1.0f32; 16];
+        v.group_all_to_all_v_f32(&group, &results, &[10; 4], &mut back, &[2, 10, 0, 4])
+            .unwrap();
+        assert_eq!(&back[..2], &results[10..12]);
+        assert_eq!(&back[2..12], &results[10..20]);
+        assert_eq!(&back[12..], &results[10..14]);
+        let record = handle.finish();
+        // Counts: one element each way per member. Rows: the rank sends 16 elements and
+        // receives 40; under the model member 1 (itself) receives 4 x 10. Results: the
+        // same exchange the other way.
+        let sizes: Vec<u64> = collectives(&record).iter().map(|c| c.2).collect();
+        assert_eq!(sizes, vec![4 * 4, 4 * 40, 4 * 40]);
+    }
+
+    /// The exchange's size: the busier direction of the member, and with virtual members
+    /// `members` times the largest share; an even router changes nothing.
+    #[test]
+    fn busiest_member_follows_the_largest_share() {
+        assert_eq!(
+            busiest_member_elements(&[3, 3, 3, 3], &[3, 3, 3, 3], true),
+            12
+        );
+        assert_eq!(
+            busiest_member_elements(&[3, 3, 3, 3], &[3, 3, 3, 3], false),
+            12
+        );
+        // A favoured member: it receives 9 from each of 4.
+        assert_eq!(
+            busiest_member_elements(&[9, 1, 1, 1], &[3, 3, 3, 3], true),
+            36
+        );
+        // Every member real: only what this member moves itself.
+        assert_eq!(
+            busiest_member_elements(&[9, 1, 1, 1], &[3, 3, 3, 3], false),
+            12
+        );
+        assert_eq!(busiest_member_elements(&[1, 1], &[5, 9], false), 14);
+        assert_eq!(busiest_member_elements(&[], &[], true), 0);
     }
 
     /// With another real member, the reduce-scatter carries real data: each member gets its

@@ -7,11 +7,13 @@ use orrery_emulate::drive::{
     collect, communication, emulate, peak_and_compute, run_all_real, Collection, RankStep,
 };
 use orrery_emulate::memory::CountingAlloc;
+use orrery_graph::collect::RecordedOp;
+use orrery_graph::CollectiveOp;
 use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
 use orrery_predict::emulate::Perturbations;
 use orrery_predict::CostModel;
-use orrery_train::{Clock, ModelConfig, MonotonicClock, ParallelConfig, TrainConfig};
-use orrery_units::RankId;
+use orrery_train::{Clock, ModelConfig, MoeConfig, MonotonicClock, ParallelConfig, TrainConfig};
+use orrery_units::{Bytes, RankId};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +76,43 @@ fn interleaved() -> TrainConfig {
         p.virtual_stages = 2;
     }
     c
+}
+
+/// A mixture of 4 experts (top 2) on TP 2 x DP 2 with the experts over both data-parallel
+/// ranks: the expert all-to-alls of every block, both ways.
+fn experts() -> TrainConfig {
+    let mut c = tiny();
+    c.model.moe = Some(MoeConfig {
+        experts: 4,
+        top_k: 2,
+    });
+    c.parallel = Some(ParallelConfig {
+        tp: 2,
+        dp: 2,
+        ep: 2,
+        ..ParallelConfig::default()
+    });
+    c
+}
+
+/// A record's communication with the all-to-alls' sizes left out: among virtual peers they
+/// follow the model that every member routes as the real rank does, not what the real
+/// world's routers chose.
+fn communication_but_exchange_sizes(record: &orrery_graph::collect::RankRecord) -> Vec<RecordedOp> {
+    communication(record)
+        .into_iter()
+        .map(|mut o| {
+            if let RecordedOp::Collective {
+                op: CollectiveOp::AllToAll,
+                bytes,
+                ..
+            } = &mut o
+            {
+                *bytes = Bytes(0);
+            }
+            o
+        })
+        .collect()
 }
 
 fn clock() -> Arc<dyn Clock> {
@@ -231,6 +270,45 @@ fn real_ranks_of_one_emulation_exchange_real_data() {
         let reference = &all_real[step.record.rank as usize].record;
         assert_eq!(communication(&step.record), communication(reference));
     }
+}
+
+/// Experts among virtual peers: collected and emulated ranks issue the all-real run's
+/// collectives in order (the expert all-to-alls' sizes follow the virtual peers' routing
+/// model), and with every rank real the emulated program is the real program, exchanges and
+/// all.
+#[test]
+fn experts_among_virtual_peers_issue_the_all_real_collectives() {
+    let config = experts();
+    let (cost, net) = models();
+    let (collection, all_real) = every_rank_real_is_the_real_program(&config);
+    for rec in &collection.records {
+        let reference = &all_real[rec.rank as usize].record;
+        assert_eq!(
+            communication_but_exchange_sizes(rec),
+            communication_but_exchange_sizes(reference),
+            "rank {}",
+            rec.rank
+        );
+    }
+    let run = emulate(
+        &config,
+        &collection.collected,
+        &cost,
+        &net,
+        &[RankId(1)],
+        &Perturbations::default(),
+        1,
+        Duration::from_secs(60),
+        clock(),
+    )
+    .unwrap();
+    let rec = &run.records[0].record;
+    assert_eq!(
+        communication_but_exchange_sizes(rec),
+        communication_but_exchange_sizes(&all_real[1].record)
+    );
+    assert!(run.step.timeline.step_time().0 > 0);
+    assert!(run.records[0].loss.is_finite());
 }
 
 #[test]
