@@ -38,8 +38,8 @@
 //! Real ranks of one emulation exchange real data with each other (over threads). A real
 //! rank's expert all-to-all follows its router's choices of the step, with the virtual
 //! members of its group taken to route as it does (their rows and the exchange's size,
-//! reported with the segment before it); virtual ranks of other groups keep the collected
-//! step's sizes.
+//! reported with the segment before it); the engine sizes every virtual rank's copy of that
+//! exchange in the real rank's stage the same way.
 //!
 //! What this crate deliberately does not do: decide durations of virtual ranks (the replay
 //! does, from collected graphs or the cost model), or make a real rank's wall time follow

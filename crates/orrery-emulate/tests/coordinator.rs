@@ -254,10 +254,11 @@ fn failed_and_miscounting_ranks_are_named() {
     );
 }
 
-/// DP 2 with expert parallelism over both ranks: compute, the expert all-to-all, compute.
-fn moe_collected() -> Collected {
-    let layout = Layout::from_dims(1, 1, 2, 1, 2, 2);
-    let records: Vec<RankRecord> = (0..2)
+/// DP `world` with expert parallelism over pairs of ranks: compute, the expert all-to-all,
+/// compute.
+fn moe_collected(world: u32) -> Collected {
+    let layout = Layout::from_dims(1, 1, world, 1, 2, world);
+    let records: Vec<RankRecord> = (0..world)
         .map(|rank| RankRecord {
             rank,
             ops: vec![
@@ -269,7 +270,11 @@ fn moe_collected() -> Collected {
                 },
                 RecordedOp::Collective {
                     op: CollectiveOp::AllToAll,
-                    group: vec![0, 1],
+                    group: layout
+                        .group_members(RankId(rank), GroupRole::Ep)
+                        .iter()
+                        .map(|r| r.0)
+                        .collect(),
                     role: Some(GroupRole::Ep),
                     bytes: Bytes(1 << 20),
                     duration: Picos::ZERO,
@@ -286,40 +291,74 @@ fn moe_collected() -> Collected {
     stitch(layout, &records).unwrap()
 }
 
+/// Emulates `c` with real rank 0, which reports its all-to-all's size (`None`: none) and
+/// computes 100 us per segment: each participant's (rank, end).
+fn moe_step(c: &Collected, bytes: Option<u64>, pruning: Pruning) -> Vec<(u32, Picos)> {
+    let (cost, net) = models();
+    let emu = Emulation::collected(
+        c,
+        &cost,
+        &net,
+        &[RankId(0)],
+        pruning,
+        &Perturbations::default(),
+    )
+    .unwrap();
+    let (coordinator, reporters) = Coordinator::new(emu, Duration::from_secs(30));
+    let r = reporters.into_iter().next().unwrap();
+    let t = std::thread::spawn(move || {
+        let first = Picos::from_micros(100);
+        match bytes {
+            Some(b) => r.segment_before(first, b).unwrap(),
+            None => r.segment(first).unwrap(),
+        }
+        r.segment(Picos::from_micros(100)).unwrap();
+        r.done().unwrap();
+    });
+    let step = coordinator.run().unwrap();
+    t.join().unwrap();
+    step.timeline
+        .participants
+        .iter()
+        .map(|p| (p.rank.0, p.end()))
+        .collect()
+}
+
+fn step_time(ends: &[(u32, Picos)]) -> Picos {
+    ends.iter().map(|e| e.1).max().unwrap()
+}
+
 #[test]
 fn a_real_routers_all_to_all_size_reaches_the_engine() {
-    let c = moe_collected();
-    let (cost, net) = models();
-    let step_with = |bytes: Option<u64>| {
-        let emu = Emulation::collected(
-            &c,
-            &cost,
-            &net,
-            &[RankId(0)],
-            Pruning::Classes,
-            &Perturbations::default(),
-        )
-        .unwrap();
-        let (coordinator, reporters) = Coordinator::new(emu, Duration::from_secs(30));
-        let r = reporters.into_iter().next().unwrap();
-        let t = std::thread::spawn(move || {
-            let first = Picos::from_micros(100);
-            match bytes {
-                Some(b) => r.segment_before(first, b).unwrap(),
-                None => r.segment(first).unwrap(),
-            }
-            r.segment(Picos::from_micros(100)).unwrap();
-            r.done().unwrap();
-        });
-        let step = coordinator.run().unwrap();
-        t.join().unwrap();
-        step.timeline.step_time()
-    };
+    let c = moe_collected(2);
+    let step_with = |bytes| step_time(&moe_step(&c, bytes, Pruning::Classes));
     let as_collected = step_with(None);
     // The router sent what the collection saw: nothing changes.
     assert_eq!(step_with(Some(1 << 20)), as_collected);
     // A skewed router (64 times the rows) makes the exchange, and the step, longer.
     assert!(step_with(Some(64 << 20)) > as_collected);
-    // Fewer rows than the virtual peer's share: the peer's share sets the pace.
-    assert_eq!(step_with(Some(1 << 10)), as_collected);
+    // Fewer rows than the collection saw: the virtual peer routes alike, so the exchange is
+    // shorter too.
+    assert!(step_with(Some(1 << 10)) < as_collected);
+}
+
+/// Virtual ranks of the real rank's stage follow its router in every expert-parallel group,
+/// not only its own; pruned and unpruned emulation agree.
+#[test]
+fn virtual_ranks_of_other_expert_groups_follow_the_live_router() {
+    let c = moe_collected(4);
+    let other_group_end =
+        |ends: &[(u32, Picos)]| ends.iter().filter(|e| e.0 >= 2).map(|e| e.1).max().unwrap();
+    let as_collected = moe_step(&c, None, Pruning::Classes);
+    for bytes in [64u64 << 20, 1 << 10] {
+        let pruned = moe_step(&c, Some(bytes), Pruning::Classes);
+        let unpruned = moe_step(&c, Some(bytes), Pruning::None);
+        assert_eq!(step_time(&pruned), step_time(&unpruned), "{bytes} B");
+        assert_eq!(other_group_end(&pruned), other_group_end(&unpruned));
+        if bytes > 1 << 20 {
+            assert!(other_group_end(&pruned) > other_group_end(&as_collected));
+        } else {
+            assert!(other_group_end(&pruned) < other_group_end(&as_collected));
+        }
+    }
 }

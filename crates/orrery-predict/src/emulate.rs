@@ -357,9 +357,17 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
     }
 
     /// The next all-to-all after compute op `op` of live participant `participant` moves
-    /// `bytes` this step (its real router's choices) instead of what its graph says; a
-    /// later all-to-all of the same exchange waits for the largest share. Nothing happens
-    /// if the next communication op is not an all-to-all.
+    /// `bytes` this step (its real router's choices) instead of what its graph says.
+    ///
+    /// The virtual participants replaying the same graph (the same pipeline stage, so the
+    /// same layer's router) follow it: their copy of that all-to-all moves the largest size
+    /// the live participants of the graph reported for it this step, whatever the
+    /// collection saw. Ranks route alike because they share the router's weights; what
+    /// their own tokens would choose is not known. A virtual participant that reaches the
+    /// all-to-all before a live one has reported it (in simulated time) keeps the graph's
+    /// size: the router has not chosen yet. An exchange lasts as long as its largest
+    /// member's size takes. Nothing happens if the next communication op is not an
+    /// all-to-all.
     pub fn size_next_all_to_all(&mut self, participant: u32, op: u32, bytes: u64) {
         let next = (op + 1..)
             .map_while(|i| self.engine.op_of(participant, i).map(|(_, o)| (i, o.kind)))
@@ -371,10 +379,27 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
             });
         if let Some((i, OpKind::Collective { op: c, .. })) = next {
             if c == orrery_graph::CollectiveOp::AllToAll {
-                self.engine
-                    .hybrid
-                    .bytes
-                    .insert((participant, i), Bytes(bytes));
+                let bytes = Bytes(bytes);
+                self.engine.hybrid.bytes.insert((participant, i), bytes);
+                let Some((class, _)) = self.engine.class_of(participant) else {
+                    return;
+                };
+                for q in 0.. {
+                    let Some((c, live)) = self.engine.class_of(q) else {
+                        break;
+                    };
+                    let all_to_all = matches!(
+                        self.engine.op_of(q, i).map(|(_, o)| o.kind),
+                        Some(OpKind::Collective {
+                            op: orrery_graph::CollectiveOp::AllToAll,
+                            ..
+                        })
+                    );
+                    if c == class && !live && all_to_all {
+                        let size = self.engine.hybrid.bytes.entry((q, i)).or_insert(bytes);
+                        *size = (*size).max(bytes);
+                    }
+                }
             }
         }
     }

@@ -448,6 +448,12 @@ impl<'a, N: NetworkModel> Engine<'a, N> {
         Some((st.rank, st.graph.ops().get(op as usize)?))
     }
 
+    /// The class participant `p` replays the graph of (`None` past the last participant),
+    /// and whether it is live.
+    pub(crate) fn class_of(&self, p: u32) -> Option<(ClassId, bool)> {
+        self.states.get(p as usize).map(|st| (st.class, st.live))
+    }
+
     /// When op `op` of participant `p` started.
     pub(crate) fn start_of(&self, p: u32, op: u32) -> Picos {
         self.states[p as usize].timing[op as usize].start
