@@ -772,7 +772,9 @@ impl Communicator for VirtualPeers {
                 let split = v.split(group.ranks());
                 // Virtual members send what this rank sends itself: every member routes as
                 // this rank's router does (see the module docs). The rank's own share is
-                // repeated (or cut) to the count expected from each.
+                // repeated (or cut) to the count expected from each; if the rank sends
+                // itself nothing, virtual members send zeros (a token routed to a virtual
+                // member's expert then gets a zero output: finite, and the shapes hold).
                 let own = &send[so[me]..so[me + 1]];
                 for j in 0..group.len() {
                     if split.real_pos[j].is_some() && j != me {
@@ -832,8 +834,9 @@ impl Communicator for VirtualPeers {
 ///
 /// With `routed_like_me` (some members are virtual, and every member is taken to route as
 /// this one does), the member this one sends the most to receives that share from every
-/// member, and the member it receives the most from is sent back that much by every member:
-/// `members` times the largest share either way. A router that favours one expert thus
+/// member, and the member it receives the most from sends that much to every member (as
+/// when the results of a favoured expert go back): `members` times the largest share
+/// either way. A router that favours one expert thus
 /// slows the exchange as a real world's would; an even one changes nothing (`members`
 /// times an even share is the whole). An approximation: members' routers differ in a real
 /// world, and the network model sees one size per member, not the pattern of shares.

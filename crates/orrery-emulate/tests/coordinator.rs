@@ -257,7 +257,13 @@ fn failed_and_miscounting_ranks_are_named() {
 /// DP `world` with expert parallelism over pairs of ranks: compute, the expert all-to-all,
 /// compute.
 fn moe_collected(world: u32) -> Collected {
-    let layout = Layout::from_dims(1, 1, world, 1, 2, world);
+    moe_layers_collected(Layout::from_dims(1, 1, world, 1, 2, world))
+}
+
+/// Every rank of `layout`: compute, the expert all-to-all in its expert-parallel group,
+/// compute (pipeline stages, if any, do not exchange: each runs its own layers' experts).
+fn moe_layers_collected(layout: Layout) -> Collected {
+    let world = layout.world_size();
     let records: Vec<RankRecord> = (0..world)
         .map(|rank| RankRecord {
             rank,
@@ -340,6 +346,35 @@ fn a_real_routers_all_to_all_size_reaches_the_engine() {
     // Fewer rows than the collection saw: the virtual peer routes alike, so the exchange is
     // shorter too.
     assert!(step_with(Some(1 << 10)) < as_collected);
+}
+
+/// Another pipeline stage's experts are other layers' with other routers: its exchanges keep
+/// the collected size whatever the real rank's router chose.
+#[test]
+fn other_stages_keep_the_collected_all_to_all_size() {
+    let layout = Layout::from_dims(1, 1, 2, 2, 2, 4);
+    let other_stage: Vec<u32> = (0..4)
+        .filter(|&r| layout.class_of(RankId(r)) != layout.class_of(RankId(0)))
+        .collect();
+    assert_eq!(other_stage.len(), 2);
+    let c = moe_layers_collected(layout);
+    let stage_end = |ends: &[(u32, Picos)], ranks: &[u32]| {
+        ends.iter()
+            .filter(|e| ranks.contains(&e.0))
+            .map(|e| e.1)
+            .max()
+    };
+    for pruning in [Pruning::Classes, Pruning::None] {
+        let as_collected = moe_step(&c, None, pruning);
+        let skewed = moe_step(&c, Some(64 << 20), pruning);
+        let own_stage: Vec<u32> = (0..4).filter(|r| !other_stage.contains(r)).collect();
+        assert!(stage_end(&skewed, &own_stage) > stage_end(&as_collected, &own_stage));
+        assert!(stage_end(&as_collected, &other_stage).is_some());
+        assert_eq!(
+            stage_end(&skewed, &other_stage),
+            stage_end(&as_collected, &other_stage)
+        );
+    }
 }
 
 /// Virtual ranks of the real rank's stage follow its router in every expert-parallel group,

@@ -363,9 +363,10 @@ impl<'a, N: NetworkModel> Emulation<'a, N> {
     /// same layer's router) follow it: their copy of that all-to-all moves the largest size
     /// the live participants of the graph reported for it this step, whatever the
     /// collection saw. Ranks route alike because they share the router's weights; what
-    /// their own tokens would choose is not known. A virtual participant that reaches the
-    /// all-to-all before a live one has reported it (in simulated time) keeps the graph's
-    /// size: the router has not chosen yet. An exchange lasts as long as its largest
+    /// their own tokens would choose is not known. The report comes with the live
+    /// participant's segment before the all-to-all, while the engine holds at that
+    /// segment's start: a virtual participant whose all-to-all started before it (in
+    /// simulated time) keeps the graph's size. An exchange lasts as long as its largest
     /// member's size takes. Nothing happens if the next communication op is not an
     /// all-to-all.
     pub fn size_next_all_to_all(&mut self, participant: u32, op: u32, bytes: u64) {
