@@ -49,6 +49,39 @@ gpus_per_node = 8
 nic_gbps = 400
 "#;
 
+/// A GPT-style job of GPT-3 13B's shape, the scale of the issue's motivating example (one
+/// 13B iteration on 128 GPUs): tensor parallelism inside a node, 4 pipeline stages, the
+/// data-parallel degree from the scenario and a fixed global batch of 256 sequences (so
+/// more GPUs mean fewer micro-batches per replica, as when a job is spread wider). Each
+/// rank holds 1/32 of the weights, so its gradient buckets are hundreds of megabytes,
+/// reduced over few data-parallel ranks: ring steps of megabytes.
+const GPT_13B_JOB: &str = r#"
+name = "GPT 13B"
+[model]
+name = "GPT 13B"
+layers = 40
+hidden = 5120
+heads = 40
+ffn = 20480
+vocab = 51200
+seq_len = 2048
+activation = "gelu"
+tied_embeddings = true
+[training]
+global_batch = 256
+micro_batch = 1
+zero_stage = 1
+[parallel]
+tp = 8
+pp = 4
+sp = true
+overlap_grad_reduce = true
+[cluster]
+gpu = "H100-SXM"
+gpus_per_node = 8
+nic_gbps = 400
+"#;
+
 struct Scenario {
     name: String,
     gpus: u32,
@@ -104,6 +137,20 @@ fn gpt_step(gpus: u32) -> Result<Scenario> {
     job_step("GPT 350M step (DP+PP)", GPT_JOB, &set, &["dp", "pp"])
 }
 
+fn gpt_13b_step(gpus: u32) -> Result<Scenario> {
+    if gpus == 0 || !gpus.is_multiple_of(32) || !256u32.is_multiple_of(gpus / 32) {
+        return Err(crate::bad(format!(
+            "--gpt13b-gpus: {gpus} is not 32 times a divisor of 256 (tp 8 x pp 4 per replica, \
+             a global batch of 256 split over the replicas)"
+        )));
+    }
+    let set = vec![
+        format!("cluster.nodes={}", gpus / 8),
+        format!("parallel.dp={}", gpus / 32), // tp 8 x pp 4 = 32 GPUs per replica
+    ];
+    job_step("GPT 13B step (DP+PP)", GPT_13B_JOB, &set, &["dp", "pp"])
+}
+
 fn moe_step() -> Result<Scenario> {
     let text =
         orrery_spec::preset_job_text("mixtral-8x7b-h100x64").map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -128,12 +175,13 @@ fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
     Ok((run, t.elapsed().as_secs_f64()))
 }
 
-/// Runs the table. `ring_mib` sizes the ring all-reduce (0: none); GPT steps run at each of
-/// `gpt_gpus` (0s skipped); the MoE step runs if `with_moe`; the reference runs only up to
-/// `reference_max_gpus`.
+/// Runs the table. `ring_mib` sizes the ring all-reduce (0: none); 350M GPT steps run at
+/// each of `gpt_gpus` and 13B ones at each of `gpt_13b_gpus` (0s skipped); the MoE step
+/// runs if `with_moe`; the reference runs only up to `reference_max_gpus`.
 pub fn run_accel_bench(
     ring_mib: u64,
     gpt_gpus: &[u32],
+    gpt_13b_gpus: &[u32],
     with_moe: bool,
     reference_max_gpus: u32,
 ) -> Result<()> {
@@ -143,6 +191,9 @@ pub fn run_accel_bench(
     }
     for &g in gpt_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_step(g)?);
+    }
+    for &g in gpt_13b_gpus.iter().filter(|&&g| g > 0) {
+        scenarios.push(gpt_13b_step(g)?);
     }
     if with_moe {
         scenarios.push(moe_step()?);
