@@ -48,8 +48,8 @@
 //!
 //! - **Recomputed at each sample**, not maintained incrementally: a union-find over the
 //!   links of the members, flows grouped by root link. Cost per sample: O(members times
-//!   path length, plus the pending-release slots (one per flow, as the whole-network jump
-//!   already scans), plus members log members). A release or completion stamps its flow's links with the
+//!   path length, plus the pending releases (a list kept as releases are scheduled, so
+//!   not one slot per flow), plus members log members). A release or completion stamps its flow's links with the
 //!   sample count; a partition holding a freshly stamped link has changed, and its flows'
 //!   fresh-sample counts restart (a split leaves every piece holding a link of the flow
 //!   that left, so pieces restart too).
@@ -367,8 +367,11 @@ impl Engine<'_> {
         let now = self.now;
         let mtu = u64::from(cfg.mtu_payload);
         let mut limit = u64::MAX;
-        for &(t, _) in self.pending_rel.iter().flatten() {
-            limit = limit.min(t.0.saturating_sub(now.0));
+        self.scheduled_releases();
+        for &g in &self.rel_list {
+            if let Some((t, _)) = self.pending_rel[g as usize] {
+                limit = limit.min(t.0.saturating_sub(now.0));
+            }
         }
         // Memoized flows finish at fixed global times and release their dependents then,
         // like pending releases.
@@ -401,12 +404,17 @@ impl Engine<'_> {
         // The jump: global time moves, local time and pending events stay; releases keep
         // their global times.
         self.offset = Picos(self.offset.0 + jump.0);
-        for slot in self.pending_rel.iter_mut() {
+        // In flow order, as the queue's order among equal times is the order of scheduling.
+        self.scheduled_releases();
+        let pending = std::mem::take(&mut self.rel_list);
+        for &g in &pending {
+            let slot = &mut self.pending_rel[g as usize];
             if let Some((t, key)) = *slot {
                 let at = Picos(t.0 - jump.0);
                 *slot = self.q.reschedule(key, at).map(|k| (at, k));
             }
         }
+        self.rel_list = pending;
         if let Some(m) = self.memo.as_mut() {
             if m.owned > 0 {
                 for slot in m.finish_at.iter_mut() {
@@ -472,6 +480,7 @@ impl Engine<'_> {
                 let q = &self.q;
                 ledger.retain(|e| q.contains(e.0));
             }
+            self.scheduled_releases();
             let groups = self.partitions(ff, &mut p);
             let w = ff.window;
             for g in &groups {
@@ -574,10 +583,12 @@ impl Engine<'_> {
         }
         // Pending releases: the partitions their links would join.
         let now = self.now.0;
-        for (g, slot) in self.pending_rel.iter().enumerate() {
-            let Some((t, _)) = *slot else { continue };
+        for &g in &self.rel_list {
+            let Some((t, _)) = self.pending_rel[g as usize] else {
+                continue;
+            };
             let dt = t.0.saturating_sub(now);
-            for l in self.flow_links(g as u32) {
+            for l in self.flow_links(g) {
                 let r = find(&mut p.uf, l);
                 // A link outside every partition is its own root and limits nothing
                 // (its rel_limit slot is only read for roots of groups).

@@ -311,6 +311,12 @@ pub(super) struct Engine<'a> {
     /// Each flow's pending release event (local time, key), so a jump can keep releases
     /// at their global times.
     pub pending_rel: Vec<Option<(Picos, EventKey)>>,
+    /// The flows whose release was scheduled, so that fast-forwarding scans the pending
+    /// releases, not every flow, at each sample: `pending_rel` of a listed flow may be
+    /// `None` again (released since) until [`Engine::scheduled_releases`] drops it.
+    /// `rel_listed` marks the listed flows.
+    pub(super) rel_list: Vec<u32>,
+    rel_listed: Vec<bool>,
     /// Data packets sent (for the skipped-events estimate).
     pub data_packets: u64,
     /// Fast-forwarding state (`accel.fast_forward` only).
@@ -356,6 +362,29 @@ pub(super) fn ser(bytes: u64, bw: f64) -> Picos {
 }
 
 impl<'a> Engine<'a> {
+    /// Leaves in `rel_list` the flows whose release is pending, in increasing order: drops
+    /// the flows released since the last call, so a call costs O(releases scheduled since
+    /// the last one, plus the pending ones), not O(flows).
+    pub(super) fn scheduled_releases(&mut self) {
+        let (pending, listed) = (&self.pending_rel, &mut self.rel_listed);
+        self.rel_list.retain(|&f| {
+            let keep = pending[f as usize].is_some();
+            if !keep {
+                listed[f as usize] = false;
+            }
+            keep
+        });
+        self.rel_list.sort_unstable();
+        // The slow path it replaces, checked in every debug run (the tests'): a scan of
+        // every flow's slot.
+        debug_assert!(self.rel_list.iter().copied().eq(self
+            .pending_rel
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| slot.is_some())
+            .map(|(f, _)| f as u32)));
+    }
+
     /// Builds the state: ports, buffers, routes and queue pairs. `cfg` must be sanitised.
     pub fn new(
         cfg: &'a PacketConfig,
@@ -526,6 +555,12 @@ impl<'a> Engine<'a> {
         e.trace_pending = trace_pending;
         e.dependents_at = dependents_at;
         e.dependents = dependents;
+        for (f, slot) in pending_rel.iter().enumerate() {
+            if slot.is_some() {
+                e.rel_listed[f] = true;
+                e.rel_list.push(f as u32);
+            }
+        }
         e.pending_rel = pending_rel;
         e.ff = ff;
         e.ledger = ledger;
@@ -564,6 +599,8 @@ impl<'a> Engine<'a> {
             trace_pending: false,
             offset: Picos::ZERO,
             pending_rel: vec![None; n_flows],
+            rel_list: Vec::new(),
+            rel_listed: vec![false; n_flows],
             data_packets: 0,
             ff: None,
             live: vec![0; n_flows],
@@ -856,6 +893,10 @@ impl<'a> Engine<'a> {
                 let at = Picos(self.now.0.saturating_add(dep.delay.0));
                 let key = self.q.schedule(at, Ev::Release(d as u32));
                 self.pending_rel[d] = Some((at, key));
+                if !self.rel_listed[d] {
+                    self.rel_listed[d] = true;
+                    self.rel_list.push(d as u32);
+                }
                 if let Some(m) = self.memo.as_mut() {
                     m.note_pending(d as u32, links_of(&self.flows, &self.paths, d as u32), true);
                 }

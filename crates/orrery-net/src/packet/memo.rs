@@ -1071,11 +1071,12 @@ impl Engine<'_> {
                 if !seen.insert(l) {
                     continue;
                 }
+                // The release time first: most flows waiting on a link are not scheduled
+                // yet or come later, and it is far cheaper than the membership test.
                 for &c in &m.pending_on[l as usize] {
-                    if members.contains(&c) {
-                        continue;
-                    }
-                    if self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 < until) {
+                    if self.pending_rel[c as usize].is_some_and(|(t, _)| t.0 < until)
+                        && !members.contains(&c)
+                    {
                         return false;
                     }
                 }
