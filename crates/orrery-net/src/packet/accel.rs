@@ -479,6 +479,7 @@ impl Engine<'_> {
             if let Some(ledger) = self.ledger.as_mut() {
                 let q = &self.q;
                 ledger.retain(|e| q.contains(e.0));
+                self.ledger_gen += 1;
             }
             self.scheduled_releases();
             let groups = self.partitions(ff, &mut p);
@@ -651,6 +652,7 @@ impl Engine<'_> {
         // Postpone the partition's pending events (found in the ledger) by the jump, in
         // their scheduling order so ties keep their order.
         let mut ledger = self.ledger.take().unwrap_or_default();
+        self.ledger_gen += 1;
         for e in ledger.iter_mut() {
             let mine = match e.2 {
                 Ev::Arrive(q) => p.in_group[self.pkts[q as usize].flow as usize],

@@ -328,6 +328,11 @@ pub(super) struct Engine<'a> {
     pub ledger: Option<Vec<(EventKey, Picos, Ev)>>,
     /// Ledger length that triggers a compaction in [`Engine::sched`].
     ledger_cap: usize,
+    /// Bumped whenever the ledger is compacted or rewritten (not when it grows), so that
+    /// [`super::image::LedgerIndex`] knows its positions are stale.
+    pub(super) ledger_gen: u64,
+    /// Where the ledger's pending events are, for captures (see its docs).
+    pub(super) ledger_index: super::image::LedgerIndex,
     /// Memoization state (`accel.memoize` only).
     pub memo: Option<Memo<'a>>,
     /// Periodic extrapolation state (`accel.periodic` with `accel.memoize`).
@@ -607,6 +612,8 @@ impl<'a> Engine<'a> {
             rng: Rng::seed_from_u64(cfg.seed),
             ledger: None,
             ledger_cap: LEDGER_MIN_CAP,
+            ledger_gen: 0,
+            ledger_index: Default::default(),
             memo: None,
             periodic: None,
             link_bytes: vec![0; n_links],
@@ -769,6 +776,7 @@ impl<'a> Engine<'a> {
                 let q = &self.q;
                 l.retain(|e| q.contains(e.0));
                 self.ledger_cap = (2 * l.len()).max(LEDGER_MIN_CAP);
+                self.ledger_gen += 1;
             }
             l.push((key, at, ev));
         }

@@ -62,7 +62,7 @@ impl Engine<'_> {
     /// The image of the source flows of `pairs` (source flow, target flow); `phi` maps a
     /// source link to its target link (links it does not map are left out).
     pub(super) fn capture(
-        &self,
+        &mut self,
         pairs: &[(u32, u32)],
         phi: &dyn Fn(u32) -> Option<u32>,
     ) -> StateImage {
@@ -90,10 +90,14 @@ impl Engine<'_> {
             let p = &self.ports[l as usize];
             img.port_flags.push((ml, p.busy, p.paused));
         }
-        let pending = self
-            .ledger
+        let sources: Vec<u32> = pairs.iter().map(|p| p.0).collect();
+        let source_links: Vec<u32> = links.iter().map(|l| l.0).collect();
+        let positions = self.capture_positions(&sources, &source_links);
+        let ledger = self.ledger.as_deref().unwrap_or(&[]);
+        let pending = ledger
             .iter()
-            .flatten()
+            .filter(|_| positions.is_none())
+            .chain(positions.iter().flatten().map(|&i| &ledger[i as usize]))
             .filter(|e| self.q.contains(e.0));
         for &(_, t, ev) in pending {
             let on_link = |l: u32| link_map.get(&l).copied();
@@ -321,4 +325,99 @@ impl Engine<'_> {
             }
         }
     }
+
+    /// The ledger positions a capture of `flows` (sources) and `links` (sources) must
+    /// visit, in ledger order, or `None` to visit the whole ledger. See [`LedgerIndex`].
+    fn capture_positions(&mut self, flows: &[u32], links: &[u32]) -> Option<Vec<u32>> {
+        let at = self.ledger_gen;
+        let ledger = self.ledger.as_deref().unwrap_or(&[]);
+        let ix = &mut self.ledger_index;
+        if ix.at != Some(at) {
+            // The first capture since the ledger was last compacted: a plain scan costs no
+            // more than building the index.
+            ix.at = Some(at);
+            ix.built = false;
+            return None;
+        }
+        // Rebuilt when what was appended since outgrows what it covers, so the part
+        // visited whole stays at most about half the ledger.
+        if !ix.built || ledger.len() - ix.len > ix.len.max(1024) {
+            ix.by_flow.clear();
+            ix.by_link.clear();
+            for (i, e) in ledger.iter().enumerate() {
+                if !self.q.contains(e.0) {
+                    continue;
+                }
+                match owner_of(&self.pkts, e.2) {
+                    Some(Owner::Flow(f)) => ix.by_flow.entry(f).or_default().push(i as u32),
+                    Some(Owner::Link(l)) => ix.by_link.entry(l).or_default().push(i as u32),
+                    None => {}
+                }
+            }
+            ix.len = ledger.len();
+            ix.built = true;
+        }
+        let mut at: Vec<u32> = flows
+            .iter()
+            .filter_map(|f| ix.by_flow.get(f))
+            .chain(links.iter().filter_map(|l| ix.by_link.get(l)))
+            .flatten()
+            .copied()
+            .collect();
+        at.sort_unstable();
+        at.dedup();
+        // What was scheduled since the index was built (the captures before this one
+        // applied their images) is visited whole.
+        at.extend(ix.len as u32..ledger.len() as u32);
+        // The slow path it replaces, checked in every debug run (the tests'): a scan finds
+        // no pending event of these flows and links that the positions leave out.
+        debug_assert!(ledger.iter().enumerate().all(|(i, e)| {
+            let mine = match owner_of(&self.pkts, e.2) {
+                Some(Owner::Flow(f)) => flows.contains(&f),
+                Some(Owner::Link(l)) => links.contains(&l),
+                None => false,
+            };
+            !mine || !self.q.contains(e.0) || at.binary_search(&(i as u32)).is_ok()
+        }));
+        Some(at)
+    }
+}
+
+/// What a pending event belongs to, for [`LedgerIndex`]: the flow of a packet or timer,
+/// or the link of a port event (the events a capture can copy).
+enum Owner {
+    Flow(u32),
+    Link(u32),
+}
+
+fn owner_of(pkts: &[Packet], ev: Ev) -> Option<Owner> {
+    match ev {
+        Ev::Arrive(p) => pkts.get(p as usize).map(|pk| Owner::Flow(pk.flow)),
+        Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => Some(Owner::Flow(f)),
+        Ev::PortFree(l) | Ev::Pause(l) | Ev::Resume(l) | Ev::PortWake(l) => Some(Owner::Link(l)),
+        _ => None,
+    }
+}
+
+/// Where the ledger's pending events are, by the flow or link they belong to, for
+/// [`Engine::capture`]. Each capture (a broken mirror takes its leader's state) scanned the
+/// whole ledger: about 30% of an accelerated 128-GPU ring all-reduce, whose 1,316 broken
+/// mirrors visited 37M ledger entries. The second capture since the ledger was last
+/// compacted builds this index (the first scans: a lone capture costs no more that way),
+/// and later ones visit their own events plus what was appended since.
+///
+/// It stays valid while the ledger is only appended to: a compaction or a rewrite (a
+/// partition's jump) bumps `Engine::ledger_gen`. An event popped since is still listed,
+/// but every visited event is checked to be pending, as the scan does; a pending event's
+/// packet is live, so the flow it was listed under is still its flow. A capture thus
+/// sees exactly the events, in the order, the scan would.
+#[derive(Debug, Default)]
+pub(super) struct LedgerIndex {
+    /// The ledger generation of the last capture.
+    at: Option<u64>,
+    built: bool,
+    /// Ledger entries the index covers.
+    len: usize,
+    by_flow: HashMap<u32, Vec<u32>>,
+    by_link: HashMap<u32, Vec<u32>>,
 }
