@@ -44,6 +44,26 @@ micro_batches = 4
 
 /// Runs `mpirun -n ranks orrery args...`: exit status and stdout (stderr goes to a log in
 /// `dir`, shown on failure).
+/// `orrery collect CONFIG --ranks RANKS --comm mpi --out OUT`, then `extra`.
+fn mpi_collect(config: &Path, ranks: &str, out: &Path, extra: &[&str]) -> Vec<String> {
+    let head = [
+        "collect",
+        config.to_str().unwrap(),
+        "--ranks",
+        ranks,
+        "--comm",
+        "mpi",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    head.iter().chain(extra).map(|a| a.to_string()).collect()
+}
+
+/// The arguments as `&str`s, as [`mpirun`] takes them.
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 fn mpirun(ranks: usize, args: &[&str], dir: &Path) -> (i32, String) {
     mpirun_apps(&[(ranks, args)], dir)
 }
@@ -120,21 +140,8 @@ fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
     std::fs::write(&config, TRAIN).unwrap();
     let c = config.to_str().unwrap();
     let reference = dir.join("reference.collection");
-    let (code, stdout) = mpirun(
-        4,
-        &[
-            "collect",
-            c,
-            "--ranks",
-            "4",
-            "--comm",
-            "mpi",
-            "--out",
-            reference.to_str().unwrap(),
-            "--json",
-        ],
-        &dir,
-    );
+    let args = mpi_collect(&config, "4", &reference, &["--json"]);
+    let (code, stdout) = mpirun(4, &strs(&args), &dir);
     assert_eq!(code, 0, "{stdout}");
     // Rank 0 alone reports (one JSON document): what each rank of the real run measured,
     // as its record in the file says.
@@ -234,20 +241,7 @@ fn mpi_collection_refuses_a_world_of_another_size() {
     let config = dir.join("train.toml");
     std::fs::write(&config, TRAIN).unwrap();
     let out = dir.join("never.collection");
-    let (code, _) = mpirun(
-        2,
-        &[
-            "collect",
-            config.to_str().unwrap(),
-            "--ranks",
-            "4",
-            "--comm",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        &dir,
-    );
+    let (code, _) = mpirun(2, &strs(&mpi_collect(&config, "4", &out, &[])), &dir);
     assert_eq!(code, 2);
     let log = std::fs::read_to_string(dir.join("mpirun.log")).unwrap();
     assert!(log.contains("the MPI job has 2 processes"), "{log}");
@@ -266,23 +260,11 @@ fn one_failing_rank_ends_the_job_its_peers_wait_in() {
     let broken = dir.join("broken.toml");
     std::fs::write(&broken, without_corpus(dp)).unwrap();
     let out = dir.join("never.collection");
-    let args = |config: &Path| {
-        [
-            "collect",
-            config.to_str().unwrap(),
-            "--ranks",
-            "2",
-            "--comm",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
-        ]
-        .map(str::to_string)
-    };
-    let (a, b) = (args(&good), args(&broken));
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let b: Vec<&str> = b.iter().map(String::as_str).collect();
-    let (code, _) = mpirun_apps(&[(1, &a), (1, &b)], &dir);
+    let (a, b) = (
+        mpi_collect(&good, "2", &out, &[]),
+        mpi_collect(&broken, "2", &out, &[]),
+    );
+    let (code, _) = mpirun_apps(&[(1, &strs(&a)), (1, &strs(&b))], &dir);
     assert_eq!(code, 2);
     let log = std::fs::read_to_string(dir.join("mpirun.log")).unwrap();
     assert!(log.contains("orrery-corpus"), "{log}");
@@ -296,20 +278,7 @@ fn a_rank_that_fails_ends_the_whole_job_with_its_error() {
     let config = dir.join("train.toml");
     std::fs::write(&config, without_corpus(TRAIN)).unwrap();
     let out = dir.join("never.collection");
-    let (code, _) = mpirun(
-        4,
-        &[
-            "collect",
-            config.to_str().unwrap(),
-            "--ranks",
-            "4",
-            "--comm",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        &dir,
-    );
+    let (code, _) = mpirun(4, &strs(&mpi_collect(&config, "4", &out, &[])), &dir);
     assert_eq!(code, 2);
     let log = std::fs::read_to_string(dir.join("mpirun.log")).unwrap();
     assert!(log.contains("error: collection failed"), "{log}");

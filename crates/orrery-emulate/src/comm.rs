@@ -963,6 +963,21 @@ impl<C: Communicator> Recorded<C> {
     }
 }
 
+impl<C: Communicator> Recorded<C> {
+    /// Runs the group collective `f` on the inner communicator, recorded as `op` over
+    /// `group` moving `bytes`.
+    fn group_collective(
+        &mut self,
+        op: CollectiveOp,
+        group: &Group,
+        bytes: u64,
+        f: impl FnOnce(&mut C) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let members = State::members(group);
+        self.around(|_| [collective(op, members, bytes)], f)
+    }
+}
+
 /// `op` with the time the rank spent in it: waiting for its peers and the transfer (a
 /// send-and-receive's two halves each get the pair's time).
 fn timed(mut op: RecordedOp, took: Picos) -> RecordedOp {
@@ -1119,11 +1134,9 @@ impl<C: Communicator> Communicator for Recorded<C> {
         buf: &mut [f32],
     ) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
-        let members = State::members(group);
-        self.around(
-            |_| [collective(CollectiveOp::AllReduce, members, bytes)],
-            |c| c.group_all_reduce_sum_f32(group, buf),
-        )
+        self.group_collective(CollectiveOp::AllReduce, group, bytes, |c| {
+            c.group_all_reduce_sum_f32(group, buf)
+        })
     }
 
     fn group_reduce_scatter_sum_f32(
@@ -1133,11 +1146,9 @@ impl<C: Communicator> Communicator for Recorded<C> {
         out: &mut [f32],
     ) -> Result<(), CommError> {
         let bytes = 4 * buf.len() as u64;
-        let members = State::members(group);
-        self.around(
-            |_| [collective(CollectiveOp::ReduceScatter, members, bytes)],
-            |c| c.group_reduce_scatter_sum_f32(group, buf, out),
-        )
+        self.group_collective(CollectiveOp::ReduceScatter, group, bytes, |c| {
+            c.group_reduce_scatter_sum_f32(group, buf, out)
+        })
     }
 
     fn group_all_gather_f32(
@@ -1147,11 +1158,9 @@ impl<C: Communicator> Communicator for Recorded<C> {
         out: &mut [f32],
     ) -> Result<(), CommError> {
         let bytes = 4 * out.len() as u64;
-        let members = State::members(group);
-        self.around(
-            |_| [collective(CollectiveOp::AllGather, members, bytes)],
-            |c| c.group_all_gather_f32(group, mine, out),
-        )
+        self.group_collective(CollectiveOp::AllGather, group, bytes, |c| {
+            c.group_all_gather_f32(group, mine, out)
+        })
     }
 
     fn group_all_to_all_v_f32(
@@ -1163,11 +1172,9 @@ impl<C: Communicator> Communicator for Recorded<C> {
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
         let bytes = 4 * busiest_member_elements(send_counts, recv_counts, false) as u64;
-        let members = State::members(group);
-        self.around(
-            |_| [collective(CollectiveOp::AllToAll, members, bytes)],
-            |c| c.group_all_to_all_v_f32(group, send, send_counts, recv, recv_counts),
-        )
+        self.group_collective(CollectiveOp::AllToAll, group, bytes, |c| {
+            c.group_all_to_all_v_f32(group, send, send_counts, recv, recv_counts)
+        })
     }
 }
 

@@ -1103,17 +1103,23 @@ mod tests {
         assert_eq!(Group::world(3).ranks(), &[0, 1, 2]);
     }
 
+    /// Rank `r`'s group in a world of 5 cut into two disjoint groups, neither in rank order:
+    /// [4, 0, 2] and [3, 1].
+    fn two_groups_of_five(r: usize) -> Group {
+        if r.is_multiple_of(2) {
+            Group::new(vec![4, 0, 2], 5).unwrap()
+        } else {
+            Group::new(vec![3, 1], 5).unwrap()
+        }
+    }
+
     /// Two disjoint groups of a world of 5 reduce concurrently; each member's sum is taken in
     /// the group's order (not rank order) and is the same bits on every member.
     #[test]
     fn group_all_reduce_sums_in_group_order() {
         let values = [1e8f32, 1.0, -1e8, 3.0, 0.5];
         let out = run(5, |mut c| {
-            let group = if c.rank() % 2 == 0 {
-                Group::new(vec![4, 0, 2], 5).unwrap()
-            } else {
-                Group::new(vec![3, 1], 5).unwrap()
-            };
+            let group = two_groups_of_five(c.rank());
             let r = c.rank();
             let mut results = Vec::new();
             for len in [0usize, 1, 2, 7] {
@@ -1150,11 +1156,7 @@ mod tests {
     fn group_reduce_scatter_is_the_all_reduce_s_pieces() {
         let values = [1e8f32, 1.0, -1e8, 3.0, 0.5];
         let out = run(5, |mut c| {
-            let group = if c.rank() % 2 == 0 {
-                Group::new(vec![4, 0, 2], 5).unwrap()
-            } else {
-                Group::new(vec![3, 1], 5).unwrap()
-            };
+            let group = two_groups_of_five(c.rank());
             let r = c.rank();
             let buf: Vec<f32> = (0..3 * group.len())
                 .map(|i| values[r] + i as f32 * 0.25)
