@@ -46,13 +46,18 @@
 //! buffer pools (which a jump leaves as they are) and the ECN random stream, so each decides
 //! steadiness and jumps on its own.
 //!
-//! - **Recomputed at each sample**, not maintained incrementally: a union-find over the
-//!   links of the members, flows grouped by root link. Cost per sample: O(members times
-//!   path length, plus the pending releases (a list kept as releases are scheduled, so
-//!   not one slot per flow), plus members log members). A release or completion stamps its flow's links with the
-//!   sample count; a partition holding a freshly stamped link has changed, and its flows'
-//!   fresh-sample counts restart (a split leaves every piece holding a link of the flow
-//!   that left, so pieces restart too).
+//! - **Maintained incrementally** ([`super::partition::Partitions`]): a flow that joins
+//!   merges the partitions its links touch, and a flow that leaves triggers a split check
+//!   of its own partition only. Partitions are read only at samples, so each sample hands
+//!   its member set over and the joins and leaves since the last one are applied then.
+//!   Cost per sample: O(members) to find who joined and left, O(path length) per join or
+//!   leave, the size of the partitions that lost a member, plus the pending releases (a
+//!   list kept as releases are scheduled, so not one slot per flow) times their path
+//!   length. Every debug run checks the partitions against a recomputation from every
+//!   member's links (what each sample did before). A release or completion stamps its
+//!   flow's links with the sample count; a partition holding a freshly stamped link has
+//!   changed, and its flows' fresh-sample counts restart (a split leaves every piece
+//!   holding a link of the flow that left, so pieces restart too).
 //! - **Steadiness** is the whole-network test applied to the partition's flows, on
 //!   per-flow sample counts (a frozen flow records none), and a partition with a draining
 //!   member is not steady.
@@ -71,6 +76,11 @@
 //!   each sample. A jump costs O(pending events + live packets) and one heap push per moved
 //!   event, not O(1) as the per-partition queues would; the ledger costs one push
 //!   per scheduled event and its compaction O(pending events) per sample interval.
+//!   Why not a queue per partition: in a `perf` profile of the accelerated 256-GPU GPT
+//!   350M step, the partitioned samples with their jumps took about 0.5% of the run and
+//!   the ledger's compaction about 3%, while the calendar queue's own pushes and pops
+//!   took about half. Per-partition queues under a queue of partitions would add a
+//!   second level to every push and pop to save part of that 3.5%.
 //! - **Releases**: a partition never jumps past a pending release whose flow's links touch
 //!   it (a new flow's route is known, and every release is scheduled before the jump is
 //!   planned, since no flow of a partition finishes while it is frozen). A release that
@@ -79,6 +89,7 @@
 //!   flow cannot reach it.
 
 use super::engine::{Engine, Ev, FlowState, Kind};
+use super::partition::Partitions;
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -122,11 +133,10 @@ struct Parts {
     frozen_until: Vec<Picos>,
     /// The global sample count when a flow using the link last started or finished.
     link_stamp: Vec<u64>,
-    /// Union-find parent of each link (reset after each use).
-    uf: Vec<u32>,
-    /// Links touched by the current union-find.
-    touched: Vec<u32>,
-    /// The earliest pending release touching each partition, by root link.
+    /// The partitions, maintained incrementally from one sample to the next.
+    parts: Partitions,
+    /// The earliest pending release touching each partition, by partition id (valid
+    /// during one sample).
     rel_limit: Vec<u64>,
     /// The flow is in the partition being jumped.
     in_group: Vec<bool>,
@@ -141,9 +151,8 @@ impl FastForward {
             fresh: vec![0; flows],
             frozen_until: vec![Picos::ZERO; flows],
             link_stamp: vec![u64::MAX; links],
-            uf: (0..links as u32).collect(),
-            touched: Vec::new(),
-            rel_limit: vec![u64::MAX; links],
+            parts: Partitions::new(flows, links),
+            rel_limit: Vec::new(),
             in_group: vec![false; flows],
             draining: Vec::new(),
         });
@@ -446,18 +455,9 @@ fn stamp(p: &mut Parts, paths: &[u32], fl: &FlowState, at: u64) {
     }
 }
 
-fn find(uf: &mut [u32], mut x: u32) -> u32 {
-    while uf[x as usize] != x {
-        let up = uf[uf[x as usize] as usize];
-        uf[x as usize] = up;
-        x = up;
-    }
-    x
-}
-
-/// One partition at a sample: its root link and its member flows.
+/// One partition at a sample: its id in [`Partitions`] and its member flows.
 struct Group {
-    root: u32,
+    part: u32,
     flows: Vec<u32>,
 }
 
@@ -485,10 +485,7 @@ impl Engine<'_> {
             let groups = self.partitions(ff, &mut p);
             let w = ff.window;
             for g in &groups {
-                if g.flows
-                    .iter()
-                    .any(|&f| p.link_stamp_hit(self, f, ff.samples))
-                {
+                if p.link_stamp_hit(g.part, ff.samples) {
                     for &f in &g.flows {
                         p.fresh[f as usize] = 0;
                     }
@@ -533,55 +530,27 @@ impl Engine<'_> {
         ff.parts = Some(p);
     }
 
-    /// Connected components of the active and draining flows and the links they use (a
-    /// union-find over links), and the earliest pending release touching each. Leaves
-    /// `p.uf` holding the components (roots) and `p.rel_limit` the release limits, both
-    /// reset at the next call.
+    /// The partitions of the active and draining flows ([`Partitions`], updated with this
+    /// sample's members), and the earliest pending release touching each, left in
+    /// `p.rel_limit` by partition id.
     fn partitions(&self, ff: &FastForward, p: &mut Parts) -> Vec<Group> {
-        for &l in &p.touched {
-            p.uf[l as usize] = l;
-            p.rel_limit[l as usize] = u64::MAX;
-        }
-        p.touched.clear();
         let mut members: Vec<u32> = ff.active.iter().chain(&p.draining).copied().collect();
         members.sort_unstable();
-        for &f in &members {
-            let mut first = None;
-            for l in self.flow_links(f) {
-                p.touched.push(l);
-                let r = find(&mut p.uf, l);
-                match first {
-                    None => first = Some(r),
-                    Some(a) => {
-                        let a = find(&mut p.uf, a);
-                        if a != r {
-                            // Deterministic: the smaller link is the root.
-                            let (lo, hi) = if a < r { (a, r) } else { (r, a) };
-                            p.uf[hi as usize] = lo;
-                        }
-                    }
-                }
-            }
-        }
-        let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(members.len());
-        for &f in &members {
-            let root = match self.flow_links(f).next() {
-                Some(l) => find(&mut p.uf, l),
-                None => continue, // no links: touches nothing, never jumps
-            };
-            keyed.push((root, f));
-        }
-        keyed.sort_unstable();
-        let mut groups: Vec<Group> = Vec::new();
-        for (root, f) in keyed {
-            match groups.last_mut() {
-                Some(g) if g.root == root => g.flows.push(f),
-                _ => groups.push(Group {
-                    root,
-                    flows: vec![f],
-                }),
-            }
-        }
+        members.dedup();
+        let (flows, paths) = (&self.flows, &self.paths);
+        p.parts
+            .update(&members, |f| super::engine::links_of(flows, paths, f));
+        let groups: Vec<Group> = p
+            .parts
+            .listing()
+            .into_iter()
+            .map(|part| Group {
+                part,
+                flows: p.parts.flows(part).to_vec(),
+            })
+            .collect();
+        p.rel_limit.clear();
+        p.rel_limit.resize(p.parts.id_bound(), u64::MAX);
         // Pending releases: the partitions their links would join.
         let now = self.now.0;
         for &g in &self.rel_list {
@@ -590,15 +559,82 @@ impl Engine<'_> {
             };
             let dt = t.0.saturating_sub(now);
             for l in self.flow_links(g) {
-                let r = find(&mut p.uf, l);
-                // A link outside every partition is its own root and limits nothing
-                // (its rel_limit slot is only read for roots of groups).
-                p.touched.push(r);
-                let x = &mut p.rel_limit[r as usize];
-                *x = (*x).min(dt);
+                if let Some(part) = p.parts.of_link(l) {
+                    let x = &mut p.rel_limit[part as usize];
+                    *x = (*x).min(dt);
+                }
             }
         }
+        // The slow path it replaces, checked in every debug run (the tests'): the
+        // partitions and release limits recomputed from every member's links.
+        #[cfg(debug_assertions)]
+        {
+            let by_scan = self.partitions_by_scan(&members);
+            let incremental: Vec<(Vec<u32>, u64)> = groups
+                .iter()
+                .map(|g| (g.flows.clone(), p.rel_limit[g.part as usize]))
+                .collect();
+            debug_assert_eq!(incremental, by_scan, "incremental partitions differ");
+        }
         groups
+    }
+
+    /// Every partition's flows and release limit, recomputed from scratch (a union-find
+    /// over the links of `members`), in the order of [`Partitions::listing`]: the slow
+    /// path of [`Engine::partitions`], for debug checks.
+    #[cfg(debug_assertions)]
+    fn partitions_by_scan(&self, members: &[u32]) -> Vec<(Vec<u32>, u64)> {
+        fn find(uf: &mut [u32], mut x: u32) -> u32 {
+            while uf[x as usize] != x {
+                x = uf[x as usize];
+            }
+            x
+        }
+        let mut uf: Vec<u32> = (0..self.ports.len() as u32).collect();
+        for &f in members {
+            let mut first = None;
+            for l in self.flow_links(f) {
+                let r = find(&mut uf, l);
+                match first {
+                    None => first = Some(r),
+                    Some(a) => {
+                        let a = find(&mut uf, a);
+                        if a != r {
+                            // The smaller link is the root: each root is its component's
+                            // smallest link, the order of the listing.
+                            let (lo, hi) = if a < r { (a, r) } else { (r, a) };
+                            uf[hi as usize] = lo;
+                        }
+                    }
+                }
+            }
+        }
+        let mut keyed: Vec<(u32, u32)> = members
+            .iter()
+            .filter_map(|&f| Some((find(&mut uf, self.flow_links(f).next()?), f)))
+            .collect();
+        keyed.sort_unstable();
+        let mut groups: Vec<(u32, Vec<u32>, u64)> = Vec::new();
+        for (root, f) in keyed {
+            match groups.last_mut() {
+                Some(g) if g.0 == root => g.1.push(f),
+                _ => groups.push((root, vec![f], u64::MAX)),
+            }
+        }
+        let now = self.now.0;
+        for &g in &self.rel_list {
+            let Some((t, _)) = self.pending_rel[g as usize] else {
+                continue;
+            };
+            let dt = t.0.saturating_sub(now);
+            for l in self.flow_links(g) {
+                let r = find(&mut uf, l);
+                if let Ok(k) = groups.binary_search_by_key(&r, |g| g.0) {
+                    groups[k].2 = groups[k].2.min(dt);
+                }
+            }
+        }
+        groups.into_iter().map(|(_, f, lim)| (f, lim)).collect()
     }
 
     /// Jumps partition `g` if every flow of it is steady: like [`Engine::try_jump`] for
@@ -611,7 +647,7 @@ impl Engine<'_> {
         let mtu = u64::from(cfg.mtu_payload);
         // A memoized flow finishing releases flows nobody announced yet, which could reach
         // this partition while it is frozen: never jump past one.
-        let mut limit = p.rel_limit[g.root as usize].min(self.memo_horizon());
+        let mut limit = p.rel_limit[g.part as usize].min(self.memo_horizon());
         let mut rates = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
@@ -657,7 +693,7 @@ impl Engine<'_> {
             let mine = match e.2 {
                 Ev::Arrive(q) => p.in_group[self.pkts[q as usize].flow as usize],
                 Ev::PortFree(l) | Ev::PortWake(l) | Ev::Pause(l) | Ev::Resume(l) => {
-                    find(&mut p.uf, l) == g.root
+                    p.parts.of_link(l) == Some(g.part)
                 }
                 Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => p.in_group[f as usize],
                 Ev::Release(_) | Ev::Sample | Ev::FfSample | Ev::MemoDecide | Ev::MemoFinish(_) => {
@@ -711,9 +747,12 @@ impl Engine<'_> {
 }
 
 impl Parts {
-    /// Whether a link of flow `f` changed since the last sample (count `samples`).
-    fn link_stamp_hit(&self, e: &Engine<'_>, f: u32, samples: u64) -> bool {
-        e.flow_links(f)
-            .any(|l| self.link_stamp[l as usize] == samples)
+    /// Whether a link of partition `part` changed since the last sample (count
+    /// `samples`): its links are exactly its flows' links.
+    fn link_stamp_hit(&self, part: u32, samples: u64) -> bool {
+        self.parts
+            .links(part)
+            .iter()
+            .any(|&l| self.link_stamp[l as usize] == samples)
     }
 }

@@ -219,6 +219,7 @@ mod engine;
 mod host;
 mod image;
 mod memo;
+mod partition;
 mod periodic;
 mod switch;
 
