@@ -17,6 +17,7 @@ use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bytes, Picos};
+use serde::Serialize;
 use std::time::Instant;
 
 /// A GPT-style job (GPT-3 Medium shape, 350M parameters) whose data- and
@@ -156,98 +157,184 @@ fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
     Ok((run, t.elapsed().as_secs_f64()))
 }
 
-/// Runs the table. `ring_mib` sizes the ring all-reduce (0: none); 350M GPT steps run at
-/// each of `gpt_gpus` and 13B ones at each of `gpt_13b_gpus` (0s skipped); the MoE step
-/// runs if `with_moe`; the reference runs only up to `reference_max_gpus`.
-pub fn run_accel_bench(
-    ring_mib: u64,
-    gpt_gpus: &[u32],
-    gpt_13b_gpus: &[u32],
-    with_moe: bool,
-    reference_max_gpus: u32,
-) -> Result<()> {
+/// What `orrery bench --accel` runs: `ring_mib` sizes the ring all-reduce (0: none); 350M
+/// GPT steps run at each of `gpt_gpus` and 13B ones at each of `gpt_13b_gpus` (0s
+/// skipped); the MoE step runs if `with_moe`; the reference runs only up to
+/// `reference_max_gpus`; `json` prints the rows as JSON instead of a table.
+pub struct AccelBench {
+    pub ring_mib: u64,
+    pub gpt_gpus: Vec<u32>,
+    pub gpt_13b_gpus: Vec<u32>,
+    pub with_moe: bool,
+    pub reference_max_gpus: u32,
+    pub json: bool,
+}
+
+/// One scenario's measurements (a row of the table; `--json` prints these).
+#[derive(Debug, Serialize)]
+struct AccelRow {
+    scenario: String,
+    gpus: u32,
+    flows: usize,
+    /// Wall seconds of the reference run, when it ran.
+    reference_secs: Option<f64>,
+    accelerated_secs: f64,
+    /// `reference_secs / accelerated_secs`, when the reference ran.
+    wall_speedup: Option<f64>,
+    /// Events the reference processed; without a reference run, the accelerated run's
+    /// processed plus skipped events (an estimate, `reference_events_estimated`).
+    reference_events: u64,
+    reference_events_estimated: bool,
+    events: u64,
+    /// `reference_events / events`.
+    event_ratio: f64,
+    skipped_events: u64,
+    memo_lookups: u64,
+    memo_hits: u64,
+    /// `memo_hits / memo_lookups` (0 without lookups).
+    memo_hit_rate: f64,
+    mirrored_groups: u64,
+    virtual_flows: u64,
+    /// Errors against the reference, as fractions (0.01 is 1%), when it ran.
+    errors: Option<AccelErrors>,
+}
+
+#[derive(Debug, Serialize)]
+struct AccelErrors {
+    mean_fct: f64,
+    p99_fct: f64,
+    end: f64,
+    collective: f64,
+}
+
+/// Runs every scenario and prints the table (row by row, as they finish) or the JSON
+/// report (at the end).
+pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     let mut scenarios = Vec::new();
-    if ring_mib > 0 {
-        scenarios.push(ring_all_reduce(128, ring_mib << 20)?);
+    if b.ring_mib > 0 {
+        scenarios.push(ring_all_reduce(128, b.ring_mib << 20)?);
     }
-    for &g in gpt_gpus.iter().filter(|&&g| g > 0) {
+    for &g in b.gpt_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_step(g)?);
     }
-    for &g in gpt_13b_gpus.iter().filter(|&&g| g > 0) {
+    for &g in b.gpt_13b_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_13b_step(g)?);
     }
-    if with_moe {
+    if b.with_moe {
         scenarios.push(moe_step()?);
     }
-    outln!(
-        "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference\n"
-    );
-    outln!(
-        "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
-        "scenario",
-        "GPUs",
-        "flows",
-        "ref s",
-        "accel s",
-        "speedup",
-        "ref events",
-        "events",
-        "memo%",
-        "mirror",
-        "virtual",
-        "meanFCT%",
-        "p99FCT%",
-        "end%",
-        "coll%"
-    );
-    for s in &scenarios {
-        let (fast, t_fast) = timed(PacketConfig::default(), s)?;
-        let skipped = fast.stats.total_skipped_events();
-        let memo = 100.0 * fast.stats.memo_hit_rate();
-        let mirrored = fast.stats.memo_mirrored;
-        let virtual_flows = fast.stats.periodic_flows;
-        let line = if s.gpus <= reference_max_gpus {
-            let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
-            let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
-            format!(
-                "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
-                t_ref,
-                t_fast,
-                t_ref / t_fast,
-                reference.report.events,
-                fast.report.events,
-                memo,
-                mirrored,
-                virtual_flows,
-                100.0 * e.mean_fct,
-                100.0 * e.p99_fct,
-                100.0 * e.end,
-                100.0 * e.collective
-            )
-        } else {
-            let est = (fast.report.events + skipped) as f64 / fast.report.events.max(1) as f64;
-            format!(
-                "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
-                "-",
-                t_fast,
-                est,
-                format!("~{}", fast.report.events + skipped),
-                fast.report.events,
-                memo,
-                mirrored,
-                virtual_flows,
-                "-",
-                "-",
-                "-",
-                "-"
-            )
-        };
+    if !b.json {
         outln!(
-            "{:<40} {:>5} {:>6} {line}",
-            s.name,
-            s.gpus,
-            s.flows.flows.len()
+            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference\n"
+        );
+        outln!(
+            "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "scenario",
+            "GPUs",
+            "flows",
+            "ref s",
+            "accel s",
+            "speedup",
+            "ref events",
+            "events",
+            "memo%",
+            "mirror",
+            "virtual",
+            "meanFCT%",
+            "p99FCT%",
+            "end%",
+            "coll%"
         );
     }
+    let mut rows = Vec::new();
+    for s in &scenarios {
+        let row = measure(s, s.gpus <= b.reference_max_gpus)?;
+        if !b.json {
+            outln!("{}", table_line(&row));
+        }
+        rows.push(row);
+    }
+    if b.json {
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
+    }
     Ok(())
+}
+
+/// Runs scenario `s` accelerated and, if `with_reference`, packet by packet.
+fn measure(s: &Scenario, with_reference: bool) -> Result<AccelRow> {
+    let (fast, t_fast) = timed(PacketConfig::default(), s)?;
+    let st = &fast.stats;
+    let skipped = st.total_skipped_events();
+    let events = fast.report.events;
+    let reference = if with_reference {
+        let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
+        let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
+        Some((reference.report.events, t_ref, e))
+    } else {
+        None
+    };
+    let reference_events = reference.as_ref().map_or(events + skipped, |r| r.0);
+    Ok(AccelRow {
+        scenario: s.name.clone(),
+        gpus: s.gpus,
+        flows: s.flows.flows.len(),
+        reference_secs: reference.as_ref().map(|r| r.1),
+        accelerated_secs: t_fast,
+        wall_speedup: reference.as_ref().map(|r| r.1 / t_fast),
+        reference_events,
+        reference_events_estimated: reference.is_none(),
+        events,
+        event_ratio: reference_events as f64 / events.max(1) as f64,
+        skipped_events: skipped,
+        memo_lookups: st.memo_lookups,
+        memo_hits: st.memo_hits,
+        memo_hit_rate: st.memo_hit_rate(),
+        mirrored_groups: st.memo_mirrored,
+        virtual_flows: st.periodic_flows,
+        errors: reference.map(|(_, _, e)| AccelErrors {
+            mean_fct: e.mean_fct,
+            p99_fct: e.p99_fct,
+            end: e.end,
+            collective: e.collective,
+        }),
+    })
+}
+
+/// The row as a line of the table: the wall speedup where the reference ran, else the
+/// event ratio marked "est".
+fn table_line(r: &AccelRow) -> String {
+    let memo = 100.0 * r.memo_hit_rate;
+    let measured = match (&r.errors, r.reference_secs, r.wall_speedup) {
+        (Some(e), Some(t_ref), Some(speedup)) => format!(
+            "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            t_ref,
+            r.accelerated_secs,
+            speedup,
+            r.reference_events,
+            r.events,
+            memo,
+            r.mirrored_groups,
+            r.virtual_flows,
+            100.0 * e.mean_fct,
+            100.0 * e.p99_fct,
+            100.0 * e.end,
+            100.0 * e.collective
+        ),
+        _ => format!(
+            "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "-",
+            r.accelerated_secs,
+            r.event_ratio,
+            format!("~{}", r.reference_events),
+            r.events,
+            memo,
+            r.mirrored_groups,
+            r.virtual_flows,
+            "-",
+            "-",
+            "-",
+            "-"
+        ),
+    };
+    format!("{:<40} {:>5} {:>6} {measured}", r.scenario, r.gpus, r.flows)
 }

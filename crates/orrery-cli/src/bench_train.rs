@@ -79,9 +79,10 @@ pub struct BenchTrainArgs {
     /// With --train: evaluate every this many steps (the resolution of "steps to target").
     #[arg(long, default_value_t = 10, requires = "train")]
     eval_every: u64,
-    /// With --train: print the report as JSON (per-seed values included) instead of a table.
-    #[arg(long, requires = "train")]
-    json: bool,
+    /// With --train or --accel: print the report as JSON instead of a table (with --train,
+    /// per-seed values included).
+    #[arg(long)]
+    pub json: bool,
     /// With --train: one optimizer's peak learning rate, NAME=LR (repeatable, e.g.
     /// `--lr soap=1e-2 --lr shampoo=3e-3`); the others keep the configuration's (3e-3 by
     /// default). soap-async takes soap's unless it is given its own.

@@ -254,6 +254,13 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench { train, .. } if train.enabled => bench_train::run_train_bench(&train),
+        // Checked here rather than by clap: `requires` does not see a flag's absence when
+        // the flag it names is a boolean with a default.
+        Command::Bench {
+            accel: false,
+            ref train,
+            ..
+        } if train.json => Err(bad("--json: only with --train or --accel")),
         Command::Bench {
             emulate: true,
             emulate_gpus,
@@ -279,14 +286,16 @@ fn run(cli: Cli) -> Result<()> {
             gpt_13b_gpus,
             reference_max_gpus,
             no_moe,
+            train,
             ..
-        } => bench_accel::run_accel_bench(
+        } => bench_accel::run_accel_bench(&bench_accel::AccelBench {
             ring_mib,
-            &gpt_gpus,
-            &gpt_13b_gpus,
-            !no_moe,
+            gpt_gpus,
+            gpt_13b_gpus,
+            with_moe: !no_moe,
             reference_max_gpus,
-        ),
+            json: train.json,
+        }),
         Command::Bench { runs, .. } => run_bench(runs.max(1)),
     }
 }

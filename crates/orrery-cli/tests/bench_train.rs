@@ -1,5 +1,6 @@
 //! `orrery bench --train` on a tiny model: the report's structure and fields, in JSON and as a
-//! table, and its refusal of bad input. Timings are printed by the benchmark, never asserted.
+//! table, and its refusal of bad input; `orrery bench --accel`'s JSON report on a small ring.
+//! Timings are printed by the benchmarks, never asserted.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -348,6 +349,8 @@ fn bad_options_exit_with_status_2() {
         ),
         (&["bench", "--soap", "frequency=2"][..], "--train"),
         (&["bench", "--no-tiering"][..], "--train"),
+        (&["bench", "--json"][..], "--json"),
+        (&["bench", "--emulate", "--json"][..], "--json"),
         (
             &[
                 "bench",
@@ -423,4 +426,50 @@ fn bad_options_exit_with_status_2() {
         assert_eq!(code, 2, "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
+}
+
+/// `bench --accel --json` on the smallest scenario (a 1 MiB ring all-reduce on 128 GPUs,
+/// reference included): one row whose figures agree with each other and whose errors are
+/// within the bounds.
+#[test]
+fn accel_json_report_has_the_row_and_its_errors() {
+    let (code, stdout, stderr) = orrery(&[
+        "bench",
+        "--accel",
+        "--ring-mib",
+        "1",
+        "--gpt-gpus",
+        "0",
+        "--no-moe",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Value = serde_json::from_str(&stdout).expect("the report is JSON");
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{stdout}");
+    let r = &rows[0];
+    assert_eq!(r["scenario"], "ring all-reduce 1 MiB");
+    assert_eq!(r["gpus"], 128);
+    assert_eq!(r["reference_events_estimated"], false);
+    let (reference, events) = (
+        r["reference_events"].as_f64().unwrap(),
+        r["events"].as_f64().unwrap(),
+    );
+    assert!(events > 0.0 && reference > events, "{r}");
+    let ratio = r["event_ratio"].as_f64().unwrap();
+    assert!((ratio - reference / events).abs() < 1e-9 * ratio, "{r}");
+    let wall = r["wall_speedup"].as_f64().unwrap();
+    let secs = r["reference_secs"].as_f64().unwrap() / r["accelerated_secs"].as_f64().unwrap();
+    assert!((wall - secs).abs() < 1e-9 * wall, "{r}");
+    let hits = r["memo_hits"].as_f64().unwrap();
+    let lookups = r["memo_lookups"].as_f64().unwrap();
+    assert!(hits <= lookups, "{r}");
+    let e = &r["errors"];
+    assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(e["p99_fct"].as_f64().unwrap() < 0.05, "{r}");
+    assert!(e["collective"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(
+        !stdout.contains("orrery bench --accel:"),
+        "no table heading in JSON"
+    );
 }
