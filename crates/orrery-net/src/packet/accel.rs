@@ -90,6 +90,8 @@
 
 use super::engine::{Engine, Ev, FlowState, Kind};
 use super::partition::Partitions;
+#[cfg(debug_assertions)]
+use super::partition::{components, find};
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -534,9 +536,8 @@ impl Engine<'_> {
     /// sample's members), and the earliest pending release touching each, left in
     /// `p.rel_limit` by partition id.
     fn partitions(&self, ff: &FastForward, p: &mut Parts) -> Vec<Group> {
-        let mut members: Vec<u32> = ff.active.iter().chain(&p.draining).copied().collect();
-        members.sort_unstable();
-        members.dedup();
+        // A flow listed twice (never expected: a finished flow is not active) is taken once.
+        let members: Vec<u32> = ff.active.iter().chain(&p.draining).copied().collect();
         let (flows, paths) = (&self.flows, &self.paths);
         p.parts
             .update(&members, |f| super::engine::links_of(flows, paths, f));
@@ -552,23 +553,19 @@ impl Engine<'_> {
         p.rel_limit.clear();
         p.rel_limit.resize(p.parts.id_bound(), u64::MAX);
         // Pending releases: the partitions their links would join.
-        let now = self.now.0;
-        for &g in &self.rel_list {
-            let Some((t, _)) = self.pending_rel[g as usize] else {
-                continue;
-            };
-            let dt = t.0.saturating_sub(now);
-            for l in self.flow_links(g) {
-                if let Some(part) = p.parts.of_link(l) {
-                    let x = &mut p.rel_limit[part as usize];
-                    *x = (*x).min(dt);
-                }
+        for (l, dt) in self.pending_release_links() {
+            if let Some(part) = p.parts.of_link(l) {
+                let x = &mut p.rel_limit[part as usize];
+                *x = (*x).min(dt);
             }
         }
         // The slow path it replaces, checked in every debug run (the tests'): the
         // partitions and release limits recomputed from every member's links.
         #[cfg(debug_assertions)]
         {
+            let mut members = members;
+            members.sort_unstable();
+            members.dedup();
             let by_scan = self.partitions_by_scan(&members);
             let incremental: Vec<(Vec<u32>, u64)> = groups
                 .iter()
@@ -579,41 +576,26 @@ impl Engine<'_> {
         groups
     }
 
+    /// Every link of every pending release, with the time from now to that release.
+    fn pending_release_links(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        let now = self.now.0;
+        self.rel_list.iter().flat_map(move |&g| {
+            let due = self.pending_rel[g as usize].map(|(t, _)| t.0.saturating_sub(now));
+            due.into_iter()
+                .flat_map(move |dt| self.flow_links(g).map(move |l| (l, dt)))
+        })
+    }
+
     /// Every partition's flows and release limit, recomputed from scratch (a union-find
     /// over the links of `members`), in the order of [`Partitions::listing`]: the slow
     /// path of [`Engine::partitions`], for debug checks.
     #[cfg(debug_assertions)]
     fn partitions_by_scan(&self, members: &[u32]) -> Vec<(Vec<u32>, u64)> {
-        fn find(uf: &mut [u32], mut x: u32) -> u32 {
-            while uf[x as usize] != x {
-                x = uf[x as usize];
-            }
-            x
-        }
         let mut uf: Vec<u32> = (0..self.ports.len() as u32).collect();
-        for &f in members {
-            let mut first = None;
-            for l in self.flow_links(f) {
-                let r = find(&mut uf, l);
-                match first {
-                    None => first = Some(r),
-                    Some(a) => {
-                        let a = find(&mut uf, a);
-                        if a != r {
-                            // The smaller link is the root: each root is its component's
-                            // smallest link, the order of the listing.
-                            let (lo, hi) = if a < r { (a, r) } else { (r, a) };
-                            uf[hi as usize] = lo;
-                        }
-                    }
-                }
-            }
-        }
-        let mut keyed: Vec<(u32, u32)> = members
-            .iter()
-            .filter_map(|&f| Some((find(&mut uf, self.flow_links(f).next()?), f)))
-            .collect();
-        keyed.sort_unstable();
+        let (flows, paths) = (&self.flows, &self.paths);
+        let keyed = components(&mut uf, members, &|f| {
+            super::engine::links_of(flows, paths, f)
+        });
         let mut groups: Vec<(u32, Vec<u32>, u64)> = Vec::new();
         for (root, f) in keyed {
             match groups.last_mut() {
@@ -621,17 +603,10 @@ impl Engine<'_> {
                 _ => groups.push((root, vec![f], u64::MAX)),
             }
         }
-        let now = self.now.0;
-        for &g in &self.rel_list {
-            let Some((t, _)) = self.pending_rel[g as usize] else {
-                continue;
-            };
-            let dt = t.0.saturating_sub(now);
-            for l in self.flow_links(g) {
-                let r = find(&mut uf, l);
-                if let Ok(k) = groups.binary_search_by_key(&r, |g| g.0) {
-                    groups[k].2 = groups[k].2.min(dt);
-                }
+        for (l, dt) in self.pending_release_links() {
+            let r = find(&mut uf, l);
+            if let Ok(k) = groups.binary_search_by_key(&r, |g| g.0) {
+                groups[k].2 = groups[k].2.min(dt);
             }
         }
         groups.into_iter().map(|(_, f, lim)| (f, lim)).collect()

@@ -83,8 +83,8 @@ impl Partitions {
         }
     }
 
-    /// Makes `members` (each flow once, any order) the member set: flows no longer listed
-    /// leave, their partitions are split-checked, and new flows join. `links_of(f)` lists
+    /// Makes `members` (any order; a flow listed twice counts once) the member set: flows
+    /// no longer listed leave, their partitions are split-checked, and new flows join. `links_of(f)` lists
     /// flow `f`'s links; a flow's links must not change while it is a member.
     pub fn update<I>(&mut self, members: &[u32], links_of: impl Fn(u32) -> I)
     where
@@ -279,32 +279,7 @@ impl Partitions {
             self.free_part(id);
             return;
         }
-        // Union-find over the members' links; the smaller root wins, so each root is its
-        // component's smallest link.
-        for &g in &flows {
-            let mut first: Option<u32> = None;
-            for l in links_of(g) {
-                let r = find(&mut self.uf, l);
-                match first {
-                    None => first = Some(r),
-                    Some(a) => {
-                        let a = find(&mut self.uf, a);
-                        if a != r {
-                            let (lo, hi) = if a < r { (a, r) } else { (r, a) };
-                            self.uf[hi as usize] = lo;
-                        }
-                    }
-                }
-            }
-        }
-        let mut keyed: Vec<(u32, u32)> = flows
-            .iter()
-            .map(|&g| {
-                let l = links_of(g).next().expect("partition members have links");
-                (find(&mut self.uf, l), g)
-            })
-            .collect();
-        keyed.sort_unstable();
+        let keyed = components(&mut self.uf, &flows, links_of);
         for &l in &old_links {
             self.uf[l as usize] = l;
         }
@@ -336,7 +311,45 @@ impl Partitions {
     }
 }
 
-fn find(uf: &mut [u32], mut x: u32) -> u32 {
+/// The components of `flows` by a union-find over their links, as (root, flow) pairs in
+/// increasing order, where each root is its component's smallest link; flows without
+/// links are left out. `uf` must hold every link as its own root; it is left holding the
+/// components (callers reset the links they used).
+pub(super) fn components<I>(
+    uf: &mut [u32],
+    flows: &[u32],
+    links_of: &impl Fn(u32) -> I,
+) -> Vec<(u32, u32)>
+where
+    I: Iterator<Item = u32>,
+{
+    for &g in flows {
+        let mut first: Option<u32> = None;
+        for l in links_of(g) {
+            let r = find(uf, l);
+            match first {
+                None => first = Some(r),
+                Some(a) => {
+                    let a = find(uf, a);
+                    if a != r {
+                        // The smaller root wins, so each root stays its set's smallest link.
+                        let (lo, hi) = if a < r { (a, r) } else { (r, a) };
+                        uf[hi as usize] = lo;
+                    }
+                }
+            }
+        }
+    }
+    let mut keyed: Vec<(u32, u32)> = flows
+        .iter()
+        .filter_map(|&g| Some((find(uf, links_of(g).next()?), g)))
+        .collect();
+    keyed.sort_unstable();
+    keyed
+}
+
+/// The root of link `x`'s set, halving the path on the way.
+pub(super) fn find(uf: &mut [u32], mut x: u32) -> u32 {
     while uf[x as usize] != x {
         let up = uf[uf[x as usize] as usize];
         uf[x as usize] = up;
@@ -441,7 +454,10 @@ mod tests {
             let mut p = Partitions::new(n, 24);
             for step in &steps {
                 let members: Vec<u32> = (0..n as u32).filter(|&f| step[f as usize]).collect();
-                p.update(&members, links);
+                // Listed backwards and some twice: the order and repeats must not matter.
+                let listed_twice: Vec<u32> =
+                    members.iter().rev().chain(members.iter().step_by(3)).copied().collect();
+                p.update(&listed_twice, links);
                 prop_assert_eq!(listed(&mut p), recompute(&members, &paths));
             }
         }
