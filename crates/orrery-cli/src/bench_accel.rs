@@ -80,6 +80,38 @@ fn ring_all_reduce(gpus: u32, bytes: u64) -> Result<Scenario> {
     })
 }
 
+/// Two 8-rank ring all-reduces of `bytes` (8 channels each), on rails 0 and 1 of 8 DGX
+/// H100 hosts split into two pods of four: every ring crosses the spines twice, where ECMP
+/// puts some channels on the same spine link. The smallest of these scenarios with
+/// congestion (ECN marks, DCQCN) that acceleration meets; its reference is chaotic.
+fn cross_pod_rings(bytes: u64) -> Result<Scenario> {
+    let spec = RailOptimizedSpec {
+        hosts_per_pod: 4,
+        ..RailOptimizedSpec::dgx_h100(8)
+    };
+    let graph = NetGraph::rail_optimized(&spec)?;
+    let mut flows = FlowSet::default();
+    for rail in 0..2u32 {
+        let ranks: Vec<u32> = (0..8).map(|h| h * 8 + rail).collect();
+        collective_flows(
+            &mut flows,
+            &format!("rail {rail} ring"),
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 8 },
+            &ranks,
+            Bytes(bytes),
+            graph.endpoints_per_host(),
+            Picos::from_nanos(2000),
+        )?;
+    }
+    Ok(Scenario {
+        name: format!("2 rings across 2 pods {} MiB", bytes >> 20),
+        gpus: 64,
+        graph,
+        flows,
+    })
+}
+
 fn job_step(name: &str, text: &str, overrides: &[String], traffic: &[&str]) -> Result<Scenario> {
     let spec = orrery_spec::load_job_spec(text, overrides).map_err(|e| anyhow::anyhow!("{e}"))?;
     let job = orrery_spec::Job::from_spec(&spec).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -163,10 +195,13 @@ fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
 /// `reference_max_gpus`; `json` prints the rows as JSON instead of a table.
 pub struct AccelBench {
     pub ring_mib: u64,
+    pub cross_pod_mib: u64,
     pub gpt_gpus: Vec<u32>,
     pub gpt_13b_gpus: Vec<u32>,
     pub with_moe: bool,
     pub reference_max_gpus: u32,
+    /// Also run each reference with the next seed and report how far it is from the first.
+    pub seed_spread: bool,
     pub json: bool,
 }
 
@@ -197,6 +232,10 @@ struct AccelRow {
     virtual_flows: u64,
     /// Errors against the reference, as fractions (0.01 is 1%), when it ran.
     errors: Option<AccelErrors>,
+    /// With `--seed-spread`: the reference run with the next seed against the reference,
+    /// the same measures. Where this is as large as `errors`, single flows are chaotic
+    /// (random ECN marks decide them) and per-flow errors measure that, not acceleration.
+    reference_seed_spread: Option<AccelErrors>,
 }
 
 #[derive(Debug, Serialize)]
@@ -207,12 +246,26 @@ struct AccelErrors {
     collective: f64,
 }
 
+impl From<RunErrors> for AccelErrors {
+    fn from(e: RunErrors) -> AccelErrors {
+        AccelErrors {
+            mean_fct: e.mean_fct,
+            p99_fct: e.p99_fct,
+            end: e.end,
+            collective: e.collective,
+        }
+    }
+}
+
 /// Runs every scenario and prints the table (row by row, as they finish) or the JSON
 /// report (at the end).
 pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     let mut scenarios = Vec::new();
     if b.ring_mib > 0 {
         scenarios.push(ring_all_reduce(128, b.ring_mib << 20)?);
+    }
+    if b.cross_pod_mib > 0 {
+        scenarios.push(cross_pod_rings(b.cross_pod_mib << 20)?);
     }
     for &g in b.gpt_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_step(g)?);
@@ -248,9 +301,19 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     }
     let mut rows = Vec::new();
     for s in &scenarios {
-        let row = measure(s, s.gpus <= b.reference_max_gpus)?;
+        let row = measure(s, s.gpus <= b.reference_max_gpus, b.seed_spread)?;
         if !b.json {
             outln!("{}", table_line(&row));
+            if let Some(e) = &row.reference_seed_spread {
+                outln!(
+                    "{:<40} the reference with the next seed against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
+                    "",
+                    100.0 * e.mean_fct,
+                    100.0 * e.p99_fct,
+                    100.0 * e.end,
+                    100.0 * e.collective
+                );
+            }
         }
         rows.push(row);
     }
@@ -260,15 +323,23 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     Ok(())
 }
 
-/// Runs scenario `s` accelerated and, if `with_reference`, packet by packet.
-fn measure(s: &Scenario, with_reference: bool) -> Result<AccelRow> {
+/// Runs scenario `s` accelerated and, if `with_reference`, packet by packet (and, if
+/// `seed_spread`, packet by packet again with the next seed).
+fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<AccelRow> {
     let (fast, t_fast) = timed(PacketConfig::default(), s)?;
     let st = &fast.stats;
     let skipped = st.total_skipped_events();
     let events = fast.report.events;
+    let mut spread = None;
     let reference = if with_reference {
         let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
         let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
+        if seed_spread {
+            let mut config = PacketConfig::reference();
+            config.seed = config.seed.wrapping_add(1);
+            let (other, _) = timed(config, s)?;
+            spread = Some(RunErrors::between(&reference.report, &other.report, &s.flows).into());
+        }
         Some((reference.report.events, t_ref, e))
     } else {
         None
@@ -291,12 +362,8 @@ fn measure(s: &Scenario, with_reference: bool) -> Result<AccelRow> {
         memo_hit_rate: st.memo_hit_rate(),
         mirrored_groups: st.memo_mirrored,
         virtual_flows: st.periodic_flows,
-        errors: reference.map(|(_, _, e)| AccelErrors {
-            mean_fct: e.mean_fct,
-            p99_fct: e.p99_fct,
-            end: e.end,
-            collective: e.collective,
-        }),
+        errors: reference.map(|(_, _, e)| e.into()),
+        reference_seed_spread: spread,
     })
 }
 

@@ -89,6 +89,14 @@ enum Command {
         /// With --accel: MiB of the 128-GPU ring all-reduce (0: leave it out).
         #[arg(long, default_value_t = 64)]
         ring_mib: u64,
+        /// With --accel: MiB of each of two ring all-reduces across two pods of four hosts
+        /// (64 GPUs; the spines congest). 0, the default, leaves them out.
+        #[arg(long, default_value_t = 0)]
+        cross_pod_mib: u64,
+        /// With --accel: also run each reference with the next seed and print how far it
+        /// lands from the first (how chaotic single flows are).
+        #[arg(long)]
+        seed_spread: bool,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
         #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
         gpt_gpus: Vec<u32>,
@@ -282,6 +290,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             accel: true,
             ring_mib,
+            cross_pod_mib,
+            seed_spread,
             gpt_gpus,
             gpt_13b_gpus,
             reference_max_gpus,
@@ -290,6 +300,8 @@ fn run(cli: Cli) -> Result<()> {
             ..
         } => bench_accel::run_accel_bench(&bench_accel::AccelBench {
             ring_mib,
+            cross_pod_mib,
+            seed_spread,
             gpt_gpus,
             gpt_13b_gpus,
             with_moe: !no_moe,

@@ -428,9 +428,9 @@ fn bad_options_exit_with_status_2() {
     }
 }
 
-/// `bench --accel --json` on the smallest scenario (a 1 MiB ring all-reduce on 128 GPUs,
-/// reference included): one row whose figures agree with each other and whose errors are
-/// within the bounds.
+/// `bench --accel --seed-spread --json` on the smallest scenario (a 1 MiB ring all-reduce on
+/// 128 GPUs, reference included): one row whose figures agree with each other, whose errors
+/// are within the bounds, and with the reference's spread across seeds.
 #[test]
 fn accel_json_report_has_the_row_and_its_errors() {
     let (code, stdout, stderr) = orrery(&[
@@ -441,6 +441,7 @@ fn accel_json_report_has_the_row_and_its_errors() {
         "--gpt-gpus",
         "0",
         "--no-moe",
+        "--seed-spread",
         "--json",
     ]);
     assert_eq!(code, 0, "{stderr}");
@@ -472,4 +473,10 @@ fn accel_json_report_has_the_row_and_its_errors() {
         !stdout.contains("orrery bench --accel:"),
         "no table heading in JSON"
     );
+    // The reference against itself with the next seed: errors of the same kind.
+    let spread = &r["reference_seed_spread"];
+    for key in ["mean_fct", "p99_fct", "end", "collective"] {
+        let x = spread[key].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x >= 0.0, "{key}: {r}");
+    }
 }
