@@ -18,8 +18,10 @@
 //! PFC frames, port wake-ups, timers) in the order it was scheduled, so events at equal
 //! times keep their order; the packets queued at each link, in queue order; and each host
 //! port's round-robin order. Applying it schedules the copies, re-enters queued data
-//! packets into their switch (buffer and PFC accounting redone) and accounts every copied
-//! packet as the original was accounted. The source engine must keep its event ledger.
+//! packets into their switch (buffer and PFC accounting redone; a copy is always admitted,
+//! since its source was, even where the target's buffer is fuller, so a copy is never
+//! dropped) and accounts every copied packet as the original was accounted. The source
+//! engine must keep its event ledger.
 //!
 //! What an image does not carry: the random stream of probabilistic ECN marking (the
 //! target draws its own numbers), and buffer bytes that other traffic held in a switch
@@ -207,7 +209,8 @@ impl Engine<'_> {
             }
         }
         // Control frames join the mapped control queue; data at a switch re-enters it as
-        // if it had just arrived over the mapped ingress link.
+        // if it had just arrived over the mapped ingress link, and is admitted whatever
+        // the buffer holds.
         for (ml, ctrl, data) in img.queued {
             for pk in ctrl {
                 self.account_copy(&pk, false);
@@ -224,7 +227,7 @@ impl Engine<'_> {
                     false,
                 );
                 let p = self.alloc(pk);
-                self.switch_arrive(p);
+                self.switch_admit_copy(p);
             }
         }
         // Each target host port lists the target flows after its own earlier queue pairs,
