@@ -230,6 +230,10 @@ struct AccelRow {
     memo_hit_rate: f64,
     mirrored_groups: u64,
     virtual_flows: u64,
+    /// Packets dropped by the accelerated run and, when it ran, by the reference (with
+    /// PFC, neither should drop any).
+    drops: u64,
+    reference_drops: Option<u64>,
     /// Errors against the reference, as fractions (0.01 is 1%), when it ran.
     errors: Option<AccelErrors>,
     /// With `--seed-spread`: the reference run with the next seed against the reference,
@@ -304,6 +308,16 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
         let row = measure(s, s.gpus <= b.reference_max_gpus, b.seed_spread)?;
         if !b.json {
             outln!("{}", table_line(&row));
+            if row.drops > 0 || row.reference_drops.is_some_and(|d| d > 0) {
+                let reference = row
+                    .reference_drops
+                    .map_or("not run".to_string(), |d| d.to_string());
+                outln!(
+                    "{:<40} packets dropped: {} accelerated, reference {reference}",
+                    "",
+                    row.drops
+                );
+            }
             if let Some(e) = &row.reference_seed_spread {
                 outln!(
                     "{:<40} the reference with the next seed against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
@@ -327,31 +341,33 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
 /// `seed_spread`, packet by packet again with the next seed).
 fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<AccelRow> {
     let (fast, t_fast) = timed(PacketConfig::default(), s)?;
-    let st = &fast.stats;
-    let skipped = st.total_skipped_events();
-    let events = fast.report.events;
-    let mut spread = None;
     let reference = if with_reference {
-        let (reference, t_ref) = timed(PacketConfig::reference(), s)?;
-        let e = RunErrors::between(&reference.report, &fast.report, &s.flows);
-        if seed_spread {
-            let mut config = PacketConfig::reference();
-            config.seed = config.seed.wrapping_add(1);
-            let (other, _) = timed(config, s)?;
-            spread = Some(RunErrors::between(&reference.report, &other.report, &s.flows).into());
-        }
-        Some((reference.report.events, t_ref, e))
+        Some(timed(PacketConfig::reference(), s)?)
     } else {
         None
     };
-    let reference_events = reference.as_ref().map_or(events + skipped, |r| r.0);
+    let spread = match &reference {
+        Some((reference, _)) if seed_spread => {
+            let mut config = PacketConfig::reference();
+            config.seed = config.seed.wrapping_add(1);
+            let (other, _) = timed(config, s)?;
+            Some(RunErrors::between(&reference.report, &other.report, &s.flows).into())
+        }
+        _ => None,
+    };
+    let st = &fast.stats;
+    let skipped = st.total_skipped_events();
+    let events = fast.report.events;
+    let reference_events = reference
+        .as_ref()
+        .map_or(events + skipped, |(r, _)| r.report.events);
     Ok(AccelRow {
         scenario: s.name.clone(),
         gpus: s.gpus,
         flows: s.flows.flows.len(),
-        reference_secs: reference.as_ref().map(|r| r.1),
+        reference_secs: reference.as_ref().map(|(_, t)| *t),
         accelerated_secs: t_fast,
-        wall_speedup: reference.as_ref().map(|r| r.1 / t_fast),
+        wall_speedup: reference.as_ref().map(|(_, t)| t / t_fast),
         reference_events,
         reference_events_estimated: reference.is_none(),
         events,
@@ -362,7 +378,11 @@ fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<Acce
         memo_hit_rate: st.memo_hit_rate(),
         mirrored_groups: st.memo_mirrored,
         virtual_flows: st.periodic_flows,
-        errors: reference.map(|(_, _, e)| e.into()),
+        drops: fast.report.drops,
+        reference_drops: reference.as_ref().map(|(r, _)| r.report.drops),
+        errors: reference
+            .as_ref()
+            .map(|(r, _)| RunErrors::between(&r.report, &fast.report, &s.flows).into()),
         reference_seed_spread: spread,
     })
 }

@@ -462,6 +462,8 @@ fn accel_json_report_has_the_row_and_its_errors() {
     let wall = r["wall_speedup"].as_f64().unwrap();
     let secs = r["reference_secs"].as_f64().unwrap() / r["accelerated_secs"].as_f64().unwrap();
     assert!((wall - secs).abs() < 1e-9 * wall, "{r}");
+    assert_eq!(r["drops"], 0, "{r}");
+    assert_eq!(r["reference_drops"], 0, "{r}");
     let hits = r["memo_hits"].as_f64().unwrap();
     let lookups = r["memo_lookups"].as_f64().unwrap();
     assert!(hits <= lookups, "{r}");
