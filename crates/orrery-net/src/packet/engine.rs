@@ -79,6 +79,10 @@ pub(super) struct Packet {
     pub hop: u32,
     pub kind: Kind,
     pub ecn: bool,
+    /// A copy made by `image` (a broken mirror or a rolled-back memo hit taking its
+    /// source's state) that has not entered a switch yet: the next switch admits it
+    /// whatever its buffer holds (see [`Engine::switch_arrive`]).
+    pub copied: bool,
 }
 
 /// One directed link: the egress port at its sender and the ingress accounting at its

@@ -128,6 +128,7 @@ impl Engine<'_> {
             hop: 0,
             kind: Kind::Data,
             ecn: false,
+            copied: false,
         });
         self.transmit(l, p);
     }
@@ -160,6 +161,7 @@ impl Engine<'_> {
             hop: 0,
             kind,
             ecn: false,
+            copied: false,
         });
         self.ports[l as usize].ctrl.push_back(p);
         self.try_send(l);

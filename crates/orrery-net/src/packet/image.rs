@@ -18,9 +18,9 @@
 //! PFC frames, port wake-ups, timers) in the order it was scheduled, so events at equal
 //! times keep their order; the packets queued at each link, in queue order; and each host
 //! port's round-robin order. Applying it schedules the copies, re-enters queued data
-//! packets into their switch (buffer and PFC accounting redone; a copy is always admitted,
-//! since its source was, even where the target's buffer is fuller, so a copy is never
-//! dropped) and accounts every copied packet as the original was accounted. The source
+//! packets into their switch (buffer and PFC accounting redone) and accounts every copied
+//! packet as the original was accounted. A copy, queued or in flight, is admitted by the
+//! next switch it enters whatever that buffer holds, so no copy is dropped. The source
 //! engine must keep its event ledger.
 //!
 //! What an image does not carry: the random stream of probabilistic ECN marking (the
@@ -121,6 +121,7 @@ impl Engine<'_> {
                                 flow,
                                 link,
                                 in_link,
+                                copied: true,
                                 ..pk
                             },
                         )),
@@ -156,6 +157,7 @@ impl Engine<'_> {
                         link: in_link,
                         in_link: NO_LINK,
                         hop: pk.hop.saturating_sub(1),
+                        copied: true,
                         ..pk
                     })
                 })
@@ -209,8 +211,8 @@ impl Engine<'_> {
             }
         }
         // Control frames join the mapped control queue; data at a switch re-enters it as
-        // if it had just arrived over the mapped ingress link, and is admitted whatever
-        // the buffer holds.
+        // if it had just arrived over the mapped ingress link (admitted whatever the
+        // buffer holds: it is a copy).
         for (ml, ctrl, data) in img.queued {
             for pk in ctrl {
                 self.account_copy(&pk, false);
@@ -227,7 +229,7 @@ impl Engine<'_> {
                     false,
                 );
                 let p = self.alloc(pk);
-                self.switch_admit_copy(p);
+                self.switch_arrive(p);
             }
         }
         // Each target host port lists the target flows after its own earlier queue pairs,

@@ -127,8 +127,8 @@
 //! marking is probabilistic a run that simulates fewer packets draws other numbers (as
 //! with hits and jumps), and a switch buffer pool shared by a leader and its mirror held
 //! only the leader's packets. When the mirror breaks, its copies enter that pool on top
-//! of the leader's; they are admitted even past the ingress headroom (which pauses the
-//! upstream) rather than dropped, since the leader's packets were admitted.
+//! of the leader's; each is admitted at the first switch it enters even past the ingress
+//! headroom (which pauses the upstream) rather than dropped.
 //!
 //! ## The cache
 //!

@@ -7,22 +7,17 @@ use orrery_units::Picos;
 
 impl Engine<'_> {
     /// A packet reached a switch: forward it to the egress port of its next hop.
+    ///
+    /// A copy (`Packet::copied`: a broken mirror or a rolled-back memo hit took its
+    /// source's state, `image`) is admitted at the first switch it enters whatever the
+    /// buffer holds (into the headroom, past it if need be, which pauses the upstream).
+    /// The copies land all at once on top of what the target's switches already hold,
+    /// which the source's packets never met, and the usual rule would drop what the
+    /// source never did: it dropped 1,487 packets on the accelerated GPT 13B step on 512
+    /// GPUs, whose reference dropped none.
     pub(super) fn switch_arrive(&mut self, p: u32) {
-        self.switch_enter(p, false);
-    }
-
-    /// A copy of a packet queued in another switch (a broken mirror or an aborted memo
-    /// hit taking its source's state, `image`) enters this one. The source admitted it,
-    /// so the copy is admitted whatever this buffer holds (into the headroom, past it if
-    /// need be, which pauses the upstream): the reference loses no packet where the
-    /// source lost none. Admitting copies by the usual rule dropped 1,487 of them on the
-    /// accelerated GPT 13B step on 512 GPUs, whose reference dropped none.
-    pub(super) fn switch_admit_copy(&mut self, p: u32) {
-        self.switch_enter(p, true);
-    }
-
-    fn switch_enter(&mut self, p: u32, copy: bool) {
         let pk = self.pkts[p as usize];
+        let copy = pk.copied;
         let l_in = pk.link;
         let Some(out) = self.path_link(&pk, pk.hop + 1) else {
             // A path never ends at a switch; if it did, the packet has nowhere to go.
@@ -34,6 +29,7 @@ impl Engine<'_> {
             pk.hop += 1;
             pk.link = out;
             pk.in_link = l_in;
+            pk.copied = false;
         }
         if pk.kind != Kind::Data {
             self.ports[out as usize].ctrl.push_back(p);
@@ -199,13 +195,14 @@ mod tests {
             hop: 0,
             kind: Kind::Data,
             ecn: false,
+            copied: false,
         };
         pk.link = e.path_link(&pk, 0).expect("the flow has a first hop");
         pk
     }
 
     /// With the ingress headroom full and the shared pool used up, an arriving packet is
-    /// dropped, and a copy (`image`) of a packet another switch admitted is not.
+    /// dropped, and a copy (`image`) is not.
     #[test]
     fn a_copy_is_admitted_where_an_arrival_would_be_dropped() {
         let cfg = PacketConfig::reference().sanitized();
@@ -246,9 +243,12 @@ mod tests {
         e.switch_arrive(p);
         assert_eq!(e.drops, 1, "the usual rule drops it");
         let hdrm = e.ports[l_in as usize].in_hdrm;
-        let pk = arriving(&e, 1);
+        let pk = Packet {
+            copied: true,
+            ..arriving(&e, 1)
+        };
         let p = e.alloc(pk);
-        e.switch_admit_copy(p);
+        e.switch_arrive(p);
         assert_eq!(e.drops, 1, "the copy is not dropped");
         assert_eq!(
             e.ports[l_in as usize].in_hdrm,
@@ -261,5 +261,6 @@ mod tests {
             1,
             "queued for its next hop"
         );
+        assert!(!e.pkts[p as usize].copied, "the next switch admits it as usual");
     }
 }
