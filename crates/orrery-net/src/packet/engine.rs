@@ -115,6 +115,10 @@ pub(super) struct Port {
     pub in_bytes: u64,
     pub in_hdrm: u64,
     pub headroom: u64,
+    /// The part of `in_hdrm` that copies (`Packet::copied`) took, which extends the
+    /// headroom while they hold it: the upstream's packets in flight when it was paused
+    /// still find the room the headroom is sized for.
+    pub in_copy_hdrm: u64,
     /// A pause is in force (sent, not yet resumed).
     pub pause_sent: bool,
 }
@@ -140,6 +144,7 @@ impl Port {
             wake: None,
             in_bytes: 0,
             in_hdrm: 0,
+            in_copy_hdrm: 0,
             headroom: self.headroom,
             pause_sent: false,
         }
@@ -426,6 +431,7 @@ impl<'a> Engine<'a> {
                 wake: None,
                 in_bytes: 0,
                 in_hdrm: 0,
+                in_copy_hdrm: 0,
                 headroom: if to_switch {
                     cfg.headroom_for(l.bandwidth, l.delay)
                 } else {

@@ -105,13 +105,15 @@ impl Engine<'_> {
 
     /// PFC admission of `size` bytes arriving on ingress `l` at switch `sw`: into the
     /// reserve, else the shared pool while under the threshold, else the headroom; dropped
-    /// if the headroom is full too (only if headroom is undersized), unless `always`.
+    /// if the headroom is full too (only if headroom is undersized), unless `always` (a
+    /// copy, whose headroom bytes extend the headroom while they are in it).
     fn ingress_admit(&mut self, sw: usize, l: u32, size: u64, always: bool) -> bool {
         let thr = self.threshold(sw);
         let shared = self.shared_of(l);
         let reserve = self.cfg.pfc_reserve;
         let port = &mut self.ports[l as usize];
-        if !always && size + port.in_hdrm > port.headroom && size + shared > thr {
+        if !always && size + port.in_hdrm > port.headroom + port.in_copy_hdrm && size + shared > thr
+        {
             return false;
         }
         let new = port.in_bytes + size;
@@ -119,6 +121,9 @@ impl Engine<'_> {
             port.in_bytes = new;
         } else if new - reserve > thr {
             port.in_hdrm += size;
+            if always {
+                port.in_copy_hdrm += size;
+            }
         } else {
             port.in_bytes = new;
             self.bufs[sw].shared_used += size.min(new - reserve);
@@ -133,6 +138,9 @@ impl Engine<'_> {
         let from_hdrm = port.in_hdrm.min(size);
         let from_shared = (size - from_hdrm).min(shared);
         port.in_hdrm -= from_hdrm;
+        // Which bytes leave is not tracked; the copies' share shrinks only when the
+        // headroom holds less than it.
+        port.in_copy_hdrm = port.in_copy_hdrm.min(port.in_hdrm);
         port.in_bytes = port.in_bytes.saturating_sub(size - from_hdrm);
         let b = &mut self.bufs[sw];
         b.shared_used = b.shared_used.saturating_sub(from_shared);
@@ -261,6 +269,26 @@ mod tests {
             1,
             "queued for its next hop"
         );
-        assert!(!e.pkts[p as usize].copied, "the next switch admits it as usual");
+        assert!(
+            !e.pkts[p as usize].copied,
+            "the next switch admits it as usual"
+        );
+        // Room for one more frame in the headroom, which a second copy takes. Its bytes
+        // extend the headroom: the frame the upstream had in flight still finds that
+        // room, and the next one is dropped as before.
+        let port = &mut e.ports[l_in as usize];
+        port.in_hdrm = port.headroom - 1062;
+        port.in_copy_hdrm = 0;
+        let p = e.alloc(Packet {
+            copied: true,
+            ..arriving(&e, 2)
+        });
+        e.switch_arrive(p);
+        let p = e.alloc(arriving(&e, 3));
+        e.switch_arrive(p);
+        assert_eq!(e.drops, 1, "the room the copy took is given back");
+        let p = e.alloc(arriving(&e, 4));
+        e.switch_arrive(p);
+        assert_eq!(e.drops, 2, "no more than that");
     }
 }
