@@ -57,21 +57,33 @@ struct Scenario {
     flows: FlowSet,
 }
 
+/// Adds an 8-channel ring all-reduce of `bytes` over `ranks` of `graph` to `flows`.
+fn add_ring(
+    flows: &mut FlowSet,
+    graph: &NetGraph,
+    name: &str,
+    ranks: &[u32],
+    bytes: u64,
+) -> Result<()> {
+    collective_flows(
+        flows,
+        name,
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels: 8 },
+        ranks,
+        Bytes(bytes),
+        graph.endpoints_per_host(),
+        Picos::from_nanos(2000),
+    )?;
+    Ok(())
+}
+
 fn ring_all_reduce(gpus: u32, bytes: u64) -> Result<Scenario> {
     let hosts = (gpus / 8).max(1) as usize;
     let graph = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(hosts))?;
     let mut flows = FlowSet::default();
     let ranks: Vec<u32> = (0..gpus).collect();
-    collective_flows(
-        &mut flows,
-        "all-reduce",
-        CollectiveKind::AllReduce,
-        FlowAlgorithm::Ring { channels: 8 },
-        &ranks,
-        Bytes(bytes),
-        graph.endpoints_per_host(),
-        Picos::from_nanos(2000),
-    )?;
+    add_ring(&mut flows, &graph, "all-reduce", &ranks, bytes)?;
     Ok(Scenario {
         name: format!("ring all-reduce {} MiB", bytes >> 20),
         gpus,
@@ -93,15 +105,12 @@ fn cross_pod_rings(bytes: u64) -> Result<Scenario> {
     let mut flows = FlowSet::default();
     for rail in 0..2u32 {
         let ranks: Vec<u32> = (0..8).map(|h| h * 8 + rail).collect();
-        collective_flows(
+        add_ring(
             &mut flows,
+            &graph,
             &format!("rail {rail} ring"),
-            CollectiveKind::AllReduce,
-            FlowAlgorithm::Ring { channels: 8 },
             &ranks,
-            Bytes(bytes),
-            graph.endpoints_per_host(),
-            Picos::from_nanos(2000),
+            bytes,
         )?;
     }
     Ok(Scenario {
