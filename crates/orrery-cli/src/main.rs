@@ -84,7 +84,7 @@ enum Command {
         runs: u32,
         /// Instead: the accelerated packet model against the packet-by-packet reference on
         /// training traffic (ring all-reduce, GPT steps, an MoE step), one run each.
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["emulate", "emulate_fidelity"])]
         accel: bool,
         /// With --accel: MiB of the 128-GPU ring all-reduce (0: leave it out).
         #[arg(long, default_value_t = 64)]
@@ -262,8 +262,8 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench { train, .. } if train.enabled => bench_train::run_train_bench(&train),
-        // Checked here rather than by clap: `requires` does not see a flag's absence when
-        // the flag it names is a boolean with a default.
+        // Checked here rather than by clap: `--json` needs either of two flags, which one
+        // `requires` cannot say.
         Command::Bench {
             accel: false,
             ref train,

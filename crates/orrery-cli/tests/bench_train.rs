@@ -351,6 +351,8 @@ fn bad_options_exit_with_status_2() {
         (&["bench", "--no-tiering"][..], "--train"),
         (&["bench", "--json"][..], "--json"),
         (&["bench", "--emulate", "--json"][..], "--json"),
+        (&["bench", "--accel", "--emulate", "--json"][..], "--emulate"),
+        (&["bench", "--accel", "--emulate-fidelity"][..], "--emulate-fidelity"),
         (
             &[
                 "bench",

@@ -77,10 +77,10 @@
 //!   event, not O(1) as the per-partition queues would; the ledger costs one push
 //!   per scheduled event and its compaction O(pending events) per sample interval.
 //!   Why not a queue per partition: in a `perf` profile of the accelerated 256-GPU GPT
-//!   350M step, the partitioned samples with their jumps took about 0.5% of the run and
-//!   the ledger's compaction about 3%, while the calendar queue's own pushes and pops
-//!   took about half. Per-partition queues under a queue of partitions would add a
-//!   second level to every push and pop to save part of that 3.5%.
+//!   350M step, the partitioned samples took about 0.25% of the run (the jumps did not
+//!   register) and the ledger's compaction about 3.4%, while the calendar queue's own
+//!   pushes and pops took about half. Per-partition queues under a queue of partitions
+//!   would add a second level to every push and pop to save part of that 3.4%.
 //! - **Releases**: a partition never jumps past a pending release whose flow's links touch
 //!   it (a new flow's route is known, and every release is scheduled before the jump is
 //!   planned, since no flow of a partition finishes while it is frozen). A release that
@@ -560,16 +560,21 @@ impl Engine<'_> {
             }
         }
         // The slow path it replaces, checked in every debug run (the tests'): the
-        // partitions and release limits recomputed from every member's links.
+        // partitions (flows and links) and release limits recomputed from every
+        // member's links.
         #[cfg(debug_assertions)]
         {
             let mut members = members;
             members.sort_unstable();
             members.dedup();
             let by_scan = self.partitions_by_scan(&members);
-            let incremental: Vec<(Vec<u32>, u64)> = groups
+            let incremental: Vec<(Vec<u32>, Vec<u32>, u64)> = groups
                 .iter()
-                .map(|g| (g.flows.clone(), p.rel_limit[g.part as usize]))
+                .map(|g| {
+                    let mut links = p.parts.links(g.part).to_vec();
+                    links.sort_unstable();
+                    (g.flows.clone(), links, p.rel_limit[g.part as usize])
+                })
                 .collect();
             debug_assert_eq!(incremental, by_scan, "incremental partitions differ");
         }
@@ -586,11 +591,11 @@ impl Engine<'_> {
         })
     }
 
-    /// Every partition's flows and release limit, recomputed from scratch (a union-find
+    /// Every partition's flows, links and release limit, recomputed from scratch (a union-find
     /// over the links of `members`), in the order of [`Partitions::listing`]: the slow
     /// path of [`Engine::partitions`], for debug checks.
     #[cfg(debug_assertions)]
-    fn partitions_by_scan(&self, members: &[u32]) -> Vec<(Vec<u32>, u64)> {
+    fn partitions_by_scan(&self, members: &[u32]) -> Vec<(Vec<u32>, Vec<u32>, u64)> {
         let mut uf: Vec<u32> = (0..self.ports.len() as u32).collect();
         let (flows, paths) = (&self.flows, &self.paths);
         let keyed = components(&mut uf, members, &|f| {
@@ -609,7 +614,15 @@ impl Engine<'_> {
                 groups[k].2 = groups[k].2.min(dt);
             }
         }
-        groups.into_iter().map(|(_, f, lim)| (f, lim)).collect()
+        groups
+            .into_iter()
+            .map(|(_, flows, lim)| {
+                let mut links: Vec<u32> = flows.iter().flat_map(|&f| self.flow_links(f)).collect();
+                links.sort_unstable();
+                links.dedup();
+                (flows, links, lim)
+            })
+            .collect()
     }
 
     /// Jumps partition `g` if every flow of it is steady: like [`Engine::try_jump`] for

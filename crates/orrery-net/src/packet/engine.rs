@@ -83,6 +83,9 @@ pub(super) struct Packet {
     /// source's state) that has not entered a switch yet: the next switch admits it
     /// whatever its buffer holds (see [`Engine::switch_arrive`]).
     pub copied: bool,
+    /// A copy admitted into its ingress headroom, which it extends while it is queued
+    /// (`Port::in_copy_hdrm`); cleared when it leaves the queue.
+    pub hdrm_copy: bool,
 }
 
 /// One directed link: the egress port at its sender and the ingress accounting at its
@@ -115,9 +118,9 @@ pub(super) struct Port {
     pub in_bytes: u64,
     pub in_hdrm: u64,
     pub headroom: u64,
-    /// The part of `in_hdrm` that copies (`Packet::copied`) took, which extends the
-    /// headroom while they hold it: the upstream's packets in flight when it was paused
-    /// still find the room the headroom is sized for.
+    /// The bytes of copies (`Packet::copied`) admitted into the headroom and still queued,
+    /// which extend the headroom while they are: the upstream's packets in flight when it
+    /// was paused still find the room the headroom is sized for.
     pub in_copy_hdrm: u64,
     /// A pause is in force (sent, not yet resumed).
     pub pause_sent: bool,

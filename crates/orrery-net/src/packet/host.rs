@@ -129,6 +129,7 @@ impl Engine<'_> {
             kind: Kind::Data,
             ecn: false,
             copied: false,
+            hdrm_copy: false,
         });
         self.transmit(l, p);
     }
@@ -162,6 +163,7 @@ impl Engine<'_> {
             kind,
             ecn: false,
             copied: false,
+            hdrm_copy: false,
         });
         self.ports[l as usize].ctrl.push_back(p);
         self.try_send(l);

@@ -122,6 +122,7 @@ impl Engine<'_> {
                                 link,
                                 in_link,
                                 copied: true,
+                                hdrm_copy: false,
                                 ..pk
                             },
                         )),
@@ -158,6 +159,7 @@ impl Engine<'_> {
                         in_link: NO_LINK,
                         hop: pk.hop.saturating_sub(1),
                         copied: true,
+                        hdrm_copy: false,
                         ..pk
                     })
                 })

@@ -5,8 +5,8 @@
 //! next instead of recomputing them from every member's path at each sample:
 //!
 //! - a flow that **joins** takes the partitions its links already belong to and merges
-//!   them (the smaller ones relabelled into the largest, so a link changes partition
-//!   O(log n) times over a run), claiming its free links;
+//!   them (the smaller ones relabelled into the largest, so between splits a link
+//!   changes partition O(log n) times), claiming its free links;
 //! - a flow that **leaves** only marks its own partition for a *split check*: at the next
 //!   [`Partitions::update`] that partition alone is recomputed from its remaining
 //!   members (a union-find over their links), and comes back as one or more partitions;
@@ -33,8 +33,9 @@ const NONE: u32 = u32::MAX;
 /// One partition: its member flows and the links they use.
 #[derive(Debug, Default)]
 pub(super) struct Part {
-    /// Member flows; in increasing order once [`Partitions::update`] has returned. Between
-    /// updates it may still list flows that left (their `flow_part` no longer names it).
+    /// Member flows, in increasing order after [`Partitions::listing`]. Inside
+    /// [`Partitions::update`] it may still list flows that just left (their `flow_part` no
+    /// longer names it) until its split check drops them, which comes before any join.
     flows: Vec<u32>,
     /// The links of the member flows, each once.
     links: Vec<u32>,
@@ -237,24 +238,18 @@ impl Partitions {
         for &l in &src.links {
             self.link_part[l as usize] = into;
         }
+        // Joins come after every split check of the update, so no partition that merges
+        // still lists a flow that left.
+        debug_assert!(!src.dirty, "a partition merges before its split check");
         for &g in &src.flows {
-            // A flow that left since the last update no longer names `from`; it stays
-            // out (the merged partition is split-checked, which drops the entry).
-            if self.flow_part[g as usize] == from {
-                self.flow_part[g as usize] = into;
-            }
+            self.flow_part[g as usize] = into;
         }
         let dst = &mut self.parts[into as usize];
         dst.links.extend_from_slice(&src.links);
         dst.flows.extend_from_slice(&src.flows);
         dst.min_link = dst.min_link.min(src.min_link);
         dst.sorted = false;
-        if src.dirty && !dst.dirty {
-            dst.dirty = true;
-            self.dirty.push(into);
-        }
-        // `src` was taken whole; its slot is marked free (its dirty entry, if any, is
-        // skipped by `split`, which ignores dead partitions).
+        // `src` was taken whole; its slot is marked free.
         self.parts[from as usize].alive = false;
         self.free.push(from);
     }
