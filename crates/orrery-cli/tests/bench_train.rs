@@ -351,8 +351,14 @@ fn bad_options_exit_with_status_2() {
         (&["bench", "--no-tiering"][..], "--train"),
         (&["bench", "--json"][..], "--json"),
         (&["bench", "--emulate", "--json"][..], "--json"),
-        (&["bench", "--accel", "--emulate", "--json"][..], "--emulate"),
-        (&["bench", "--accel", "--emulate-fidelity"][..], "--emulate-fidelity"),
+        (
+            &["bench", "--accel", "--emulate", "--json"][..],
+            "--emulate",
+        ),
+        (
+            &["bench", "--accel", "--emulate-fidelity"][..],
+            "--emulate-fidelity",
+        ),
         (
             &[
                 "bench",
