@@ -85,8 +85,9 @@ impl Partitions {
     }
 
     /// Makes `members` (any order; a flow listed twice counts once) the member set: flows
-    /// no longer listed leave, their partitions are split-checked, and new flows join. `links_of(f)` lists
-    /// flow `f`'s links; a flow's links must not change while it is a member.
+    /// no longer listed leave, their partitions are split-checked, and new flows join.
+    /// `links_of(f)` lists flow `f`'s links; a flow's links must not change while it is a
+    /// member.
     pub fn update<I>(&mut self, members: &[u32], links_of: impl Fn(u32) -> I)
     where
         I: Iterator<Item = u32>,

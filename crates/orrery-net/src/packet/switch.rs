@@ -12,11 +12,10 @@ impl Engine<'_> {
     /// source's state, `image`) is admitted at the first switch it enters whatever the
     /// buffer holds: with PFC into the headroom, past it if need be (which pauses the
     /// upstream), and without PFC past the buffer's size (later arrivals are dropped
-    /// until it drains below that).
-    /// The copies land all at once on top of what the target's switches already hold,
-    /// which the source's packets never met, and the usual rule would drop what the
-    /// source never did: it dropped 1,487 packets on the accelerated GPT 13B step on 512
-    /// GPUs, whose reference dropped none.
+    /// until it drains below that). The copies land all at once on top of what the
+    /// target's switches already hold, which the source's packets never met, and the
+    /// usual rule would drop what the source never did: it dropped 1,487 packets on the
+    /// accelerated GPT 13B step on 512 GPUs, whose reference dropped none.
     pub(super) fn switch_arrive(&mut self, p: u32) {
         let pk = self.pkts[p as usize];
         let copy = pk.copied;
