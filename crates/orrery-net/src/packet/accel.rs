@@ -89,6 +89,7 @@
 //!   flow cannot reach it.
 
 use super::engine::{Engine, Ev, FlowState, Kind};
+use super::image::{owner_of, Owner};
 use super::partition::Partitions;
 #[cfg(debug_assertions)]
 use super::partition::{components, find};
@@ -678,15 +679,10 @@ impl Engine<'_> {
         let mut ledger = self.ledger.take().unwrap_or_default();
         self.ledger_gen += 1;
         for e in ledger.iter_mut() {
-            let mine = match e.2 {
-                Ev::Arrive(q) => p.in_group[self.pkts[q as usize].flow as usize],
-                Ev::PortFree(l) | Ev::PortWake(l) | Ev::Pause(l) | Ev::Resume(l) => {
-                    p.parts.of_link(l) == Some(g.part)
-                }
-                Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => p.in_group[f as usize],
-                Ev::Release(_) | Ev::Sample | Ev::FfSample | Ev::MemoDecide | Ev::MemoFinish(_) => {
-                    false
-                }
+            let mine = match owner_of(&self.pkts, e.2) {
+                Some(Owner::Flow(f)) => p.in_group[f as usize],
+                Some(Owner::Link(l)) => p.parts.of_link(l) == Some(g.part),
+                None => false,
             };
             if !mine {
                 continue;

@@ -390,19 +390,21 @@ impl Engine<'_> {
     }
 }
 
-/// What a pending event belongs to, for [`LedgerIndex`]: the flow of a packet or timer,
-/// or the link of a port event (the events a capture can copy).
-enum Owner {
+/// What a pending event belongs to: the flow of a packet or timer, or the link of a port
+/// event. These are the events a capture copies ([`LedgerIndex`]) and a partition's jump
+/// postpones (`accel`); releases and the engine's own bookkeeping belong to neither.
+pub(super) enum Owner {
     Flow(u32),
     Link(u32),
 }
 
-fn owner_of(pkts: &[Packet], ev: Ev) -> Option<Owner> {
+pub(super) fn owner_of(pkts: &[Packet], ev: Ev) -> Option<Owner> {
     match ev {
         Ev::Arrive(p) => pkts.get(p as usize).map(|pk| Owner::Flow(pk.flow)),
         Ev::Rto(f) | Ev::RpDecrease(f) | Ev::RpIncrease(f) => Some(Owner::Flow(f)),
         Ev::PortFree(l) | Ev::Pause(l) | Ev::Resume(l) | Ev::PortWake(l) => Some(Owner::Link(l)),
-        _ => None,
+        // Listed, not matched by a wildcard, so a new kind of event must be placed.
+        Ev::Release(_) | Ev::Sample | Ev::FfSample | Ev::MemoDecide | Ev::MemoFinish(_) => None,
     }
 }
 
