@@ -88,6 +88,26 @@ pub(super) struct Packet {
     pub hdrm_copy: bool,
 }
 
+impl Packet {
+    /// A packet as its sender makes it: on the first link of its path, not in a switch,
+    /// unmarked, not a copy.
+    pub fn fresh(kind: Kind, flow: u32, seq: u64, payload: u32, frame: u32, link: u32) -> Packet {
+        Packet {
+            seq,
+            flow,
+            payload,
+            frame,
+            link,
+            in_link: NO_LINK,
+            hop: 0,
+            kind,
+            ecn: false,
+            copied: false,
+            hdrm_copy: false,
+        }
+    }
+}
+
 /// One directed link: the egress port at its sender and the ingress accounting at its
 /// receiver.
 #[derive(Debug)]

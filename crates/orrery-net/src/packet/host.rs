@@ -7,7 +7,7 @@
 //! `ack_every`-th packet and the last one, NACKs a gap, and sends CNPs for ECN-marked
 //! packets at most once per `cnp_interval` per flow.
 
-use super::engine::{ser, Engine, Ev, Kind, Packet, NO_LINK};
+use super::engine::{ser, Engine, Ev, Kind, Packet};
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -118,19 +118,7 @@ impl Engine<'_> {
             let at = Picos(now.0.saturating_add(cfg.rto.0));
             self.sched(at, Ev::Rto(f));
         }
-        let p = self.alloc(Packet {
-            seq,
-            flow: f,
-            payload,
-            frame,
-            link: l,
-            in_link: NO_LINK,
-            hop: 0,
-            kind: Kind::Data,
-            ecn: false,
-            copied: false,
-            hdrm_copy: false,
-        });
+        let p = self.alloc(Packet::fresh(Kind::Data, f, seq, payload, frame, l));
         self.transmit(l, p);
     }
 
@@ -152,19 +140,7 @@ impl Engine<'_> {
             return;
         }
         let l = self.paths[fl.rev.0 as usize];
-        let p = self.alloc(Packet {
-            seq,
-            flow: f,
-            payload: 0,
-            frame,
-            link: l,
-            in_link: NO_LINK,
-            hop: 0,
-            kind,
-            ecn: false,
-            copied: false,
-            hdrm_copy: false,
-        });
+        let p = self.alloc(Packet::fresh(kind, f, seq, 0, frame, l));
         self.ports[l as usize].ctrl.push_back(p);
         self.try_send(l);
     }

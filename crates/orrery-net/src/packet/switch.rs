@@ -202,21 +202,9 @@ mod tests {
 
     /// A data packet of flow 0 arriving at the switch over its first link.
     fn arriving(e: &Engine<'_>, seq: u64) -> Packet {
-        let mut pk = Packet {
-            seq,
-            flow: 0,
-            payload: 1000,
-            frame: 1062,
-            link: NO_LINK,
-            in_link: NO_LINK,
-            hop: 0,
-            kind: Kind::Data,
-            ecn: false,
-            copied: false,
-            hdrm_copy: false,
-        };
-        pk.link = e.path_link(&pk, 0).expect("the flow has a first hop");
-        pk
+        let pk = Packet::fresh(Kind::Data, 0, seq, 1000, 1062, NO_LINK);
+        let link = e.path_link(&pk, 0).expect("the flow has a first hop");
+        Packet { link, ..pk }
     }
 
     /// With the ingress headroom full and the shared pool used up, an arriving packet is
