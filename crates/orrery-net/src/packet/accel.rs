@@ -416,8 +416,9 @@ impl Engine<'_> {
         // The jump: global time moves, local time and pending events stay; releases keep
         // their global times.
         self.offset = Picos(self.offset.0 + jump.0);
-        // In flow order, as the queue's order among equal times is the order of scheduling.
-        self.scheduled_releases();
+        // In flow order, as the queue's order among equal times is the order of scheduling:
+        // `rel_list` is still the sorted list of pending releases made above (nothing was
+        // released or scheduled since; no flow finishes inside a jump).
         let pending = std::mem::take(&mut self.rel_list);
         for &g in &pending {
             let slot = &mut self.pending_rel[g as usize];
