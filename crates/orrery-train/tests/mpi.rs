@@ -22,6 +22,7 @@ use common::{
     temp_dir,
 };
 use orrery_optim::{Optimizer, Soap, SoapConfig, SplitRefresh};
+use orrery_train::comm_mpi::WAIT_VAR;
 use orrery_train::{
     load_corpus, make_optimizer, train_with_comm, Checkpoint, Communicator, CpuBackend, FixedClock,
     MpiComm, OptimizerSummary, RunOptions, StepMetrics, TrainObserver, Trainer, CHECKPOINT_FILE,
@@ -48,6 +49,8 @@ struct RankResult {
     observed_steps: u64,
     /// The trainer's optimizer figures (refreshes, bases sent and kept).
     optimizer: OptimizerSummary,
+    /// How the rank waited for MPI (`Spin` or `Nap`).
+    waiting: String,
 }
 
 /// SOAP refreshing every 2 steps, so that the 8 steps of [`dp_config`] refresh every basis 3
@@ -86,6 +89,7 @@ impl TrainObserver for CountSteps {
 fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
     let rank = comm.rank();
     let world = comm.world_size();
+    let waiting = format!("{:?}", comm.waiting());
     let config = dp_config();
     match mode {
         // The trainer itself over MPI, as tests/data_parallel.rs drives it over threads; and
@@ -113,6 +117,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 weights: bits(t.params().flat()),
                 observed_steps: count.0,
                 optimizer: s.optimizer,
+                waiting,
             }
         }
         // The entry point `orrery train --comm mpi` uses, with an output folder: only rank 0
@@ -133,6 +138,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 weights: Vec::new(),
                 observed_steps: count.0,
                 optimizer: s.optimizer,
+                waiting,
             }
         }
         // Every collective of the trait, on an odd world so that buffers split unevenly.
@@ -145,6 +151,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 weights: Vec::new(),
                 observed_steps: 0,
                 optimizer: OptimizerSummary::default(),
+                waiting,
             }
         }
         // Tensor and pipeline parallelism (TP 2 × PP 2) with one process per rank.
@@ -163,6 +170,7 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 weights: bits(&weights),
                 observed_steps: 0,
                 optimizer: OptimizerSummary::default(),
+                waiting,
             }
         }
         other => panic!("unknown {MODE_VAR} `{other}`"),
@@ -348,12 +356,23 @@ fn rank_process() {
 
 /// Runs `mpirun -n RANKS` on this test binary in `mode`; returns each rank's result, by rank.
 /// Fails with the launcher's output if it fails, and kills it if it outlives [`TIMEOUT`].
+/// The ranks choose how to wait from the cores (the variable is cleared).
 fn launch(mode: &str, ranks: usize, dir: &Path) -> Vec<RankResult> {
+    launch_waiting(mode, ranks, dir, None)
+}
+
+/// [`launch`], with the ranks told how to wait (`spin` or `nap`) when `waiting` is given.
+fn launch_waiting(mode: &str, ranks: usize, dir: &Path, waiting: Option<&str>) -> Vec<RankResult> {
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let exe = std::env::current_exe().unwrap();
     let log = dir.join(format!("{mode}.log"));
     let log_file = std::fs::File::create(&log).unwrap();
-    let mut child = Command::new(&launcher)
+    let mut command = Command::new(&launcher);
+    match waiting {
+        Some(w) => command.env(WAIT_VAR, w),
+        None => command.env_remove(WAIT_VAR),
+    };
+    let mut child = command
         .args(["-n", &ranks.to_string()])
         .arg(&exe)
         .args(["--exact", "rank_process", "--nocapture", "--test-threads=1"])
@@ -510,13 +529,32 @@ fn two_mpi_ranks_with_split_refresh_equal_one_rank_with_twice_the_batch() {
 }
 
 /// Every method of the trait over MPI, on 3 ranks: rank-order sums identical on all ranks,
-/// broadcasts, an all-gather of unequal lengths, the barrier, and argument errors.
+/// broadcasts, an all-gather of unequal lengths, the barrier, and argument errors; with the
+/// ranks waiting in MPI's blocking calls and with naps between non-blocking tests.
 #[test]
 fn mpi_collectives_keep_the_trait_contract() {
-    let dir = temp_dir("mpi-collectives");
-    let ranks = launch("collectives", 3, &dir);
-    for (i, r) in ranks.iter().enumerate() {
-        assert_eq!((r.rank, r.world), (i, 3));
+    for (waiting, expected) in [("spin", "Spin"), ("nap", "Nap")] {
+        let dir = temp_dir(&format!("mpi-collectives-{waiting}"));
+        let ranks = launch_waiting("collectives", 3, &dir, Some(waiting));
+        for (i, r) in ranks.iter().enumerate() {
+            assert_eq!((r.rank, r.world), (i, 3));
+            assert_eq!(r.waiting, expected, "{WAIT_VAR}={waiting}");
+        }
+    }
+}
+
+/// The trainer with napping ranks trains bit for bit as with spinning ones: how a rank waits
+/// changes when messages are picked up, never what they hold. Both are forced, so both run
+/// whatever the machine's cores.
+#[test]
+fn napping_mpi_ranks_train_like_spinning_ones() {
+    let dir = temp_dir("mpi-nap");
+    let nap = launch_waiting("trainer", 2, &dir, Some("nap"));
+    let spin = launch_waiting("trainer", 2, &dir, Some("spin"));
+    for (n, s) in nap.iter().zip(&spin) {
+        assert_eq!((n.waiting.as_str(), s.waiting.as_str()), ("Nap", "Spin"));
+        assert_eq!(n.history, s.history, "rank {}: history", n.rank);
+        assert_eq!(n.weights, s.weights, "rank {}: weights", n.rank);
     }
 }
 
