@@ -101,6 +101,25 @@ pub struct CollectiveSummary {
     pub flows: usize,
     pub start: Picos,
     pub finish: Picos,
+    /// Packet model: the collective's flows whose packets were simulated (the others were
+    /// memo hits, mirrors that held or virtual flows of a periodic collective).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulated_flows: Option<usize>,
+    /// Packet model: the events that were its flows' own (packet arrivals and timers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub events: Option<u64>,
+}
+
+/// Packet model: who the processed events belonged to.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventOwners {
+    /// Arrivals and timers of the collectives' flows.
+    pub collectives: u64,
+    /// Arrivals and timers of point-to-point flows (pipeline sends, scenario flows).
+    pub point_to_point: u64,
+    /// The rest: port events (transmission ends, PFC frames, wake-ups), which belong to
+    /// links, and the replays of rolled-back memo hits.
+    pub other: u64,
 }
 
 /// One link's load.
@@ -122,6 +141,9 @@ pub struct NetsimSummary {
     pub end: Picos,
     pub fct: Option<Distribution>,
     pub collectives: Vec<CollectiveSummary>,
+    /// Packet model: who the processed events belonged to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_owners: Option<EventOwners>,
     /// The busiest links (by bytes carried), at most 10.
     pub busiest_links: Vec<LinkSummary>,
     pub pfc_pauses: u64,
@@ -136,7 +158,9 @@ pub struct NetsimSummary {
     pub packet_stats: Option<orrery_net::packet::PacketStats>,
 }
 
-fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
+/// The report of run `r` of scenario `s`; `flow_events` is the packet model's per-flow
+/// attribution of the events ([`orrery_net::packet::PacketRun::flow_events`]).
+fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64) -> NetsimSummary {
     let fct = distribution(r.flows.iter().map(|f| f.fct()).collect());
     let mut collectives: Vec<CollectiveSummary> = s
         .flows
@@ -147,13 +171,20 @@ fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
             flows: 0,
             start: Picos(u64::MAX),
             finish: Picos::ZERO,
+            simulated_flows: flow_events.map(|_| 0),
+            events: flow_events.map(|_| 0),
         })
         .collect();
-    for (f, o) in s.flows.flows.iter().zip(&r.flows) {
+    for (i, (f, o)) in s.flows.flows.iter().zip(&r.flows).enumerate() {
         if let Some(c) = collectives.get_mut(f.collective as usize) {
             c.flows += 1;
             c.start = c.start.min(o.start);
             c.finish = c.finish.max(o.finish);
+            let own = flow_events.and_then(|e| e.get(i)).copied().unwrap_or(0);
+            if let (Some(sim), Some(ev)) = (&mut c.simulated_flows, &mut c.events) {
+                *sim += usize::from(own > 0);
+                *ev += own;
+            }
         }
     }
     // Point-to-point flows are their own one-flow "collectives"; the FCT distribution
@@ -164,6 +195,28 @@ fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
         .iter()
         .map(|c| c.kind.is_some())
         .collect();
+    let event_owners = flow_events.map(|per_flow| {
+        let mut owners = EventOwners {
+            collectives: 0,
+            point_to_point: 0,
+            other: 0,
+        };
+        for (f, &n) in s.flows.flows.iter().zip(per_flow) {
+            if is_collective
+                .get(f.collective as usize)
+                .copied()
+                .unwrap_or(false)
+            {
+                owners.collectives += n;
+            } else {
+                owners.point_to_point += n;
+            }
+        }
+        owners.other = r
+            .events
+            .saturating_sub(owners.collectives + owners.point_to_point);
+        owners
+    });
     let mut index = 0;
     collectives.retain(|c| {
         let keep = c.flows > 0 && is_collective[index];
@@ -197,6 +250,7 @@ fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
         end: r.end,
         fct,
         collectives,
+        event_owners,
         busiest_links: links,
         pfc_pauses: r.pfc_pauses.iter().sum(),
         drops: r.drops,
@@ -206,6 +260,49 @@ fn summarize(s: &Scenario, r: &SimReport, wall: f64) -> NetsimSummary {
         wall_seconds: wall,
         packet_stats: None,
     }
+}
+
+/// Where the packet model's events went: by owner, then the collectives that cost the most.
+fn render_event_owners(s: &NetsimSummary, o: &EventOwners) -> String {
+    let mut out = String::new();
+    let share = |n: u64| 100.0 * n as f64 / (s.events.max(1) as f64);
+    let _ = writeln!(
+        out,
+        "\nWhere the events went: collectives' flows {} ({:.1}%), point-to-point flows {} ({:.1}%), ports and replays {} ({:.1}%)",
+        o.collectives,
+        share(o.collectives),
+        o.point_to_point,
+        share(o.point_to_point),
+        o.other,
+        share(o.other)
+    );
+    let mut costly: Vec<&CollectiveSummary> = s
+        .collectives
+        .iter()
+        .filter(|c| c.events.unwrap_or(0) > 0)
+        .collect();
+    // Most events first; ties (and the order of equals) by the collectives' own order.
+    costly.sort_by_key(|c| std::cmp::Reverse(c.events.unwrap_or(0)));
+    const SHOWN: usize = 10;
+    for c in costly.iter().take(SHOWN) {
+        let _ = writeln!(
+            out,
+            "  {:<28} {:>12} events ({:5.1}%)  {:>6} of {:>6} flows simulated",
+            c.name,
+            c.events.unwrap_or(0),
+            share(c.events.unwrap_or(0)),
+            c.simulated_flows.unwrap_or(0),
+            c.flows
+        );
+    }
+    if costly.len() > SHOWN {
+        let _ = writeln!(
+            out,
+            "  ... {} more collectives with simulated flows (all in --json)",
+            costly.len() - SHOWN
+        );
+    }
+    out
 }
 
 fn render(s: &NetsimSummary) -> String {
@@ -309,6 +406,9 @@ fn render(s: &NetsimSummary) -> String {
             p.total_skipped_events()
         );
     }
+    if let Some(o) = &s.event_owners {
+        out.push_str(&render_event_owners(s, o));
+    }
     out
 }
 
@@ -395,6 +495,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let mut samples = Vec::new();
     let mut stats = None;
+    let mut flow_events = None;
     let report = match model {
         SimModel::Flow => FlowLevelSimulator::default().simulate_with_progress(
             &scenario.graph,
@@ -461,6 +562,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 .map(|run| {
                     samples = run.samples;
                     stats = Some(run.stats);
+                    flow_events = Some(run.flow_events);
                     run.report
                 });
             if let (Some(path), true) = (&args.memo_cache, result.is_ok()) {
@@ -474,7 +576,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     .map_err(|e| anyhow::anyhow!("simulation failed: {e}"))?;
     let wall = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let mut summary = summarize(&scenario, &report, wall);
+    let mut summary = summarize(&scenario, &report, flow_events.as_deref(), wall);
     summary.packet_stats = stats;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);

@@ -331,6 +331,52 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
 }
 
 #[test]
+fn netsim_says_which_collectives_the_packet_events_belonged_to() {
+    let dir = temp_dir("netsim-owners");
+    let scenario = dir.join("ring.toml");
+    std::fs::write(
+        &scenario,
+        "[topology]\nkind = \"single_switch\"\nendpoints = 4\nlink_gbps = 100\n\
+         [[collectives]]\nkind = \"all_reduce\"\nalgorithm = \"ring\"\nchannels = 1\n\
+         ranks = { first = 0, count = 4 }\nbytes = 1048576\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let mut all = vec!["netsim", scenario.to_str().unwrap(), "--json"];
+        all.extend_from_slice(args);
+        let (code, stdout, stderr) = orrery(&all);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    // The reference simulates every flow: the ring's 24 flows own their events, and the
+    // owners add up to every event.
+    let v = run(&["--model", "packet", "--reference"]);
+    let ring = &v["collectives"][0];
+    assert_eq!(ring["flows"], 24);
+    assert_eq!(ring["simulated_flows"], 24);
+    let o = &v["event_owners"];
+    assert_eq!(o["collectives"], ring["events"]);
+    assert_eq!(o["point_to_point"], 0);
+    let n = |x: &serde_json::Value| x.as_u64().unwrap();
+    assert!(n(&o["collectives"]) > 0 && n(&o["other"]) > 0, "{o}");
+    assert_eq!(n(&o["collectives"]) + n(&o["other"]), n(&v["events"]));
+    // The flow model has no events of that kind and says nothing of them.
+    let v = run(&["--model", "flow"]);
+    assert!(v.get("event_owners").is_none(), "{v}");
+    assert!(v["collectives"][0].get("simulated_flows").is_none());
+    let (code, text, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--model",
+        "packet",
+        "--reference",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(text.contains("Where the events went"), "{text}");
+    assert!(text.contains("24 of     24 flows simulated"), "{text}");
+}
+
+#[test]
 fn netsim_acceleration_skips_events_without_changing_the_answer() {
     let dir = temp_dir("fastforward");
     let scenario = dir.join("long.toml");
@@ -362,6 +408,19 @@ fn netsim_acceleration_skips_events_without_changing_the_answer() {
         "{e_fast} vs {e_full}"
     );
     assert!(fast["events"].as_u64().unwrap() < full["events"].as_u64().unwrap() / 2);
+    // Who the events belonged to: here only point-to-point flows and ports, adding up to
+    // every event; fast-forwarding and the memo leave the flows fewer of their own.
+    let owners = |v: &serde_json::Value| {
+        let o = &v["event_owners"];
+        let n = |k: &str| o[k].as_u64().unwrap();
+        assert_eq!(n("collectives"), 0, "{o}");
+        assert_eq!(
+            n("point_to_point") + n("other"),
+            v["events"].as_u64().unwrap()
+        );
+        n("point_to_point")
+    };
+    assert!(owners(&fast) < owners(&full) / 2);
     let stats = &fast["packet_stats"];
     assert!(stats["fast_forwards"].as_u64().unwrap() > 0);
     assert_eq!(stats["memo_hits"].as_u64().unwrap(), 2, "{stats}");

@@ -593,6 +593,14 @@ fn memoized_all_to_all_rounds_stay_within_bounds_and_skip_the_repeats() {
     assert_eq!(on.stats.memo_aborts, 0);
     assert!(on.report.events * 7 < off.report.events);
     assert!(on.stats.memo_skipped_events > 0);
+    // Events by flow: in the reference every flow has its own, and the rest are port
+    // events; with the memo, only the recorded first round's flows have any.
+    assert!(off.flow_events.iter().all(|&n| n > 0));
+    assert!(off.flow_events.iter().sum::<u64>() < off.report.events);
+    let per_round = fs.flows.len() / 8;
+    let (first, later) = on.flow_events.split_at(per_round);
+    assert!(first.iter().all(|&n| n > 0), "{first:?}");
+    assert!(later.iter().all(|&n| n == 0), "{later:?}");
 }
 
 #[test]
@@ -628,6 +636,10 @@ fn a_cache_carries_across_runs_and_through_its_file() {
     let second = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
     assert_eq!(second.stats.memo_hits, 9);
     assert_eq!(second.report.events, fs.flows.len() as u64);
+    assert!(
+        second.flow_events.iter().all(|&n| n == 0),
+        "no flow simulated"
+    );
     check_bounds(&base, &off, &second, &fs, "second run");
     // Through a file, into a fresh simulator.
     let path = std::env::temp_dir().join(format!("orrery-accel-memo-{}.bin", std::process::id()));

@@ -4,6 +4,7 @@
 use super::accel::FastForward;
 use super::config::{EcnThresholds, PacketConfig};
 use super::dcqcn::ReactionPoint;
+use super::image::{owner_of, Owner};
 use super::memo::{Memo, MemoCache};
 use super::periodic::Periodic;
 use super::{PacketRun, PacketStats, Sample, TraceRequest};
@@ -376,6 +377,9 @@ pub(super) struct Engine<'a> {
     pub bytes_sent: u64,
     pub bytes_delivered: u64,
     pub events: u64,
+    /// Per flow, the counted events that were its own: its packets' arrivals and its
+    /// timers (see [`PacketRun::flow_events`]).
+    pub flow_events: Vec<u64>,
     pub stats: PacketStats,
 }
 
@@ -655,6 +659,7 @@ impl<'a> Engine<'a> {
             bytes_sent: 0,
             bytes_delivered: 0,
             events: 0,
+            flow_events: vec![0; n_flows],
             stats: PacketStats::default(),
         }
     }
@@ -672,8 +677,13 @@ impl<'a> Engine<'a> {
                 });
             }
             self.now = t;
+            // Before the dispatch: an arrival may free its packet.
+            let owner = owner_of(&self.pkts, ev);
             if self.dispatch(ev) {
                 self.events += 1;
+                if let Some(Owner::Flow(f)) = owner {
+                    self.flow_events[f as usize] += 1;
+                }
             }
         }
         self.stats.clamped_schedules = self.q.clamped_schedules();
@@ -713,6 +723,7 @@ impl<'a> Engine<'a> {
             },
             stats: self.stats,
             samples: self.samples,
+            flow_events: self.flow_events,
         })
     }
 

@@ -364,6 +364,12 @@ pub struct PacketRun {
     pub report: SimReport,
     pub stats: PacketStats,
     pub samples: Vec<Sample>,
+    /// Per flow (by id), the events of `report.events` that were the flow's own: arrivals of
+    /// its packets (data, ACK, NACK, CNP) and its timers. A flow whose packets were never
+    /// simulated (a memo hit, a mirror that held, a virtual flow of a periodic collective)
+    /// has none. Port events (transmission ends, PFC frames, wake-ups) belong to links and
+    /// are not attributed, nor are the replays of rolled-back memo hits.
+    pub flow_events: Vec<u64>,
 }
 
 impl PacketSimulator {
