@@ -138,7 +138,7 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
 /// `orrery bench --emulate-fidelity`: emulation with one real rank against the same step
 /// with every rank real, on worlds small enough to run here.
 /// The training program both fidelity benches run: 4 layers, d_model 128, context 64, a batch
-/// of 16; on its own (data parallelism) and on TP 2 x PP 2.
+/// of 16; laid out as [`fidelity_worlds`] lists.
 fn fidelity_base() -> orrery_train::TrainConfig {
     use orrery_train::{ModelConfig, TrainConfig};
     TrainConfig {
@@ -163,9 +163,10 @@ fn fidelity_base() -> orrery_train::TrainConfig {
 ///
 /// Four-rank worlds need a core per rank when every rank computes at once (TP 2 x PP 2 with
 /// four micro-batches keeps both stages busy). With one micro-batch the pipeline runs one
-/// stage at a time, so at most two ranks compute at once and a two-core machine hosts the
-/// all-real run without its ranks queueing for a core: those worlds are the four-rank
-/// comparison such a machine can make.
+/// stage at a time, so at most two ranks compute at once (but for the weight update at the
+/// step's end, where all four do), and a two-core machine hosts most of the all-real step
+/// without its ranks queueing for a core: those worlds are the four-rank comparison such a
+/// machine can make.
 fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 4] {
     use orrery_train::{ParallelConfig, TrainConfig};
     let base = fidelity_base();

@@ -37,15 +37,23 @@
 //! ## Waiting
 //!
 //! MPI libraries wait by polling: a rank blocked in a receive or a collective keeps its core
-//! busy. With a core per rank that costs nothing and answers fastest. With more ranks on a
-//! host than it has cores, the waiting ranks take cores from the ranks that compute (on two
-//! cores, in about half of the runs of a four-rank pipeline, every rank's compute took about
-//! 155 ms instead of 80 ms), so there every operation is started as MPI's
-//! non-blocking call and completed by [`Waiting::Nap`]: test, and after [`SPIN_FIRST`] of
-//! fruitless tests, sleep [`NAP`] between tests. A message then lands at most about one nap
-//! late. [`MpiComm::init`] chooses from the ranks sharing this host (`MPI_Comm_split_type`)
-//! and the cores it offers this process; `ORRERY_MPI_WAIT=spin` or `nap` overrides the
-//! choice. Either way the same bytes move in the same order, so results are identical.
+//! busy. With a core per rank that costs nothing and answers fastest ([`Waiting::Spin`]: the
+//! calls above). With more ranks on a host than CPUs they may run on, the waiting ranks take
+//! cores from the ranks that compute (on two cores, in about half of the runs of a four-rank
+//! pipeline, every rank's compute took about 155 ms instead of 80 ms). There
+//! ([`Waiting::Nap`]) every operation is started as MPI's non-blocking call and tested, for
+//! [`SPIN_FIRST`] in a loop and then with a sleep of [`NAP`] between tests. A rank then
+//! notices a completion up to a nap late (the sleep can take twice [`NAP`] with Linux's
+//! timer slack), and a long operation that advances only inside tests may take several
+//! naps. Either way the same bytes move in the same order, so results are identical.
+//!
+//! [`MpiComm::init`] chooses: it gathers the CPU sets of the ranks sharing each host
+//! (`MPI_Comm_split_type`, and Linux's `/proc/self/status`; a process pinned to one core
+//! counts that core only, and a CPU set that cannot be read counts as every CPU) and naps
+//! where the ranks outnumber the union. `ORRERY_MPI_WAIT=spin` or `nap` overrides the
+//! choice. The whole job then takes one policy, napping if any rank would: a blocking
+//! collective never matches a non-blocking one (MPI-3, section 5.12), so ranks that waited
+//! differently would hang.
 //!
 //! [`ThreadComm`]: crate::ThreadComm
 
@@ -53,7 +61,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mpi::collective::CommunicatorCollectives as _;
-use mpi::datatype::{BufferMut, Partition, PartitionMut};
+use mpi::collective::SystemOperation;
+use mpi::datatype::{Buffer, BufferMut, Partition, PartitionMut};
 use mpi::environment::{Threading, Universe};
 use mpi::point_to_point::{Destination as _, Source as _};
 use mpi::request::{Request, Scope};
@@ -86,52 +95,109 @@ pub const NAP: Duration = Duration::from_micros(50);
 /// How a rank waits for MPI operations to complete (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Waiting {
-    /// MPI's blocking calls, which poll: a core per rank.
+    /// MPI's blocking calls, which poll: a CPU per rank.
     Spin,
-    /// Non-blocking calls, tested with naps between: more ranks than cores.
+    /// Non-blocking calls, tested with naps between: more ranks than CPUs.
     Nap,
 }
 
 impl Waiting {
-    /// The policy for `ranks_here` ranks sharing a host that offers `cores`, unless
-    /// `requested` (the value of [`WAIT_VAR`]) names one. An unknown name is an error naming
-    /// the variable.
-    pub fn choose(
-        requested: Option<&str>,
-        ranks_here: usize,
-        cores: usize,
-    ) -> Result<Waiting, MpiInitError> {
-        match requested {
-            None | Some("") => Ok(if ranks_here > cores {
-                Waiting::Nap
-            } else {
-                Waiting::Spin
-            }),
-            Some("spin") => Ok(Waiting::Spin),
-            Some("nap") => Ok(Waiting::Nap),
+    /// What [`WAIT_VAR`] asks for: nothing when unset or empty (the hosts decide), else the
+    /// policy it names; another value is an error naming the variable.
+    pub fn requested(value: Option<&str>) -> Result<Option<Waiting>, MpiInitError> {
+        match value {
+            None | Some("") => Ok(None),
+            Some("spin") => Ok(Some(Waiting::Spin)),
+            Some("nap") => Ok(Some(Waiting::Nap)),
             Some(other) => Err(MpiInitError::BadWaiting {
                 found: other.to_string(),
             }),
         }
     }
 
-    /// Completes `request`: MPI's blocking wait, or tests with naps between.
+    /// The policy for `ranks_here` ranks sharing a host whose CPU sets cover `cpus` CPUs,
+    /// unless one was `requested`.
+    pub fn choose(requested: Option<Waiting>, ranks_here: usize, cpus: usize) -> Waiting {
+        requested.unwrap_or(if ranks_here > cpus {
+            Waiting::Nap
+        } else {
+            Waiting::Spin
+        })
+    }
+
+    /// Completes `request`: MPI's blocking wait, or [`nap_until_complete`].
     fn complete<'a, D: ?Sized, S: Scope<'a>>(self, request: Request<'a, D, S>) {
         match self {
             Waiting::Spin => request.wait_without_status(),
-            Waiting::Nap => {
-                let started = Instant::now();
-                let mut request = request;
-                loop {
-                    match request.test() {
-                        Ok(_) => return,
-                        Err(pending) => request = pending,
-                    }
-                    nap_after(started);
-                }
-            }
+            Waiting::Nap => nap_until_complete(request),
         }
     }
+}
+
+/// Tests `request` until it completes, in a loop for [`SPIN_FIRST`] and then with naps.
+fn nap_until_complete<'a, D: ?Sized, S: Scope<'a>>(request: Request<'a, D, S>) {
+    let started = Instant::now();
+    let mut request = request;
+    loop {
+        match request.test() {
+            Ok(_) => return,
+            Err(pending) => request = pending,
+        }
+        nap_after(started);
+    }
+}
+
+/// CPUs the masks that ranks exchange can name: 1,024, as 16 words.
+const CPU_WORDS: usize = 16;
+
+/// The CPUs this process may run on (Linux: `Cpus_allowed_list` in `/proc/self/status`). A
+/// set that cannot be read counts as every CPU, so such a host naps only when told.
+fn allowed_cpus() -> [u64; CPU_WORDS] {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+                .and_then(|list| cpu_mask(list.trim()))
+        })
+        .unwrap_or([u64::MAX; CPU_WORDS])
+}
+
+/// The mask of a CPU list such as `0-3,8,10-11`; none if it does not parse or names a CPU
+/// beyond the mask.
+fn cpu_mask(list: &str) -> Option<[u64; CPU_WORDS]> {
+    let mut mask = [0u64; CPU_WORDS];
+    for part in list.split(',') {
+        let (low, high) = match part.split_once('-') {
+            Some((a, b)) => (a.trim().parse::<usize>().ok()?, b.trim().parse().ok()?),
+            None => {
+                let cpu = part.trim().parse::<usize>().ok()?;
+                (cpu, cpu)
+            }
+        };
+        if low > high || high >= 64 * CPU_WORDS {
+            return None;
+        }
+        for cpu in low..=high {
+            mask[cpu / 64] |= 1 << (cpu % 64);
+        }
+    }
+    Some(mask)
+}
+
+/// CPUs in the union of `masks` (each [`CPU_WORDS`] words, one after another).
+fn cpus_in_union(masks: &[u64]) -> usize {
+    (0..CPU_WORDS)
+        .map(|word| {
+            masks
+                .iter()
+                .skip(word)
+                .step_by(CPU_WORDS)
+                .fold(0u64, |union, m| union | m)
+                .count_ones() as usize
+        })
+        .sum()
 }
 
 /// A napping rank's pause between two tests begun at `started`: none within [`SPIN_FIRST`],
@@ -164,8 +230,12 @@ pub enum MpiInitError {
          MPI_THREAD_SERIALIZED"
     )]
     ThreadSupport { provided: Threading },
-    /// `ORRERY_MPI_WAIT` holds neither `spin` nor `nap`.
-    #[error("ORRERY_MPI_WAIT is {found:?}; it must be \"spin\" or \"nap\" (or unset: chosen from the ranks and cores of the host)")]
+    /// [`WAIT_VAR`] holds neither `spin` nor `nap`.
+    #[error(
+        "{var} is {found:?}; it must be \"spin\" or \"nap\", or unset (chosen from the \
+         ranks and CPUs of each host)",
+        var = WAIT_VAR
+    )]
     BadWaiting { found: String },
 }
 
@@ -268,6 +338,8 @@ impl MpiComm {
         if !LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
             return Err(MpiInitError::NotLaunched);
         }
+        // Read before MPI starts, so a bad value fails as a missing launcher does.
+        let requested = Waiting::requested(std::env::var(WAIT_VAR).ok().as_deref())?;
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or(MpiInitError::AlreadyInitialized)?;
         // Held from here on, so an early return below still finalises MPI.
@@ -281,11 +353,24 @@ impl MpiComm {
         // MPI ranks and sizes are non-negative `int`s.
         let rank = usize::try_from(w.rank()).unwrap_or(0);
         let size = usize::try_from(w.size()).unwrap_or(1);
-        // Collective: every rank asks, whatever the variable says, so none is left waiting.
-        let ranks_here = usize::try_from(w.split_shared(0).size()).unwrap_or(1);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let requested = std::env::var(WAIT_VAR).ok();
-        let waiting = Waiting::choose(requested.as_deref(), ranks_here, cores)?;
+        // Collectives: every rank takes part whatever the variable says, so none is left
+        // waiting in them.
+        let host = w.split_shared(0);
+        let ranks_here = usize::try_from(host.size()).unwrap_or(1);
+        let mut masks = vec![0u64; CPU_WORDS * ranks_here];
+        host.all_gather_into(&allowed_cpus()[..], &mut masks[..]);
+        let mine = Waiting::choose(requested, ranks_here, cpus_in_union(&masks));
+        let mut naps = 0u8;
+        w.all_reduce_into(
+            &u8::from(mine == Waiting::Nap),
+            &mut naps,
+            SystemOperation::max(),
+        );
+        let waiting = if naps > 0 {
+            Waiting::Nap
+        } else {
+            Waiting::Spin
+        };
         Ok(MpiComm {
             env,
             rank,
@@ -338,10 +423,12 @@ impl MpiComm {
         let mine = len as u64;
         let mut all = vec![0u64; self.world];
         let w = comm_world();
-        mpi::request::scope(|scope| {
-            let gather = w.immediate_all_gather_into(scope, &mine, &mut all[..]);
-            self.waiting.complete(gather);
-        });
+        match self.waiting {
+            Waiting::Spin => w.all_gather_into(&mine, &mut all[..]),
+            Waiting::Nap => mpi::request::scope(|scope| {
+                nap_until_complete(w.immediate_all_gather_into(scope, &mine, &mut all[..]));
+            }),
+        }
         // Lengths come from processes of the same program; a value beyond `usize` cannot
         // occur, and saturating keeps the comparison below meaningful if it did.
         all.into_iter()
@@ -349,12 +436,36 @@ impl MpiComm {
             .collect()
     }
 
-    /// One `MPI_Bcast` of `buf` from `root`, completed as this rank waits.
+    /// One `MPI_Bcast` of `buf` from `root`, waited for as this rank waits.
     fn broadcast_piece<B: BufferMut + ?Sized>(&self, root: &Process<'_>, buf: &mut B) {
-        mpi::request::scope(|scope| {
-            self.waiting
-                .complete(root.immediate_broadcast_into(scope, buf));
-        });
+        match self.waiting {
+            Waiting::Spin => root.broadcast_into(buf),
+            Waiting::Nap => mpi::request::scope(|scope| {
+                nap_until_complete(root.immediate_broadcast_into(scope, buf));
+            }),
+        }
+    }
+
+    /// One receive into `buf` from `from`, waited for as this rank waits.
+    fn receive_piece<B: BufferMut + ?Sized>(&self, from: &Process<'_>, buf: &mut B) {
+        match self.waiting {
+            Waiting::Spin => {
+                from.receive_into(buf);
+            }
+            Waiting::Nap => mpi::request::scope(|scope| {
+                nap_until_complete(from.immediate_receive_into(scope, buf));
+            }),
+        }
+    }
+
+    /// One send of `buf` to `to`, waited for as this rank waits.
+    fn send_piece<B: Buffer + ?Sized>(&self, to: &Process<'_>, buf: &B) {
+        match self.waiting {
+            Waiting::Spin => to.send(buf),
+            Waiting::Nap => mpi::request::scope(|scope| {
+                nap_until_complete(to.immediate_send(scope, buf));
+            }),
+        }
     }
 
     /// The first rank whose length differs from `expected`, as the trait's error.
@@ -387,24 +498,24 @@ impl MpiComm {
     fn receive_message(&self, src: Rank, peer: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let w = comm_world();
         let process = w.process_at_rank(src);
-        if self.waiting == Waiting::Nap {
-            // Wait for the header without spinning; the segments follow it at once.
-            let started = Instant::now();
-            while process.immediate_probe().is_none() {
-                nap_after(started);
-            }
-        }
         let mut header = 0u64;
-        process.receive_into(&mut header);
+        self.receive_piece(&process, &mut header);
         let found = usize::try_from(header).unwrap_or(usize::MAX);
         if found == buf.len() {
             for seg in buf.chunks_mut(SEGMENT) {
-                process.receive_into(seg);
+                self.receive_piece(&process, seg);
             }
             return Ok(());
         }
         let mut rest = found;
         while rest > 0 {
+            if self.waiting == Waiting::Nap {
+                // A piece's length is unknown until it is there: probe, then receive it.
+                let started = Instant::now();
+                while process.immediate_probe().is_none() {
+                    nap_after(started);
+                }
+            }
             let (piece, _status) = process.receive_vec::<f32>();
             rest = rest.saturating_sub(piece.len().max(1));
         }
@@ -430,10 +541,14 @@ impl MpiComm {
             let mut recv =
                 PartitionMut::new(&mut self.scratch[..], &recv_counts[..], &recv_displs[..]);
             let w = comm_world();
-            let waiting = self.waiting;
-            mpi::request::scope(|scope| {
-                waiting.complete(w.immediate_all_to_all_varcount_into(scope, &send, &mut recv));
-            });
+            match self.waiting {
+                Waiting::Spin => w.all_to_all_varcount_into(&send, &mut recv),
+                Waiting::Nap => mpi::request::scope(|scope| {
+                    nap_until_complete(
+                        w.immediate_all_to_all_varcount_into(scope, &send, &mut recv),
+                    );
+                }),
+            }
         }
         // Piece i came from rank i: adding them front to back is the rank-order sum.
         let (acc, rest) = self.scratch.split_at_mut(mine);
@@ -446,10 +561,12 @@ impl MpiComm {
         }
         let mut out = PartitionMut::new(seg, &counts[..], &displs[..]);
         let w = comm_world();
-        let waiting = self.waiting;
-        mpi::request::scope(|scope| {
-            waiting.complete(w.immediate_all_gather_varcount_into(scope, &acc[..], &mut out));
-        });
+        match self.waiting {
+            Waiting::Spin => w.all_gather_varcount_into(&acc[..], &mut out),
+            Waiting::Nap => mpi::request::scope(|scope| {
+                nap_until_complete(w.immediate_all_gather_varcount_into(scope, &acc[..], &mut out));
+            }),
+        }
         Ok(())
     }
 }
@@ -533,10 +650,14 @@ impl Communicator for MpiComm {
             {
                 let mut out = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
                 let w = comm_world();
-                mpi::request::scope(|scope| {
-                    let gather = w.immediate_all_gather_varcount_into(scope, send, &mut out);
-                    self.waiting.complete(gather);
-                });
+                match self.waiting {
+                    Waiting::Spin => w.all_gather_varcount_into(send, &mut out),
+                    Waiting::Nap => mpi::request::scope(|scope| {
+                        nap_until_complete(
+                            w.immediate_all_gather_varcount_into(scope, send, &mut out),
+                        );
+                    }),
+                }
             }
             let mut at = 0;
             for (dst, &l) in all.iter_mut().zip(&lengths) {
@@ -549,7 +670,10 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
-        self.waiting.complete(comm_world().immediate_barrier());
+        match self.waiting {
+            Waiting::Spin => comm_world().barrier(),
+            Waiting::Nap => nap_until_complete(comm_world().immediate_barrier()),
+        }
         Ok(())
     }
 
@@ -557,14 +681,10 @@ impl Communicator for MpiComm {
         let dest = self.peer(dest)?;
         let w = comm_world();
         let process = w.process_at_rank(dest);
-        let header = buf.len() as u64;
-        mpi::request::scope(|scope| {
-            self.waiting
-                .complete(process.immediate_send(scope, &header));
-            for seg in buf.chunks(SEGMENT) {
-                self.waiting.complete(process.immediate_send(scope, seg));
-            }
-        });
+        self.send_piece(&process, &(buf.len() as u64));
+        for seg in buf.chunks(SEGMENT) {
+            self.send_piece(&process, seg);
+        }
         Ok(())
     }
 
@@ -621,13 +741,16 @@ mod tests {
     }
 
     #[test]
-    fn ranks_nap_only_where_they_outnumber_the_cores_unless_told() {
-        assert_eq!(Waiting::choose(None, 2, 2), Ok(Waiting::Spin));
-        assert_eq!(Waiting::choose(None, 3, 2), Ok(Waiting::Nap));
-        assert_eq!(Waiting::choose(Some(""), 1, 8), Ok(Waiting::Spin));
-        assert_eq!(Waiting::choose(Some("nap"), 1, 8), Ok(Waiting::Nap));
-        assert_eq!(Waiting::choose(Some("spin"), 16, 2), Ok(Waiting::Spin));
-        let bad = Waiting::choose(Some("sleep"), 2, 2).unwrap_err();
+    fn ranks_nap_only_where_they_outnumber_their_cpus_unless_told() {
+        assert_eq!(Waiting::choose(None, 2, 2), Waiting::Spin);
+        assert_eq!(Waiting::choose(None, 3, 2), Waiting::Nap);
+        assert_eq!(Waiting::choose(Some(Waiting::Nap), 1, 8), Waiting::Nap);
+        assert_eq!(Waiting::choose(Some(Waiting::Spin), 16, 2), Waiting::Spin);
+        assert_eq!(Waiting::requested(None), Ok(None));
+        assert_eq!(Waiting::requested(Some("")), Ok(None));
+        assert_eq!(Waiting::requested(Some("nap")), Ok(Some(Waiting::Nap)));
+        assert_eq!(Waiting::requested(Some("spin")), Ok(Some(Waiting::Spin)));
+        let bad = Waiting::requested(Some("sleep")).unwrap_err();
         assert_eq!(
             bad,
             MpiInitError::BadWaiting {
@@ -635,9 +758,26 @@ mod tests {
             }
         );
         assert!(
-            bad.to_string().contains("ORRERY_MPI_WAIT is \"sleep\""),
+            bad.to_string().starts_with("ORRERY_MPI_WAIT is \"sleep\""),
             "{bad}"
         );
+    }
+
+    #[test]
+    fn cpu_lists_become_masks_and_unions_count_each_cpu_once() {
+        let one = cpu_mask("0").unwrap();
+        let other = cpu_mask("1").unwrap();
+        // Two ranks pinned to one core each: two CPUs; both pinned to core 0: one.
+        assert_eq!(cpus_in_union(&[one, other].concat()), 2);
+        assert_eq!(cpus_in_union(&[one, one].concat()), 1);
+        let spread = cpu_mask("0-3, 8,10-11,1023").unwrap();
+        assert_eq!(cpus_in_union(&spread), 8);
+        assert_eq!(spread[0], 0b1101_0000_1111);
+        assert_eq!(spread[15], 1 << 63);
+        assert_eq!(cpu_mask("1024"), None);
+        assert_eq!(cpu_mask("3-1"), None);
+        assert_eq!(cpu_mask("x"), None);
+        assert_eq!(cpus_in_union(&[u64::MAX; CPU_WORDS]), 64 * CPU_WORDS);
     }
 
     /// Unit tests do not run under a launcher (tests/mpi.rs launches real ranks), so the one

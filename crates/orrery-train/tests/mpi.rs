@@ -354,6 +354,19 @@ fn rank_process() {
     }
 }
 
+/// How `ranks` ranks launched on this machine wait when not told: they nap only where they
+/// outnumber its CPUs. (Open MPI binds each of up to two ranks to a core of its own and more
+/// ranks to a socket, so on a one-socket machine the ranks' CPU sets cover `min(ranks,
+/// CPUs)` CPUs.)
+fn chosen_waiting(ranks: usize) -> &'static str {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if ranks > cpus {
+        "Nap"
+    } else {
+        "Spin"
+    }
+}
+
 /// Runs `mpirun -n RANKS` on this test binary in `mode`; returns each rank's result, by rank.
 /// Fails with the launcher's output if it fails, and kills it if it outlives [`TIMEOUT`].
 /// The ranks choose how to wait from the cores (the variable is cleared).
@@ -447,6 +460,7 @@ fn two_mpi_ranks_equal_one_rank_with_twice_the_batch() {
     let ranks = launch("trainer", 2, &dir);
     for (i, r) in ranks.iter().enumerate() {
         assert_eq!((r.rank, r.world), (i, 2), "one rank per process");
+        assert_eq!(r.waiting, chosen_waiting(2), "rank {i}");
     }
     assert_eq!(
         ranks[0].history, ranks[1].history,
@@ -580,6 +594,7 @@ fn model_parallel_over_mpi_equals_threads() {
     let ranks = launch("model_parallel", 4, &dir);
     let threads = run_model_parallel_threads(&mp_config(2, 2, 1, 2));
     for (r, t) in ranks.iter().zip(&threads) {
+        assert_eq!(r.waiting, chosen_waiting(4), "rank {}", r.rank);
         assert_eq!(r.history, t.0, "rank {}: MPI history = threads", r.rank);
         assert_eq!(
             r.weights,
