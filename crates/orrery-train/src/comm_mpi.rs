@@ -48,10 +48,11 @@
 //! naps. Either way the same bytes move in the same order, so results are identical.
 //!
 //! [`MpiComm::init`] chooses: it gathers the CPU sets of the ranks sharing each host
-//! (`MPI_Comm_split_type`, and Linux's `/proc/self/status`; a process pinned to one core
-//! counts that core only, and a CPU set that cannot be read counts as every CPU) and naps
-//! where the ranks outnumber the union. `ORRERY_MPI_WAIT=spin` or `nap` overrides the
-//! choice. The whole job then takes one policy, napping if any rank would: a blocking
+//! (`MPI_Comm_split_type`, and Linux's `/proc/thread-self/status`; a process pinned to one
+//! core counts that core only, and a CPU set that cannot be read counts as every CPU) and
+//! any cgroup quota they see, and naps where the ranks outnumber the smaller of the union
+//! and the quota. Hyperthreads count as CPUs. `ORRERY_MPI_WAIT=spin` or `nap` overrides the
+//! choice (a launcher passes it to other hosts only when told, as with `mpirun -x`). The whole job then takes one policy, napping if any rank would: a blocking
 //! collective never matches a non-blocking one (MPI-3, section 5.12), so ranks that waited
 //! differently would hang.
 //!
@@ -150,18 +151,39 @@ fn nap_until_complete<'a, D: ?Sized, S: Scope<'a>>(request: Request<'a, D, S>) {
 /// CPUs the masks that ranks exchange can name: 1,024, as 16 words.
 const CPU_WORDS: usize = 16;
 
-/// The CPUs this process may run on (Linux: `Cpus_allowed_list` in `/proc/self/status`). A
-/// set that cannot be read counts as every CPU, so such a host naps only when told.
-fn allowed_cpus() -> [u64; CPU_WORDS] {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
+/// What a rank tells the others on its host: the mask of the CPUs it may run on (Linux:
+/// `Cpus_allowed_list` of the calling thread), then the cgroup quota it sees (see
+/// [`quota_seen`]). A mask that cannot be read counts as every CPU, so such a host naps
+/// only when told.
+fn cpu_report() -> [u64; CPU_WORDS + 1] {
+    let mask = ["/proc/thread-self/status", "/proc/self/status"]
+        .iter()
+        .find_map(|path| std::fs::read_to_string(path).ok())
         .and_then(|status| {
             status
                 .lines()
                 .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
                 .and_then(|list| cpu_mask(list.trim()))
         })
-        .unwrap_or([u64::MAX; CPU_WORDS])
+        .unwrap_or([u64::MAX; CPU_WORDS]);
+    let usable = std::thread::available_parallelism().map_or(u64::MAX, |n| n.get() as u64);
+    let mut report = [0u64; CPU_WORDS + 1];
+    report[..CPU_WORDS].copy_from_slice(&mask);
+    report[CPU_WORDS] = quota_seen(&mask, usable);
+    report
+}
+
+/// The CPU quota a rank whose CPU set is `mask` sees, given the standard library's count of
+/// the CPUs it may use (`usable`, the smaller of the set and a cgroup quota): that count
+/// where it is below the set's size, since only a quota makes it so, and no limit otherwise
+/// (a rank pinned to one core says nothing of the container's quota).
+fn quota_seen(mask: &[u64; CPU_WORDS], usable: u64) -> u64 {
+    let in_set: u64 = mask.iter().map(|w| u64::from(w.count_ones())).sum();
+    if usable < in_set {
+        usable
+    } else {
+        u64::MAX
+    }
 }
 
 /// The mask of a CPU list such as `0-3,8,10-11`; none if it does not parse or names a CPU
@@ -186,18 +208,28 @@ fn cpu_mask(list: &str) -> Option<[u64; CPU_WORDS]> {
     Some(mask)
 }
 
-/// CPUs in the union of `masks` (each [`CPU_WORDS`] words, one after another).
-fn cpus_in_union(masks: &[u64]) -> usize {
-    (0..CPU_WORDS)
+/// The CPUs a host's ranks may use, from their [`cpu_report`]s (one after another): the
+/// union of their masks, but no more than the smallest quota any of them sees (a quota
+/// holds for every rank of its container).
+fn host_cpus(reports: &[u64]) -> usize {
+    let union: usize = (0..CPU_WORDS)
         .map(|word| {
-            masks
+            reports
                 .iter()
                 .skip(word)
-                .step_by(CPU_WORDS)
+                .step_by(CPU_WORDS + 1)
                 .fold(0u64, |union, m| union | m)
                 .count_ones() as usize
         })
-        .sum()
+        .sum();
+    let quota = reports
+        .iter()
+        .skip(CPU_WORDS)
+        .step_by(CPU_WORDS + 1)
+        .copied()
+        .min()
+        .unwrap_or(u64::MAX);
+    union.min(usize::try_from(quota).unwrap_or(usize::MAX))
 }
 
 /// A napping rank's pause between two tests begun at `started`: none within [`SPIN_FIRST`],
@@ -332,14 +364,24 @@ fn displacements(counts: &[Count]) -> Vec<Count> {
 
 impl MpiComm {
     /// Initialises MPI for this process (with `MPI_THREAD_SERIALIZED`) and returns its rank of
-    /// `MPI_COMM_WORLD`. Fails without a launcher, on a second call, or when the library cannot
-    /// serve calls from a thread other than the one that initialised it.
+    /// `MPI_COMM_WORLD`, waiting as the module docs say (which takes three collectives, on
+    /// every rank). Fails without a launcher, with an [`WAIT_VAR`] that names no policy, on a
+    /// second call, or when the library cannot serve calls from a thread other than the one
+    /// that initialised it.
     pub fn init() -> Result<MpiComm, MpiInitError> {
         if !LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
             return Err(MpiInitError::NotLaunched);
         }
         // Read before MPI starts, so a bad value fails as a missing launcher does.
-        let requested = Waiting::requested(std::env::var(WAIT_VAR).ok().as_deref())?;
+        let requested = match std::env::var(WAIT_VAR) {
+            Ok(value) => Waiting::requested(Some(&value))?,
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(value)) => {
+                return Err(MpiInitError::BadWaiting {
+                    found: value.to_string_lossy().into_owned(),
+                })
+            }
+        };
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or(MpiInitError::AlreadyInitialized)?;
         // Held from here on, so an early return below still finalises MPI.
@@ -357,9 +399,9 @@ impl MpiComm {
         // waiting in them.
         let host = w.split_shared(0);
         let ranks_here = usize::try_from(host.size()).unwrap_or(1);
-        let mut masks = vec![0u64; CPU_WORDS * ranks_here];
-        host.all_gather_into(&allowed_cpus()[..], &mut masks[..]);
-        let mine = Waiting::choose(requested, ranks_here, cpus_in_union(&masks));
+        let mut reports = vec![0u64; (CPU_WORDS + 1) * ranks_here];
+        host.all_gather_into(&cpu_report()[..], &mut reports[..]);
+        let mine = Waiting::choose(requested, ranks_here, host_cpus(&reports));
         let mut naps = 0u8;
         w.all_reduce_into(
             &u8::from(mine == Waiting::Nap),
@@ -764,20 +806,33 @@ mod tests {
     }
 
     #[test]
-    fn cpu_lists_become_masks_and_unions_count_each_cpu_once() {
-        let one = cpu_mask("0").unwrap();
-        let other = cpu_mask("1").unwrap();
+    fn cpu_lists_become_masks_and_hosts_count_each_cpu_once_within_quotas() {
+        let report = |list: &str, usable: u64| {
+            let mask = cpu_mask(list).unwrap();
+            let mut r = mask.to_vec();
+            r.push(quota_seen(&mask, usable));
+            r
+        };
         // Two ranks pinned to one core each: two CPUs; both pinned to core 0: one.
-        assert_eq!(cpus_in_union(&[one, other].concat()), 2);
-        assert_eq!(cpus_in_union(&[one, one].concat()), 1);
+        assert_eq!(host_cpus(&[report("0", 1), report("1", 1)].concat()), 2);
+        assert_eq!(host_cpus(&[report("0", 1), report("0", 1)].concat()), 1);
+        // Unpinned on 16 CPUs under a quota of 2 (a container): 2.
+        assert_eq!(
+            host_cpus(&[report("0-15", 2), report("0-15", 2)].concat()),
+            2
+        );
         let spread = cpu_mask("0-3, 8,10-11,1023").unwrap();
-        assert_eq!(cpus_in_union(&spread), 8);
         assert_eq!(spread[0], 0b1101_0000_1111);
         assert_eq!(spread[15], 1 << 63);
+        assert_eq!(host_cpus(&report("0-3, 8,10-11,1023", u64::MAX)), 8);
         assert_eq!(cpu_mask("1024"), None);
         assert_eq!(cpu_mask("3-1"), None);
         assert_eq!(cpu_mask("x"), None);
-        assert_eq!(cpus_in_union(&[u64::MAX; CPU_WORDS]), 64 * CPU_WORDS);
+        // Nothing known: as many CPUs as a mask can name.
+        let unknown = [u64::MAX; CPU_WORDS + 1];
+        assert_eq!(host_cpus(&unknown), 64 * CPU_WORDS);
+        // This process's own report counts at least one CPU.
+        assert!(host_cpus(&cpu_report()) >= 1);
     }
 
     /// Unit tests do not run under a launcher (tests/mpi.rs launches real ranks), so the one

@@ -141,6 +141,16 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 waiting,
             }
         }
+        // Only how the rank waits matters (`one_napping_rank_makes_every_rank_nap`).
+        "agree" => RankResult {
+            rank,
+            world,
+            history: Vec::new(),
+            weights: Vec::new(),
+            observed_steps: 0,
+            optimizer: OptimizerSummary::default(),
+            waiting,
+        },
         // Every collective of the trait, on an odd world so that buffers split unevenly.
         "collectives" => {
             check_collectives(comm);
@@ -338,6 +348,10 @@ fn rank_process() {
         return;
     };
     let dir = PathBuf::from(dir);
+    if mode == "agree" && std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0") {
+        // Before MPI starts, on one process of the job only (Open MPI names the rank).
+        std::env::set_var(WAIT_VAR, "nap");
+    }
     let comm = MpiComm::init().expect("MPI initialises under the launcher");
     let rank = comm.rank();
     // A rank that fails must take the job down: returning (or unwinding) would finalise MPI
@@ -355,9 +369,10 @@ fn rank_process() {
 }
 
 /// How `ranks` ranks launched on this machine wait when not told: they nap only where they
-/// outnumber its CPUs. (Open MPI binds each of up to two ranks to a core of its own and more
-/// ranks to a socket, so on a one-socket machine the ranks' CPU sets cover `min(ranks,
-/// CPUs)` CPUs.)
+/// outnumber the CPUs this process may use (its CPU set, within any quota). Open MPI 4.1
+/// binds each of up to two ranks to a core of its own, more ranks to a socket, and none
+/// when they outnumber the cores: on a one-socket machine the ranks' CPU sets cover all
+/// its CPUs or one each, and either way they outnumber them exactly when `ranks` does.
 fn chosen_waiting(ranks: usize) -> &'static str {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if ranks > cpus {
@@ -554,6 +569,17 @@ fn mpi_collectives_keep_the_trait_contract() {
             assert_eq!((r.rank, r.world), (i, 3));
             assert_eq!(r.waiting, expected, "{WAIT_VAR}={waiting}");
         }
+    }
+}
+
+/// One rank told to nap makes the whole job nap (ranks that waited differently would never
+/// match their collectives): the variable is set in rank 0's process only.
+#[test]
+fn one_napping_rank_makes_every_rank_nap() {
+    let dir = temp_dir("mpi-agree");
+    let ranks = launch_waiting("agree", 2, &dir, Some("spin"));
+    for r in &ranks {
+        assert_eq!(r.waiting, "Nap", "rank {}", r.rank);
     }
 }
 
