@@ -117,8 +117,8 @@ pub struct EventOwners {
     pub collectives: u64,
     /// Arrivals and timers of point-to-point flows (pipeline sends, scenario flows).
     pub point_to_point: u64,
-    /// The rest: port events (transmission ends, PFC frames, wake-ups), which belong to
-    /// links, and the replays of rolled-back memo hits.
+    /// The rest: flow releases, port events (transmission ends, PFC frames, wake-ups),
+    /// which belong to links, and the replays of rolled-back memo hits.
     pub other: u64,
 }
 
@@ -268,7 +268,7 @@ fn render_event_owners(s: &NetsimSummary, o: &EventOwners) -> String {
     let share = |n: u64| 100.0 * n as f64 / (s.events.max(1) as f64);
     let _ = writeln!(
         out,
-        "\nWhere the events went: collectives' flows {} ({:.1}%), point-to-point flows {} ({:.1}%), ports and replays {} ({:.1}%)",
+        "\nWhere the events went: collectives' flows {} ({:.1}%), point-to-point flows {} ({:.1}%), releases, ports and replays {} ({:.1}%)",
         o.collectives,
         share(o.collectives),
         o.point_to_point,

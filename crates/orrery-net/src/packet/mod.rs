@@ -367,8 +367,9 @@ pub struct PacketRun {
     /// Per flow (by id), the events of `report.events` that were the flow's own: arrivals of
     /// its packets (data, ACK, NACK, CNP) and its timers. A flow whose packets were never
     /// simulated (a memo hit, a mirror that held, a virtual flow of a periodic collective)
-    /// has none. Port events (transmission ends, PFC frames, wake-ups) belong to links and
-    /// are not attributed, nor are the replays of rolled-back memo hits.
+    /// has none. Releases (a memo hit's flow is released too), port events (transmission
+    /// ends, PFC frames, wake-ups), which belong to links, and the replays of rolled-back
+    /// memo hits are not attributed.
     pub flow_events: Vec<u64>,
 }
 
