@@ -141,19 +141,12 @@ fn rank_body(mode: &str, dir: &Path, comm: MpiComm) -> RankResult {
                 waiting,
             }
         }
-        // Only how the rank waits matters (`one_napping_rank_makes_every_rank_nap`).
-        "agree" => RankResult {
-            rank,
-            world,
-            history: Vec::new(),
-            weights: Vec::new(),
-            observed_steps: 0,
-            optimizer: OptimizerSummary::default(),
-            waiting,
-        },
-        // Every collective of the trait, on an odd world so that buffers split unevenly.
-        "collectives" => {
-            check_collectives(comm);
+        // Every collective of the trait, on an odd world so that buffers split unevenly; or
+        // (`agree`) nothing but how the rank waits (`one_napping_rank_makes_every_rank_nap`).
+        "collectives" | "agree" => {
+            if mode == "collectives" {
+                check_collectives(comm);
+            }
             RankResult {
                 rank,
                 world,
