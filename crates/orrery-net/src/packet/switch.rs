@@ -5,6 +5,14 @@
 use super::engine::{ser, Engine, Ev, Kind};
 use orrery_units::Picos;
 
+/// What PFC admission did with a frame arriving at a switch.
+enum Admission {
+    Dropped,
+    Admitted,
+    /// A copy taken into its ingress headroom, which its bytes extend while it is queued.
+    CopyInHeadroom,
+}
+
 impl Engine<'_> {
     /// A packet reached a switch: forward it to the egress port of its next hop.
     ///
@@ -40,13 +48,14 @@ impl Engine<'_> {
         let sw = self.ports[l_in as usize].to as usize;
         let size = u64::from(pk.frame);
         if self.cfg.pfc {
-            let copies_before = self.ports[l_in as usize].in_copy_hdrm;
-            if !self.ingress_admit(sw, l_in, size, copy) {
-                self.drop_packet(p);
-                return;
+            match self.ingress_admit(sw, l_in, size, copy) {
+                Admission::Dropped => {
+                    self.drop_packet(p);
+                    return;
+                }
+                Admission::Admitted => {}
+                Admission::CopyInHeadroom => self.pkts[p as usize].hdrm_copy = true,
             }
-            self.pkts[p as usize].hdrm_copy =
-                self.ports[l_in as usize].in_copy_hdrm > copies_before;
             self.check_pause(sw, l_in);
         } else if !copy && self.bufs[sw].used + size > self.cfg.buffer_bytes {
             self.drop_packet(p);
@@ -112,14 +121,14 @@ impl Engine<'_> {
     /// reserve, else the shared pool while under the threshold, else the headroom; dropped
     /// if the headroom is full too (only if headroom is undersized), unless `always` (a
     /// copy, whose headroom bytes extend the headroom while they are in it).
-    fn ingress_admit(&mut self, sw: usize, l: u32, size: u64, always: bool) -> bool {
+    fn ingress_admit(&mut self, sw: usize, l: u32, size: u64, always: bool) -> Admission {
         let thr = self.threshold(sw);
         let shared = self.shared_of(l);
         let reserve = self.cfg.pfc_reserve;
         let port = &mut self.ports[l as usize];
         if !always && size + port.in_hdrm > port.headroom + port.in_copy_hdrm && size + shared > thr
         {
-            return false;
+            return Admission::Dropped;
         }
         let new = port.in_bytes + size;
         if new <= reserve {
@@ -128,12 +137,13 @@ impl Engine<'_> {
             port.in_hdrm += size;
             if always {
                 port.in_copy_hdrm += size;
+                return Admission::CopyInHeadroom;
             }
         } else {
             port.in_bytes = new;
             self.bufs[sw].shared_used += size.min(new - reserve);
         }
-        true
+        Admission::Admitted
     }
 
     /// Removes `size` bytes of ingress `l` from switch `sw`'s accounting (headroom first).
