@@ -498,16 +498,19 @@ pub fn run_train_emulation(
     let measured: &[orrery_graph::collect::RankRecord] =
         if args.calibrate { &file.records } else { &[] };
     let net = MeasuredNetwork::from_records(measured, world as u32, analytical);
-    if args.calibrate && net.calibrated() == 0 {
+    if args.calibrate && net.calibrated() + net.calibrated_transfers() == 0 {
         return Err(bad(
-            "--calibrate: the collection measured no collective (ranks collected among \
-             virtual peers spend no time in them; collect a real run with --comm mpi)",
+            "--calibrate: the collection measured no collective and no transfer (ranks \
+             collected among virtual peers spend no time in them; collect a real run with \
+             --comm mpi)",
         ));
     }
     let network = if args.calibrate {
         format!(
-            "collectives as measured in the collection ({} sizes), the rest on the {} cluster model",
+            "collectives ({} sizes) and point-to-point transfers ({} sizes) as measured in \
+             the collection, the rest on the {} cluster model",
             net.calibrated(),
+            net.calibrated_transfers(),
             args.gpu
         )
     } else {

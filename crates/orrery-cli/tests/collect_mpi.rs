@@ -214,8 +214,8 @@ fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
         );
         assert!(error.abs() < 0.02, "rank {rank}: {:+.3}%", 100.0 * error);
     }
-    // The real run timed its collectives: an emulation can take those times for its
-    // virtual ranks' (--calibrate) instead of the cluster model's.
+    // The real run timed its collectives and its pipeline's transfers: an emulation can
+    // take those times for its virtual ranks' (--calibrate) instead of the cluster model's.
     let (code, stdout, stderr) = orrery(&[
         "emulate",
         "--train",
@@ -232,7 +232,9 @@ fn a_real_world_collected_over_mpi_is_the_reference_of_an_emulation() {
     assert_eq!(code, 0, "{stderr}");
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let network = v["network"].as_str().unwrap();
-    assert!(network.starts_with("collectives as measured"), "{network}");
+    assert!(network.starts_with("collectives ("), "{network}");
+    assert!(network.contains("point-to-point transfers ("), "{network}");
+    assert!(!network.contains("(0 sizes)"), "{network}");
 }
 
 #[test]

@@ -317,7 +317,7 @@ fn interleaved_1f1b_with_every_rank_real_is_the_real_program() {
 }
 
 #[test]
-fn a_real_run_calibrates_every_collective_its_graphs_ask_for() {
+fn a_real_run_calibrates_every_collective_and_transfer_its_graphs_ask_for() {
     use orrery_emulate::calibrate::MeasuredNetwork;
     use orrery_graph::OpKind;
     use orrery_net::{Algorithm, CollectiveRequest, GroupPlacement, NetworkModel};
@@ -332,7 +332,8 @@ fn a_real_run_calibrates_every_collective_its_graphs_ask_for() {
     let (_, fallback) = models();
     let net = MeasuredNetwork::from_records(&records, 4, fallback);
     assert!(net.calibrated() > 0);
-    let mut asked = 0;
+    assert!(net.calibrated_transfers() > 0);
+    let (mut asked, mut sends) = (0, 0);
     for (class, graph) in collected.graphs.classes.iter().enumerate() {
         let rank = layout.representative(orrery_units::ClassId(class as u32));
         for op in graph.ops() {
@@ -346,7 +347,14 @@ fn a_real_run_calibrates_every_collective_its_graphs_ask_for() {
                 assert_eq!(cost.algorithm, Algorithm::Measured, "{op:?} of {bytes:?}");
                 asked += 1;
             }
+            // The pipeline's transfers too: measured, so not what the cluster model says.
+            if let OpKind::Send { bytes, .. } = op.kind {
+                let unmeasured = models().1.point_to_point(bytes, true);
+                assert_ne!(net.point_to_point(bytes, true), unmeasured, "{bytes:?}");
+                sends += 1;
+            }
         }
     }
     assert!(asked > 10, "{asked}");
+    assert!(sends > 0);
 }
