@@ -42,10 +42,11 @@
 //! cores from the ranks that compute (on two cores, in about half of the runs of a four-rank
 //! pipeline, every rank's compute took about 155 ms instead of 80 ms). There
 //! ([`Waiting::Nap`]) every operation is started as MPI's non-blocking call and tested, for
-//! [`SPIN_FIRST`] in a loop and then with a sleep of [`NAP`] between tests. A rank then
-//! notices a completion up to a nap late (the sleep can take twice [`NAP`] with Linux's
-//! timer slack), and a long operation that advances only inside tests may take several
-//! naps. Either way the same bytes move in the same order, so results are identical.
+//! [`SPIN_FIRST`] in a loop that yields the CPU between tests (so that the peer it waits for,
+//! if it shares the core, can run and make progress) and then with a sleep of [`NAP`] between
+//! tests. A rank then notices a completion up to a nap late (the sleep can take twice
+//! [`NAP`] with Linux's timer slack), and a long operation that advances only inside tests
+//! may take several naps. Either way the same bytes move in the same order, so results are identical.
 //!
 //! [`MpiComm::init`] chooses: it gathers the CPU sets of the ranks sharing each host
 //! (`MPI_Comm_split_type`, and Linux's `/proc/thread-self/status`; a process pinned to one
@@ -232,11 +233,11 @@ fn host_cpus(reports: &[u64]) -> usize {
     union.min(usize::try_from(quota).unwrap_or(usize::MAX))
 }
 
-/// A napping rank's pause between two tests begun at `started`: none within [`SPIN_FIRST`],
-/// then [`NAP`].
+/// A napping rank's pause between two tests begun at `started`: within [`SPIN_FIRST`] it
+/// only yields the CPU to whatever else may run there, then it sleeps for [`NAP`].
 fn nap_after(started: Instant) {
     if started.elapsed() < SPIN_FIRST {
-        std::hint::spin_loop();
+        std::thread::yield_now();
     } else {
         std::thread::sleep(NAP);
     }
