@@ -23,8 +23,9 @@
 //!
 //! While it runs, it measures: the time between the end of one operation and the start of
 //! the next is a compute segment (read from a caller-supplied `orrery_train::Clock`), and
-//! with [`crate::memory::CountingAlloc`] installed, the bytes the thread held at the end of
-//! the segment and its peak during it. Between [`VirtualPeersHandle::start`] and
+//! with [`crate::memory::CountingAlloc`] installed (or on a GPU, from the backend's pool:
+//! [`crate::memory::sample`]), the bytes the thread held at the end of the segment and its
+//! peak during it. Between [`VirtualPeersHandle::start`] and
 //! [`VirtualPeersHandle::finish`] it records every segment and operation as a
 //! [`RankRecord`] (graph collection) and reports every segment to a [`RankReporter`] if it
 //! has one (hybrid emulation).
@@ -46,7 +47,7 @@
 
 use crate::coordinator::RankReporter;
 use crate::memory;
-use orrery_graph::collect::{MemorySample, RankRecord, RecordedOp};
+use orrery_graph::collect::{RankRecord, RecordedOp};
 use orrery_graph::{CollectiveOp, GroupRole, Layout, PeerStage, Phase};
 use orrery_train::comm::{all_to_all_v_offsets, check_all_gather, check_reduce_scatter};
 use orrery_train::{Clock, CommError, Communicator, Group};
@@ -93,16 +94,13 @@ impl State {
         if !self.recording {
             return Ok(());
         }
-        let sample = MemorySample {
-            live: Bytes((memory::thread_live() - self.comm_bytes).max(0) as u64),
-            peak: Bytes((memory::thread_peak() - self.comm_bytes).max(0) as u64),
-        };
-        memory::reset_thread_peak();
+        let sample = memory::sample(self.comm_bytes);
+        memory::restart_peak();
         self.ops.push(RecordedOp::Compute {
             name: format!("segment {}", self.segments),
             phase: Phase::Forward,
             duration: took,
-            memory: Some(sample),
+            memory: sample,
         });
         self.segments += 1;
         if let Some(r) = &self.reporter {
@@ -131,7 +129,7 @@ impl State {
         if self.recording {
             self.ops.extend(ops);
         }
-        memory::reset_thread_peak();
+        memory::restart_peak();
         self.since = self.clock.now_seconds();
     }
 
@@ -257,7 +255,7 @@ impl VirtualPeersHandle {
         s.sent.clear();
         s.received.clear();
         s.since = s.clock.now_seconds();
-        memory::reset_thread_peak();
+        memory::restart_peak();
     }
 
     /// The step is over: records its last segment and returns the record. Must be called

@@ -12,8 +12,10 @@
 //!   With one process per rank (an MPI job) it is the reference an emulation is compared
 //!   with.
 //!
-//! Every real rank runs on its own thread with its own burn CPU backend; with
-//! [`crate::memory::CountingAlloc`] installed, its measured peak memory is its thread's.
+//! Every real rank runs on its own thread with its own burn backend, the CPU's or (feature
+//! `cuda`, `device = "cuda"`) the GPU's. On the CPU, with [`crate::memory::CountingAlloc`]
+//! installed, its measured peak memory is its thread's; on a GPU it is its stream's pool's
+//! ([`crate::memory`]).
 //! That is exact only while the rank is the one thread of its process using burn: burn's
 //! autodiff keeps one graph registry per process, and a thread that cleans it frees what
 //! other threads allocated. An emulation's single real rank is such a thread; ranks run
@@ -28,9 +30,11 @@ use orrery_net::NetworkModel;
 use orrery_predict::emulate::{EmulateError, Emulation, Perturbations, Pruning};
 use orrery_predict::CostModel;
 use orrery_train::{
-    load_corpus, make_optimizer, Clock, Communicator, CpuBackend, ThreadComm, TrainConfig,
-    TrainError, Trainer,
+    load_corpus, make_optimizer, Clock, Communicator, CpuBackend, DeviceKind, ThreadComm,
+    TrainConfig, TrainError, Trainer,
 };
+#[cfg(not(feature = "cuda"))]
+use orrery_train::{ConfigErrors, ConfigProblem};
 use orrery_units::{ClassId, Picos, RankId};
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,8 +126,40 @@ pub struct RankStep {
     pub loss: f32,
 }
 
-/// What a real rank does: `warmup` untimed steps, then one recorded step.
+/// What a real rank does: `warmup` untimed steps, then one recorded step, on the device
+/// its configuration names. On a GPU its memory is read from the backend's pool
+/// ([`crate::memory::MemorySource::CudaPool`]).
 fn run_rank(
+    config: &TrainConfig,
+    comm: Box<dyn Communicator>,
+    handle: &VirtualPeersHandle,
+    clock: &Arc<dyn Clock>,
+    warmup: u64,
+) -> Result<RankStep, TrainError> {
+    match config.device {
+        DeviceKind::Cpu => run_rank_on::<CpuBackend>(config, comm, handle, clock, warmup),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            crate::memory::measure_from(crate::memory::MemorySource::CudaPool);
+            run_rank_on::<orrery_train::CudaBackend>(config, comm, handle, clock, warmup)
+        }
+        // Checked here and not left to the trainer: `orrery-train` may have been built with
+        // its `cuda` feature while this crate was not, and a rank must not run on the CPU
+        // and measure host memory while its configuration says GPU.
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(TrainError::Config(ConfigErrors {
+            problems: vec![ConfigProblem {
+                path: "device".into(),
+                message: "real ranks on cuda need orrery-emulate built with its `cuda` \
+                          feature (orrery: `cargo build --release --features cuda`)"
+                    .into(),
+            }],
+        })),
+    }
+}
+
+/// [`run_rank`] on backend `B`'s default device.
+fn run_rank_on<B: burn::tensor::backend::AutodiffBackend>(
     config: &TrainConfig,
     comm: Box<dyn Communicator>,
     handle: &VirtualPeersHandle,
@@ -133,7 +169,7 @@ fn run_rank(
     let corpus = load_corpus(config)?;
     let optimizer = make_optimizer(config)?;
     let mut trainer =
-        Trainer::<CpuBackend>::new(config.clone(), corpus, optimizer, comm, Default::default())?;
+        Trainer::<B>::new(config.clone(), corpus, optimizer, comm, Default::default())?;
     for _ in 0..warmup {
         trainer.step(clock.as_ref())?;
     }

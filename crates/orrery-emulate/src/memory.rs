@@ -1,25 +1,97 @@
-//! Memory a real rank allocates on the CPU, counted per thread.
+//! Memory a real rank holds, as measured: counted per thread on the CPU, read from the
+//! backend's pool on a GPU.
 //!
-//! Hybrid emulation reports each real rank's peak memory as measured, not modelled. On a
-//! GPU that is the backend's memory statistics; on the CPU it is this counting allocator:
-//! [`CountingAlloc`] wraps the system allocator and keeps, per thread, the bytes allocated
-//! and not yet freed and their peak. A program installs it as its global allocator
-//! (`#[global_allocator] static A: CountingAlloc = CountingAlloc;`); a real rank running on
-//! a thread reads its own figures with [`thread_live`] and [`thread_peak`] and starts a new
-//! peak with [`reset_thread_peak`].
+//! Hybrid emulation reports each real rank's peak memory as measured, not modelled. On the
+//! CPU it is this counting allocator: [`CountingAlloc`] wraps the system allocator and
+//! keeps, per thread, the bytes allocated and not yet freed and their peak. A program
+//! installs it as its global allocator (`#[global_allocator] static A: CountingAlloc =
+//! CountingAlloc;`); a real rank running on a thread reads its own figures with
+//! [`thread_live`] and [`thread_peak`] and starts a new peak with [`reset_thread_peak`].
+//!
+//! On a CUDA GPU (feature `cuda`) a rank's thread says so with [`measure_from`]
+//! ([`MemorySource::CudaPool`]) and its figures come from burn's CUDA backend: the memory
+//! pool of the thread's stream (cubecl keeps one per stream, and a thread has its own), its
+//! bytes in use as the live figure and its reservation as the peak. The pool reports no
+//! peak of its own, and what it reserves covers every allocation it served unless it handed
+//! pages back since, so a segment's peak is the reservation at the segment's end: an upper
+//! bound on what the segment's tensors used at once, and what the device gave away, which
+//! is what decides whether a job fits. This path is built (`cargo check --features cuda`)
+//! but has not run on a GPU yet.
 //!
 //! What it does not do: follow memory across threads. A block freed by another thread
 //! than the one that allocated it lowers the freeing thread's count (which may go below
 //! zero), so a rank whose tensors are freed by worker threads reads too much. orrery's
 //! trainer allocates and frees on the rank's own thread (burn's ndarray backend without
-//! its parallel feature). Without the allocator installed every figure stays zero.
+//! its parallel feature). Without the allocator installed every host figure stays zero.
+//! Nor does it count what the CUDA driver itself holds on the device (its context, cuBLAS'
+//! workspace).
 
+use orrery_graph::collect::MemorySample;
+use orrery_units::Bytes;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 thread_local! {
     static LIVE: Cell<i64> = const { Cell::new(0) };
     static PEAK: Cell<i64> = const { Cell::new(0) };
+    static SOURCE: Cell<MemorySource> = const { Cell::new(MemorySource::HostAllocator) };
+}
+
+/// Where a thread's memory figures come from (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemorySource {
+    /// [`CountingAlloc`]'s per-thread counts: a rank on the CPU.
+    #[default]
+    HostAllocator,
+    /// The CUDA backend's memory pool for the thread's stream: a rank on a GPU.
+    #[cfg(feature = "cuda")]
+    CudaPool,
+}
+
+/// From now on, this thread's memory samples come from `source` (a new thread starts with
+/// [`MemorySource::HostAllocator`]).
+pub fn measure_from(source: MemorySource) {
+    let _ = SOURCE.try_with(|s| s.set(source));
+}
+
+/// Where this thread's memory samples come from.
+pub fn source() -> MemorySource {
+    SOURCE
+        .try_with(Cell::get)
+        .unwrap_or(MemorySource::HostAllocator)
+}
+
+/// This thread's memory now, from its [`source`]: what it holds and its peak since the last
+/// [`restart_peak`]. Host figures leave out `not_the_programs` bytes (a communicator's own
+/// buffers). `None` where the source could not be read.
+pub fn sample(not_the_programs: i64) -> Option<MemorySample> {
+    match source() {
+        MemorySource::HostAllocator => Some(MemorySample {
+            live: Bytes((thread_live() - not_the_programs).max(0) as u64),
+            peak: Bytes((thread_peak() - not_the_programs).max(0) as u64),
+        }),
+        #[cfg(feature = "cuda")]
+        MemorySource::CudaPool => cuda_pool(),
+    }
+}
+
+/// Starts a new peak from what the thread holds now (the GPU pool's reservation is read
+/// afresh at every sample, so there is nothing to restart there).
+pub fn restart_peak() {
+    reset_thread_peak();
+}
+
+/// The CUDA pool of this thread's stream on the default device (the trainer's): bytes in
+/// use, and the reservation as the peak.
+#[cfg(feature = "cuda")]
+fn cuda_pool() -> Option<MemorySample> {
+    use burn::cubecl::Runtime;
+    let client = burn::cubecl::cuda::CudaRuntime::client(&Default::default());
+    let usage = client.memory_usage().ok()?;
+    Some(MemorySample {
+        live: Bytes(usage.bytes_in_use),
+        peak: Bytes(usage.bytes_reserved.max(usage.bytes_in_use)),
+    })
 }
 
 /// The system allocator, counting bytes per thread (see the module docs).

@@ -358,3 +358,23 @@ fn a_real_run_calibrates_every_collective_and_transfer_its_graphs_ask_for() {
     assert!(asked > 10, "{asked}");
     assert!(sends > 0);
 }
+
+/// A GPU configuration in a build without the `cuda` feature is refused by name, before any
+/// rank runs on the CPU and measures host memory for a GPU job.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn real_ranks_on_cuda_without_the_feature_are_refused_naming_the_device() {
+    let mut config = tiny();
+    config.device = orrery_train::DeviceKind::Cuda;
+    let err = collect(&config, 2, 1, 0, TIMEOUT, clock(), &mut |_, _| {}).unwrap_err();
+    assert!(err.is_input(), "{err}");
+    let orrery_emulate::drive::DriveError::Train {
+        source: orrery_train::TrainError::Config(problems),
+        ..
+    } = &err
+    else {
+        panic!("{err:?}");
+    };
+    assert!(problems.mentions("device"), "{err}");
+    assert!(err.to_string().contains("orrery-emulate"), "{err}");
+}
