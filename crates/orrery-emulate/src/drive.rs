@@ -151,7 +151,7 @@ fn run_rank(
             problems: vec![ConfigProblem {
                 path: "device".into(),
                 message: "real ranks on cuda need orrery-emulate built with its `cuda` \
-                          feature (orrery: `cargo build --release --features cuda`)"
+                          feature: cargo build --release -p orrery-cli --features cuda"
                     .into(),
             }],
         })),

@@ -465,7 +465,7 @@ impl TrainConfig {
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             bad(
                 "device",
-                "cuda needs orrery-train built with the `cuda` feature".into(),
+                "cuda needs orrery built with the `cuda` feature: cargo build --release -p orrery-cli --features cuda".into(),
             );
         }
         if self.steps == 0 {
