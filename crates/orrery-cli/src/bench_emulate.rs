@@ -369,10 +369,13 @@ fn fidelity_mpi_rows(
     outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
     outln!("virtual ranks replay the real run's own collection; their collectives are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
     fidelity_header();
+    // Per world: the paired errors of each real run's own collection replayed alone.
+    let mut replays: Vec<(String, Vec<f64>)> = Vec::new();
     for (index, (name, config, world)) in fidelity_worlds().into_iter().enumerate() {
         let path = dir.join(format!("world{index}.toml"));
         std::fs::write(&path, toml::to_string(&config)?)?;
         let (mut real_steps, mut real_peaks) = (Vec::new(), Vec::new());
+        let mut replayed = Vec::new();
         // Per network: the cluster model, and the collectives as the real run measured them.
         let mut emulated: [(Vec<u64>, Vec<u64>); 2] = Default::default();
         for run in 0..runs {
@@ -421,8 +424,15 @@ fn fidelity_mpi_rows(
                     serde_json::from_str(&child_stdout(emulate, what, dir)?)?;
                 steps.push(json_u64(&emu, "step_time_ps", what)?);
                 peaks.push(json_u64(&emu["real_ranks"][0], "peak_memory_bytes", what)?);
+                if calibrate {
+                    replayed.push(json_u64(&emu, "collected_step_time_ps", what)?);
+                }
             }
         }
+        replays.push((
+            format!("{name} ({world})"),
+            paired_errors(&real_steps, &replayed),
+        ));
         let [(h100_steps, h100_peaks), (measured_steps, measured_peaks)] = emulated;
         fidelity_row(
             &format!("{name}, H100 net"),
@@ -441,7 +451,37 @@ fn fidelity_mpi_rows(
             measured_peaks,
         );
     }
+    // How far the real run's own records, replayed with no real rank, are from its step:
+    // the part of an error that no real rank caused (on two cores, ranks of the real run
+    // waiting for a core, which a replay never does; docs/emulate.md).
+    outln!("\neach real run's own collection replayed alone (every rank at its recorded durations, measured net), against its step: paired error, median [min, max]");
+    for (name, errors) in &replays {
+        outln!("{name:<44} {}", fmt_paired(errors));
+    }
     Ok(())
+}
+
+/// Each run's error of `other` against `real` (the run next to it in time), in percent,
+/// sorted.
+fn paired_errors(real: &[u64], other: &[u64]) -> Vec<f64> {
+    let mut paired: Vec<f64> = real
+        .iter()
+        .zip(other)
+        .map(|(&r, &o)| 100.0 * (o as f64 - r as f64) / (r as f64).max(1.0))
+        .collect();
+    paired.sort_by(f64::total_cmp);
+    paired
+}
+
+/// Sorted paired errors as "median [min, max]".
+fn fmt_paired(paired: &[f64]) -> String {
+    let at = |i: usize| paired.get(i).copied().unwrap_or(0.0);
+    format!(
+        "{:+.2}% [{:+.1}, {:+.1}]",
+        at(paired.len() / 2),
+        at(0),
+        at(paired.len().saturating_sub(1))
+    )
 }
 
 /// `config`'s world of `world` ranks collected (one slot, one warm-up step) and the models
@@ -514,19 +554,13 @@ fn fidelity_row(
     let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
     // Each run's emulation against the real run next to it in time: on a shared machine the
     // load drifts, and pairs see the same drift.
-    let mut paired: Vec<f64> = real_steps
-        .iter()
-        .zip(&emu_steps)
-        .map(|(&r, &e)| err(r, e))
-        .collect();
-    paired.sort_by(f64::total_cmp);
+    let paired = paired_errors(&real_steps, &emu_steps);
     let median = |v: &mut Vec<u64>| {
         v.sort_unstable();
         v.get(v.len() / 2).copied().unwrap_or(0)
     };
     let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
     let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
-    let at = |i: usize| paired.get(i).copied().unwrap_or(0.0);
     outln!(
         "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>26}  {:>10} B  {:>10} B  {:>+7.3}%",
         format!("{name} ({world})"),
@@ -534,14 +568,23 @@ fn fidelity_row(
         rs as f64 / 1e9,
         es as f64 / 1e9,
         err(rs, es),
-        format!(
-            "{:+.2}% [{:+.1}, {:+.1}]",
-            at(paired.len() / 2),
-            at(0),
-            at(paired.len().saturating_sub(1))
-        ),
+        fmt_paired(&paired),
         rp,
         ep,
         err(rp, ep)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paired_errors_compare_each_run_with_its_own_reference() {
+        // Run 1: 1% short of its real step; run 2: 5% long; run 3: exact. Sorted.
+        let paired = paired_errors(&[100, 200, 50], &[99, 210, 50]);
+        assert_eq!(paired, vec![-1.0, 0.0, 5.0]);
+        assert_eq!(fmt_paired(&paired), "+0.00% [-1.0, +5.0]");
+        assert_eq!(fmt_paired(&[]), "+0.00% [+0.0, +0.0]");
+    }
 }
