@@ -367,7 +367,7 @@ fn fidelity_mpi_rows(
         ("OMPI_MCA_oob_tcp_if_include", "lo"),
     ];
     outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
-    outln!("virtual ranks replay the real run's own collection; their collectives are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
+    outln!("virtual ranks replay the real run's own collection; their collectives and transfers are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
     fidelity_header();
     // Per world: the paired errors of each real run's own collection replayed alone.
     let mut replays: Vec<(String, Vec<f64>)> = Vec::new();

@@ -440,9 +440,11 @@ pub struct TrainEmulateArgs {
     /// on (8 per node, its usual NIC).
     #[arg(long, default_value = "H100-SXM")]
     pub gpu: String,
-    /// With --train and --graph: collectives take the time the collection measured (a real
-    /// run's: `orrery collect --comm mpi`), each size and group size at the median over its
-    /// instances of its fastest member's time; anything not measured is the --gpu cluster's.
+    /// With --train and --graph: collectives and point-to-point transfers take the time the
+    /// collection measured (a real run's: `orrery collect --comm mpi`): a collective's size
+    /// and group size the median over its instances of its fastest member's time, a
+    /// transfer's size the median over transfers of the shorter of its send and receive;
+    /// anything not measured is the --gpu cluster's.
     #[arg(long, requires = "graph")]
     pub calibrate: bool,
 }

@@ -27,12 +27,20 @@
 //! to 8 ms to move 512 KB to each other; the H100 model says microseconds, and the real
 //! run's step paid them on its critical path.
 //!
+//! A send-and-receive records a send and a receive, each with the time of the whole
+//! exchange; the trainer's exchanges have one peer, so the shorter side is still one
+//! message's transfer (with two peers it would include the other message), and each
+//! exchange gives two samples.
+//!
 //! What it does not do: interpolate between sizes it has not seen; tell a transfer within
 //! a host from one between hosts (each size has one time, as the run measured it); or
 //! calibrate all-to-alls (each member records the bytes it sends, which differ within one
 //! exchange, so the members of an instance cannot be matched). Records without measured
 //! durations (ranks among virtual peers, whose communication takes no time) give it
-//! nothing.
+//! nothing. Nor does it change how the replay uses a transfer's time: the replay sends
+//! eagerly (the sender is done after the transfer, and a receive posted later completes at
+//! once), while above MPI's eager limit a real sender waits for its receiver and a late
+//! receiver pays the whole transfer.
 
 use orrery_graph::collect::{RankRecord, RecordedOp};
 use orrery_net::{Algorithm, CollectiveCost, CollectiveKind, CollectiveRequest, NetworkModel};
@@ -40,7 +48,8 @@ use orrery_predict::replay::net_kind;
 use orrery_units::{Bytes, Picos};
 use std::collections::HashMap;
 
-/// Collective times measured in a real run, over a fallback model (see the module docs).
+/// Collective and point-to-point times measured in a real run, over a fallback model (see
+/// the module docs).
 #[derive(Debug, Clone)]
 pub struct MeasuredNetwork<N> {
     /// Per (kind, bytes, group size): the median transfer time.

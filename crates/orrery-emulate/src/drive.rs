@@ -141,7 +141,12 @@ fn run_rank(
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {
             crate::memory::measure_from(crate::memory::MemorySource::CudaPool);
-            run_rank_on::<orrery_train::CudaBackend>(config, comm, handle, clock, warmup)
+            let step =
+                run_rank_on::<orrery_train::CudaBackend>(config, comm, handle, clock, warmup);
+            // The trainer and its tensors are gone; the pool of this thread's stream would
+            // keep their pages for good.
+            crate::memory::release_device();
+            step
         }
         // Checked here and not left to the trainer: `orrery-train` may have been built with
         // its `cuda` feature while this crate was not, and a rank must not run on the CPU

@@ -10,13 +10,17 @@
 //!
 //! On a CUDA GPU (feature `cuda`) a rank's thread says so with [`measure_from`]
 //! ([`MemorySource::CudaPool`]) and its figures come from burn's CUDA backend: the memory
-//! pool of the thread's stream (cubecl keeps one per stream, and a thread has its own), its
-//! bytes in use as the live figure and its reservation as the peak. The pool reports no
-//! peak of its own, and what it reserves covers every allocation it served unless it handed
-//! pages back since, so a segment's peak is the reservation at the segment's end: an upper
-//! bound on what the segment's tensors used at once, and what the device gave away, which
-//! is what decides whether a job fits. This path is built (`cargo check --features cuda`)
-//! but has not run on a GPU yet.
+//! pool of the thread's stream (cubecl keeps one per stream, and gives each new thread the
+//! next of its 128 streams, so a rank's own unless a process starts more threads than that),
+//! its bytes in use as the live figure and its reservation as the peak. The pool reports no
+//! peak of its own. It reserves whole pages (up to a quarter of the device each) and keeps
+//! them, so the reservation at a segment's end is the most the rank's stream has held since
+//! it began, warm-up steps included: an upper bound on what the segment's tensors used at
+//! once, possibly by several times, and what the device gave away. Reading the pool waits
+//! for the device; a device that fails there panics the rank's thread, which the driver
+//! reports as a panicked rank. A finished rank's pool is handed back ([`release_device`]),
+//! so ranks that run one after another on one GPU do not add up. CI type-checks this path
+//! (`cargo clippy --workspace --features orrery-cli/cuda`); it has not run on a GPU yet.
 //!
 //! What it does not do: follow memory across threads. A block freed by another thread
 //! than the one that allocated it lowers the freeing thread's count (which may go below
@@ -79,6 +83,16 @@ pub fn sample(not_the_programs: i64) -> Option<MemorySample> {
 /// afresh at every sample, so there is nothing to restart there).
 pub fn restart_peak() {
     reset_thread_peak();
+}
+
+/// Hands the memory the device pool of this thread's stream holds but no longer uses back to
+/// the device (nothing on the host): a rank on a GPU calls it when it is done.
+pub fn release_device() {
+    #[cfg(feature = "cuda")]
+    if source() == MemorySource::CudaPool {
+        use burn::cubecl::Runtime;
+        burn::cubecl::cuda::CudaRuntime::client(&Default::default()).memory_cleanup();
+    }
 }
 
 /// The CUDA pool of this thread's stream on the default device (the trainer's): bytes in

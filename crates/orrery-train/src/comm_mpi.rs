@@ -45,7 +45,8 @@
 //! [`SPIN_FIRST`] in a loop that yields the CPU between tests (so that the peer it waits for,
 //! if it shares the core, can run and make progress) and then with a sleep of [`NAP`] between
 //! tests. A rank then notices a completion up to a nap late (the sleep can take twice
-//! [`NAP`] with Linux's timer slack), and a long operation that advances only inside tests
+//! [`NAP`] with Linux's timer slack; on a busy core a yield or a wake-up can also wait for
+//! another process's time slice), and a long operation that advances only inside tests
 //! may take several naps. Either way the same bytes move in the same order, so results are identical.
 //!
 //! [`MpiComm::init`] chooses: it gathers the CPU sets of the ranks sharing each host
@@ -87,8 +88,8 @@ const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK
 /// Overrides how a waiting rank waits: `spin` or `nap` (see the module docs).
 pub const WAIT_VAR: &str = "ORRERY_MPI_WAIT";
 
-/// How long a napping rank keeps testing before its first nap: exchanges between ranks that
-/// reach them together finish within it, at full speed.
+/// How long a napping rank keeps testing (yielding the CPU between tests) before its first
+/// nap: exchanges between ranks that reach them together finish within it.
 pub const SPIN_FIRST: Duration = Duration::from_micros(50);
 
 /// The sleep between two tests of a napping rank, once [`SPIN_FIRST`] has passed.
