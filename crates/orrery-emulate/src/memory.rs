@@ -20,7 +20,8 @@
 //! for the device; a device that fails there panics the rank's thread, which the driver
 //! reports as a panicked rank. A finished rank's pool is handed back ([`release_device`]),
 //! so ranks that run one after another on one GPU do not add up. CI type-checks this path
-//! (`cargo clippy --workspace --features orrery-cli/cuda`); it has not run on a GPU yet.
+//! (`cargo clippy --workspace --features orrery-cli/cuda --all-targets`); its test
+//! (`tests/gpu.rs`, ignored without a GPU) has not run on one yet.
 //!
 //! What it does not do: follow memory across threads. A block freed by another thread
 //! than the one that allocated it lowers the freeing thread's count (which may go below
