@@ -350,6 +350,49 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Transfers drawn at random among four ranks, with repeated tags, recorded in the
+        /// order they happened: the model pairs each send with its own receive (known here
+        /// from the drawing, rediscovered there from the records alone), whatever order the
+        /// records come in.
+        #[test]
+        fn transfers_pair_with_their_own_receives(
+            drawn in proptest::collection::vec(
+                (0u32..4, 1u32..4, 0u64..2, 0u64..2, 1u64..100, 1u64..100),
+                1..40,
+            ),
+            rotate in 0usize..4,
+        ) {
+            let mut ops: Vec<Vec<RecordedOp>> = vec![Vec::new(); 4];
+            let mut shorter: HashMap<u64, Vec<Picos>> = HashMap::new();
+            for &(from, step, tag, size, sent_us, received_us) in &drawn {
+                let to = (from + step) % 4;
+                let bytes = 64 << size;
+                ops[from as usize].push(send(to, bytes, tag, sent_us));
+                ops[to as usize].push(recv(from, bytes, tag, received_us));
+                shorter
+                    .entry(bytes)
+                    .or_default()
+                    .push(Picos::from_micros(sent_us.min(received_us)));
+            }
+            let mut records: Vec<RankRecord> = ops
+                .into_iter()
+                .enumerate()
+                .map(|(rank, ops)| RankRecord { rank: rank as u32, ops })
+                .collect();
+            records.rotate_left(rotate);
+            let net = MeasuredNetwork::from_records(&records, 4, Slow);
+            proptest::prop_assert_eq!(net.calibrated_transfers(), shorter.len());
+            for (bytes, mut times) in shorter {
+                times.sort_unstable();
+                proptest::prop_assert_eq!(
+                    net.point_to_point(Bytes(bytes), true),
+                    times[times.len() / 2]
+                );
+            }
+        }
+    }
+
     #[test]
     fn unmeasured_records_and_world_groups() {
         // Durations of zero were not measured (ranks among virtual peers); a world
