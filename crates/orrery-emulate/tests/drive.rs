@@ -6,15 +6,15 @@
 use orrery_emulate::drive::{
     collect, communication, emulate, peak_and_compute, run_all_real, Collection, RankStep,
 };
+mod common;
+
+use common::{clock, models};
 use orrery_emulate::memory::CountingAlloc;
 use orrery_graph::collect::RecordedOp;
 use orrery_graph::CollectiveOp;
-use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
 use orrery_predict::emulate::Perturbations;
-use orrery_predict::CostModel;
-use orrery_train::{Clock, ModelConfig, MoeConfig, MonotonicClock, ParallelConfig, TrainConfig};
+use orrery_train::{ModelConfig, MoeConfig, ParallelConfig, TrainConfig};
 use orrery_units::{Bytes, RankId};
-use std::sync::Arc;
 use std::time::Duration;
 
 #[global_allocator]
@@ -113,19 +113,6 @@ fn communication_but_exchange_sizes(record: &orrery_graph::collect::RankRecord) 
             o
         })
         .collect()
-}
-
-fn clock() -> Arc<dyn Clock> {
-    Arc::new(MonotonicClock::new())
-}
-
-fn models() -> (CostModel, AnalyticalNetwork) {
-    let text = orrery_spec::preset_job_text("llama3-70b-h100x1024").unwrap();
-    let job = orrery_spec::Job::from_spec(&orrery_spec::load_job_spec(text, &[]).unwrap()).unwrap();
-    (
-        CostModel::for_gpu(&job.cluster().gpu),
-        AnalyticalNetwork::new(orrery_predict::fabric_for(&job), AlgorithmChoice::Auto),
-    )
 }
 
 #[test]
@@ -330,6 +317,8 @@ fn a_real_run_calibrates_every_collective_and_transfer_its_graphs_ask_for() {
     let layout = orrery_emulate::drive::layout_of(&config, 4).unwrap();
     let collected = orrery_graph::collect::stitch(layout.clone(), &records).unwrap();
     let (_, fallback) = models();
+    // The cluster model's answers, to tell a measured transfer from an unmeasured one.
+    let (_, unmeasured) = models();
     let net = MeasuredNetwork::from_records(&records, 4, fallback);
     assert!(net.calibrated() > 0);
     assert!(net.calibrated_transfers() > 0);
@@ -349,8 +338,8 @@ fn a_real_run_calibrates_every_collective_and_transfer_its_graphs_ask_for() {
             }
             // The pipeline's transfers too: measured, so not what the cluster model says.
             if let OpKind::Send { bytes, .. } = op.kind {
-                let unmeasured = models().1.point_to_point(bytes, true);
-                assert_ne!(net.point_to_point(bytes, true), unmeasured, "{bytes:?}");
+                let modelled = unmeasured.point_to_point(bytes, true);
+                assert_ne!(net.point_to_point(bytes, true), modelled, "{bytes:?}");
                 sends += 1;
             }
         }

@@ -12,14 +12,14 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{clock, models};
 use orrery_emulate::drive::{collect, emulate, peak_and_compute};
 use orrery_graph::collect::RecordedOp;
-use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
 use orrery_predict::emulate::Perturbations;
-use orrery_predict::CostModel;
-use orrery_train::{Clock, DeviceKind, ModelConfig, MonotonicClock, TrainConfig};
+use orrery_train::{DeviceKind, ModelConfig, TrainConfig};
 use orrery_units::RankId;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Far longer than a healthy rank of this world takes, kernel compilation included.
@@ -48,10 +48,6 @@ fn on_gpu() -> TrainConfig {
     }
 }
 
-fn clock() -> Arc<dyn Clock> {
-    Arc::new(MonotonicClock::new())
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_rank_on_the_gpu_reports_its_pool_and_an_emulation_reads_the_same_peak() {
@@ -72,10 +68,7 @@ fn a_rank_on_the_gpu_reports_its_pool_and_an_emulation_reads_the_same_peak() {
     // The model's weights alone are on the device.
     assert!(peak > 100_000, "{peak}");
 
-    let text = orrery_spec::preset_job_text("llama3-70b-h100x1024").unwrap();
-    let job = orrery_spec::Job::from_spec(&orrery_spec::load_job_spec(text, &[]).unwrap()).unwrap();
-    let cost = CostModel::for_gpu(&job.cluster().gpu);
-    let net = AnalyticalNetwork::new(orrery_predict::fabric_for(&job), AlgorithmChoice::Auto);
+    let (cost, net) = models();
     let run = emulate(
         &config,
         &collection.collected,
