@@ -461,13 +461,18 @@ fn fidelity_mpi_rows(
     Ok(())
 }
 
+/// How far `other` is from `real`, in percent of `real`.
+fn percent_error(real: u64, other: u64) -> f64 {
+    100.0 * (other as f64 - real as f64) / (real as f64).max(1.0)
+}
+
 /// Each run's error of `other` against `real` (the run next to it in time), in percent,
 /// sorted.
 fn paired_errors(real: &[u64], other: &[u64]) -> Vec<f64> {
     let mut paired: Vec<f64> = real
         .iter()
         .zip(other)
-        .map(|(&r, &o)| 100.0 * (o as f64 - r as f64) / (r as f64).max(1.0))
+        .map(|(&r, &o)| percent_error(r, o))
         .collect();
     paired.sort_by(f64::total_cmp);
     paired
@@ -551,7 +556,6 @@ fn fidelity_row(
     mut real_peaks: Vec<u64>,
     mut emu_peaks: Vec<u64>,
 ) {
-    let err = |a: u64, b: u64| 100.0 * (b as f64 - a as f64) / (a as f64).max(1.0);
     // Each run's emulation against the real run next to it in time: on a shared machine the
     // load drifts, and pairs see the same drift.
     let paired = paired_errors(&real_steps, &emu_steps);
@@ -567,11 +571,11 @@ fn fidelity_row(
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         rs as f64 / 1e9,
         es as f64 / 1e9,
-        err(rs, es),
+        percent_error(rs, es),
         fmt_paired(&paired),
         rp,
         ep,
-        err(rp, ep)
+        percent_error(rp, ep)
     );
 }
 

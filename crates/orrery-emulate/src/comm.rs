@@ -95,7 +95,7 @@ impl State {
             return Ok(());
         }
         let sample = memory::sample(self.comm_bytes);
-        memory::restart_peak();
+        memory::reset_thread_peak();
         self.ops.push(RecordedOp::Compute {
             name: format!("segment {}", self.segments),
             phase: Phase::Forward,
@@ -129,7 +129,7 @@ impl State {
         if self.recording {
             self.ops.extend(ops);
         }
-        memory::restart_peak();
+        memory::reset_thread_peak();
         self.since = self.clock.now_seconds();
     }
 
@@ -255,7 +255,7 @@ impl VirtualPeersHandle {
         s.sent.clear();
         s.received.clear();
         s.since = s.clock.now_seconds();
-        memory::restart_peak();
+        memory::reset_thread_peak();
     }
 
     /// The step is over: records its last segment and returns the record. Must be called

@@ -67,8 +67,9 @@ pub fn source() -> MemorySource {
 }
 
 /// This thread's memory now, from its [`source`]: what it holds and its peak since the last
-/// [`restart_peak`]. Host figures leave out `not_the_programs` bytes (a communicator's own
-/// buffers). `None` where the source could not be read.
+/// [`reset_thread_peak`] (the GPU pool's reservation is read afresh at every sample, so
+/// nothing restarts there). Host figures leave out `not_the_programs` bytes (a
+/// communicator's own buffers). `None` where the source could not be read.
 pub fn sample(not_the_programs: i64) -> Option<MemorySample> {
     match source() {
         MemorySource::HostAllocator => Some(MemorySample {
@@ -78,12 +79,6 @@ pub fn sample(not_the_programs: i64) -> Option<MemorySample> {
         #[cfg(feature = "cuda")]
         MemorySource::CudaPool => cuda_pool(),
     }
-}
-
-/// Starts a new peak from what the thread holds now (the GPU pool's reservation is read
-/// afresh at every sample, so there is nothing to restart there).
-pub fn restart_peak() {
-    reset_thread_peak();
 }
 
 /// Hands the memory the device pool of this thread's stream holds but no longer uses back to

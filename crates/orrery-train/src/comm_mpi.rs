@@ -47,7 +47,8 @@
 //! tests. A rank then notices a completion up to a nap late (the sleep can take twice
 //! [`NAP`] with Linux's timer slack; on a busy core a yield or a wake-up can also wait for
 //! another process's time slice), and a long operation that advances only inside tests
-//! may take several naps. Either way the same bytes move in the same order, so results are identical.
+//! may take several naps. Either way the same bytes move in the same order, so results are
+//! identical.
 //!
 //! [`MpiComm::init`] chooses: it gathers the CPU sets of the ranks sharing each host
 //! (`MPI_Comm_split_type`, and Linux's `/proc/thread-self/status`; a process pinned to one

@@ -300,6 +300,10 @@ pub enum ConfigLoadError {
     Invalid(#[from] ConfigErrors),
 }
 
+/// Why a `cuda` job cannot run in a build without the `cuda` feature, and how to build one.
+pub const CUDA_UNAVAILABLE: &str =
+    "cuda needs orrery built with the `cuda` feature: cargo build --release -p orrery-cli --features cuda";
+
 impl TrainConfig {
     /// Parses TOML (every field optional, unknown fields rejected) and validates it.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigLoadError> {
@@ -463,10 +467,7 @@ impl TrainConfig {
             }
         }
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
-            bad(
-                "device",
-                "cuda needs orrery built with the `cuda` feature: cargo build --release -p orrery-cli --features cuda".into(),
-            );
+            bad("device", CUDA_UNAVAILABLE.into());
         }
         if self.steps == 0 {
             bad("steps", "must be at least 1".into());

@@ -403,7 +403,7 @@ fn cuda_unavailable() -> TrainError {
     TrainError::Config(ConfigErrors {
         problems: vec![ConfigProblem {
             path: "device".into(),
-            message: "cuda needs orrery built with the `cuda` feature: cargo build --release -p orrery-cli --features cuda".into(),
+            message: config::CUDA_UNAVAILABLE.into(),
         }],
     })
 }
