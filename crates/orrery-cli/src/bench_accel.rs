@@ -16,6 +16,7 @@ use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest}
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
+use orrery_predict::traffic::Release;
 use orrery_units::{Bytes, Picos};
 use serde::Serialize;
 use std::time::Instant;
@@ -55,6 +56,8 @@ struct Scenario {
     gpus: u32,
     graph: NetGraph,
     flows: FlowSet,
+    /// How a job step's flows were released (`None`: not a job step).
+    release: Option<Release>,
 }
 
 /// Adds an 8-channel ring all-reduce of `bytes` over `ranks` of `graph` to `flows`.
@@ -89,6 +92,7 @@ fn ring_all_reduce(gpus: u32, bytes: u64) -> Result<Scenario> {
         gpus,
         graph,
         flows,
+        release: None,
     })
 }
 
@@ -118,24 +122,32 @@ fn cross_pod_rings(bytes: u64) -> Result<Scenario> {
         gpus: 64,
         graph,
         flows,
+        release: None,
     })
 }
 
-fn job_step(name: &str, text: &str, overrides: &[String], traffic: &[&str]) -> Result<Scenario> {
+fn job_step(
+    name: &str,
+    text: &str,
+    overrides: &[String],
+    traffic: &[&str],
+    release: Release,
+) -> Result<Scenario> {
     let spec = orrery_spec::load_job_spec(text, overrides).map_err(|e| anyhow::anyhow!("{e}"))?;
     let job = orrery_spec::Job::from_spec(&spec).map_err(|e| anyhow::anyhow!("{e}"))?;
     let select = orrery_predict::traffic::TrafficSelection::from_names(traffic)
         .map_err(|u| anyhow::anyhow!("unknown traffic {u:?}"))?;
-    let (graph, flows) = orrery_predict::traffic::job_traffic(&job, select)?;
+    let (graph, flows) = orrery_predict::traffic::job_traffic_with(&job, select, release)?;
     Ok(Scenario {
         name: name.to_string(),
         gpus: job.parallel().world_size() as u32,
         graph,
         flows,
+        release: Some(release),
     })
 }
 
-fn gpt_step(gpus: u32) -> Result<Scenario> {
+fn gpt_step(gpus: u32, release: Release) -> Result<Scenario> {
     let nodes = gpus / 8;
     let dp = gpus / 8; // tp 2 x pp 4 = 8 GPUs per replica
     let set = vec![
@@ -143,10 +155,16 @@ fn gpt_step(gpus: u32) -> Result<Scenario> {
         format!("parallel.dp={dp}"),
         format!("training.global_batch={}", 16 * dp),
     ];
-    job_step("GPT 350M step (DP+PP)", GPT_JOB, &set, &["dp", "pp"])
+    job_step(
+        "GPT 350M step (DP+PP)",
+        GPT_JOB,
+        &set,
+        &["dp", "pp"],
+        release,
+    )
 }
 
-fn gpt_13b_step(gpus: u32) -> Result<Scenario> {
+fn gpt_13b_step(gpus: u32, release: Release) -> Result<Scenario> {
     if gpus == 0 || !gpus.is_multiple_of(32) || !256u32.is_multiple_of(gpus / 32) {
         return Err(crate::bad(format!(
             "--gpt13b-gpus: {gpus} is not 32 times a divisor of 256 (tp 8 x pp 4 per replica, \
@@ -171,10 +189,16 @@ fn gpt_13b_step(gpus: u32) -> Result<Scenario> {
         format!("cluster.nodes={}", gpus / 8),
         format!("parallel.dp={}", gpus / 32), // tp 8 x pp 4 = 32 GPUs per replica
     ];
-    job_step("GPT 13B step (DP+PP)", GPT_JOB, &set, &["dp", "pp"])
+    job_step(
+        "GPT 13B step (DP+PP)",
+        GPT_JOB,
+        &set,
+        &["dp", "pp"],
+        release,
+    )
 }
 
-fn moe_step() -> Result<Scenario> {
+fn moe_step(release: Release) -> Result<Scenario> {
     let text =
         orrery_spec::preset_job_text("mixtral-8x7b-h100x64").map_err(|e| anyhow::anyhow!("{e}"))?;
     job_step(
@@ -187,6 +211,7 @@ fn moe_step() -> Result<Scenario> {
             "training.global_batch=64".to_string(),
         ],
         &["ep", "pp"],
+        release,
     )
 }
 
@@ -209,6 +234,8 @@ pub struct AccelBench {
     pub gpt_13b_gpus: Vec<u32>,
     pub with_moe: bool,
     pub reference_max_gpus: u32,
+    /// When the job steps' flows are released.
+    pub release: Release,
     /// Also run each reference with the next seed and report how far it is from the first.
     pub seed_spread: bool,
     pub json: bool,
@@ -218,6 +245,9 @@ pub struct AccelBench {
 #[derive(Debug, Serialize)]
 struct AccelRow {
     scenario: String,
+    /// How a job step's flows were released (absent for the ring scenarios).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    release: Option<Release>,
     gpus: u32,
     flows: usize,
     /// Wall seconds of the reference run, when it ran.
@@ -281,17 +311,25 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
         scenarios.push(cross_pod_rings(b.cross_pod_mib << 20)?);
     }
     for &g in b.gpt_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(gpt_step(g)?);
+        scenarios.push(gpt_step(g, b.release)?);
     }
     for &g in b.gpt_13b_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(gpt_13b_step(g)?);
+        scenarios.push(gpt_13b_step(g, b.release)?);
     }
     if b.with_moe {
-        scenarios.push(moe_step()?);
+        scenarios.push(moe_step(b.release)?);
     }
     if !b.json {
         outln!(
-            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference\n"
+            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference"
+        );
+        outln!(
+            "job steps' flows released {}\n",
+            match b.release {
+                Release::Replay => "at the replay's times (--release replay)",
+                Release::Dependencies =>
+                    "after what each rank's op waits for, as simulated (--release dependencies)",
+            }
         );
         outln!(
             "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
@@ -372,6 +410,7 @@ fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<Acce
         .map_or(events + skipped, |(r, _)| r.report.events);
     Ok(AccelRow {
         scenario: s.name.clone(),
+        release: s.release,
         gpus: s.gpus,
         flows: s.flows.flows.len(),
         reference_secs: reference.as_ref().map(|(_, t)| *t),

@@ -108,6 +108,11 @@ enum Command {
         /// With --accel: leave out the MoE step.
         #[arg(long)]
         no_moe: bool,
+        /// With --accel: when the job steps' flows are released: `replay` (at the analytical
+        /// replay's times) or `dependencies` (after what each rank's op waits for, as
+        /// simulated; docs/netsim.md).
+        #[arg(long, default_value = "replay", value_parser = ["replay", "dependencies"])]
+        release: String,
         /// With --accel: run the (slow) reference only for scenarios up to this many GPUs;
         /// larger ones show the speedup estimated from events.
         #[arg(long, default_value_t = 128)]
@@ -296,6 +301,7 @@ fn run(cli: Cli) -> Result<()> {
             gpt_13b_gpus,
             reference_max_gpus,
             no_moe,
+            release,
             train,
             ..
         } => bench_accel::run_accel_bench(&bench_accel::AccelBench {
@@ -306,6 +312,7 @@ fn run(cli: Cli) -> Result<()> {
             gpt_13b_gpus,
             with_moe: !no_moe,
             reference_max_gpus,
+            release: orrery_predict::traffic::Release::from_name(&release).unwrap_or_default(),
             json: train.json,
         }),
         Command::Bench { runs, .. } => run_bench(runs.max(1)),

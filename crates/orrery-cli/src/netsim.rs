@@ -424,6 +424,9 @@ struct JobTraffic {
     set: Vec<String>,
     /// Which communication to include: any of tp, cp, ep, dp, pp (default all).
     traffic: Option<Vec<String>>,
+    /// When flows are released: `replay` (at the analytical replay's times, the default) or
+    /// `dependencies` (after what each rank's op waits for, as simulated).
+    release: Option<String>,
 }
 
 fn job_scenario(
@@ -461,7 +464,15 @@ fn job_scenario(
             })?
         }
     };
-    let (graph, flows) = orrery_predict::traffic::job_traffic(&job, select)?;
+    let release = match j.release.as_deref() {
+        None => orrery_predict::traffic::Release::default(),
+        Some(name) => orrery_predict::traffic::Release::from_name(name).ok_or_else(|| {
+            bad(format!(
+                "job.release: unknown rule {name:?}; known: dependencies, replay"
+            ))
+        })?,
+    };
+    let (graph, flows) = orrery_predict::traffic::job_traffic_with(&job, select, release)?;
     let name = spec
         .name
         .clone()

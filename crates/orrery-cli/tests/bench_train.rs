@@ -319,6 +319,7 @@ fn bad_options_exit_with_status_2() {
         (&["bench", "--train", "--steps", "0"][..], "steps"),
         (&["bench", "--train", "--optimizers", "lion"][..], "lion"),
         (&["bench", "--train", "--accel"][..], "--accel"),
+        (&["bench", "--accel", "--release", "later"][..], "--release"),
         (&["bench", "--steps", "5"][..], "--train"),
         (&["bench", "--lr", "soap=1e-2"][..], "--train"),
         (&["bench", "--train", "--lr", "lion=1e-2"][..], "lion"),
@@ -450,6 +451,7 @@ fn accel_json_report_has_the_row_and_its_errors() {
     assert_eq!(rows.len(), 1, "{stdout}");
     let r = &rows[0];
     assert_eq!(r["scenario"], "ring all-reduce 1 MiB");
+    assert!(r.get("release").is_none(), "not a job step: {r}");
     assert_eq!(r["gpus"], 128);
     assert_eq!(r["reference_events_estimated"], false);
     let (reference, events) = (

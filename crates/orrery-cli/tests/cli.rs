@@ -331,6 +331,42 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
 }
 
 #[test]
+fn netsim_takes_a_jobs_step_as_traffic_released_either_way() {
+    let dir = temp_dir("netsim-job");
+    std::fs::write(dir.join("job.toml"), SMALL_JOB).unwrap();
+    let scenario = dir.join("step.toml");
+    let with_release = |release: &str| {
+        std::fs::write(
+            &scenario,
+            format!(
+                "[simulator]\nmodel = \"flow\"\n[job]\nfile = \"job.toml\"\ntraffic = [\"dp\", \"pp\"]\n{release}"
+            ),
+        )
+        .unwrap();
+        orrery(&["netsim", scenario.to_str().unwrap(), "--json"])
+    };
+    let mut sent = Vec::new();
+    for release in ["", "release = \"replay\"", "release = \"dependencies\""] {
+        let (code, stdout, stderr) = with_release(release);
+        assert_eq!(code, 0, "{release}: {stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["bytes_delivered"], v["bytes_sent"]);
+        sent.push((
+            v["fct"]["count"].clone(),
+            v["bytes_sent"].clone(),
+            v["end"].clone(),
+        ));
+    }
+    // Replay is the default; both rules release the same flows.
+    assert_eq!(sent[0], sent[1]);
+    assert_eq!(sent[1].0, sent[2].0);
+    assert_eq!(sent[1].1, sent[2].1);
+    let (code, _, stderr) = with_release("release = \"later\"");
+    assert_eq!(code, 2);
+    assert!(stderr.contains("job.release"), "{stderr}");
+}
+
+#[test]
 fn netsim_says_which_collectives_the_packet_events_belonged_to() {
     let dir = temp_dir("netsim-owners");
     let scenario = dir.join("ring.toml");

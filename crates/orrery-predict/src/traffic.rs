@@ -1,17 +1,40 @@
 //! The communication of one training step as network flows, for `orrery netsim`.
 //!
 //! The predictor replays the step with the analytical network, which says when every rank
-//! issues every collective and transfer. Each collective instance (one per concrete group and
-//! position in that group's order) becomes the flows of its NCCL-like algorithm among the
-//! group's ranks, released at the time the replay started it; each pipeline send becomes one
-//! flow released when it was sent. The result runs on a topology built from the job's
-//! cluster, so the packet- or flow-level simulator sees the step's traffic with its real
-//! timing and overlaps.
+//! issues every collective and transfer and how long its compute takes. Each collective
+//! instance (one per concrete group and position in that group's order) becomes the flows of
+//! its NCCL-like algorithm among the group's ranks; each pipeline send becomes one flow. The
+//! result runs on a topology built from the job's cluster, so the packet- or flow-level
+//! simulator sees the step's traffic with its timing and overlaps.
 //!
-//! What this deliberately does not do: feed the simulated network times back into the
-//! compute schedule (flows are released at the analytical replay's times, not when the
-//! simulated network would have let the ranks reach them). It is the traffic of a step, not
-//! a co-simulation.
+//! ## When the flows are released ([`Release`])
+//!
+//! - [`Release::Replay`] (the default): every flow at the time the replay issued it (open
+//!   loop). A collective the simulated network finds slower than the analytical model then
+//!   overlaps what the replay put after it, which the program could not do: on the GPT 13B
+//!   step at 1,024 GPUs the parameter all-gathers start while the embedding all-reduce they
+//!   follow is still running (docs/benchmarks.md).
+//! - [`Release::Dependencies`]: a rank's communication waits for the communication it
+//!   depends on *in the simulation*. For every collective and send of a rank, the *gate* is
+//!   the communication op of that rank it waits for that ended last in the replay: found by
+//!   walking the rank's graph back (dependencies and stream order) through everything that
+//!   is not simulated as flows (compute, memory, unselected communication), a receive
+//!   counting only when it waited for its data. The rank's first flows of the op then
+//!   depend on the gate's last flows at that rank (those of the gate that touch the rank and
+//!   that no other such flow waits for), delayed by what separated the gate's end from the
+//!   op's start in the replay (the compute between them, and any wait for the group's other
+//!   members). So an op never starts on a rank before its gate has finished there, however
+//!   long the simulated network takes; with the analytical network's times every flow would
+//!   be released when the replay issued it. An op without a gate is released at the
+//!   replay's time.
+//!
+//! What this deliberately does not do: move compute, or honour more than one gate. The gaps
+//! are the replay's, an op waits for its latest gate only (one that ended earlier in the
+//! replay and runs late in the simulation is not waited for), and the members of a
+//! collective start their own first flows when each is ready (a ring's later steps wait for
+//! their neighbours through the ring's own dependencies). It is the traffic of a step with
+//! its causality along each rank's latest dependency, not a co-simulation of compute and
+//! network.
 
 use crate::replay::ReplayMode;
 use crate::{fabric_for, predict_with, PredictError};
@@ -21,9 +44,9 @@ use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowError, FlowSet};
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, TopologyError};
 use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
 use orrery_spec::{Job, TopologyKind};
-use orrery_units::{Picos, RankId};
+use orrery_units::{FlowId, Picos, RankId};
 use serde::Serialize;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// Which kinds of communication to include.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -119,10 +142,90 @@ pub fn cluster_topology(job: &Job) -> Result<NetGraph, TopologyError> {
     }
 }
 
-/// The flows of one training step of `job`, with the topology they run on.
+/// When the flows of a step are released (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Release {
+    /// At the analytical replay's times (open loop).
+    #[default]
+    Replay,
+    /// After the communication each rank's op waits for, as simulated (closed loop along
+    /// each op's latest gate).
+    Dependencies,
+}
+
+impl Release {
+    /// Parses `dependencies` or `replay`.
+    pub fn from_name(name: &str) -> Option<Release> {
+        match name {
+            "dependencies" => Some(Release::Dependencies),
+            "replay" => Some(Release::Replay),
+            _ => None,
+        }
+    }
+}
+
+/// The flows of one training step of `job`, with the topology they run on, released at the
+/// replay's times ([`Release::Replay`]).
 pub fn job_traffic(
     job: &Job,
     select: TrafficSelection,
+) -> Result<(NetGraph, FlowSet), TrafficError> {
+    job_traffic_with(job, select, Release::Replay)
+}
+
+/// One simulated communication op of a rank: its index in the rank's graph, when the replay
+/// started it there, and its gate (op index and replay end), if any.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    op: u32,
+    start: Picos,
+    gate: Option<(u32, Picos)>,
+}
+
+/// A collective instance or a send, in the order the ranks first reach it.
+#[derive(Debug)]
+enum Instance {
+    Collective {
+        name: String,
+        kind: orrery_net::CollectiveKind,
+        algorithm: FlowAlgorithm,
+        ranks: Vec<u32>,
+        bytes: orrery_units::Bytes,
+        /// Each member's op, by member (the order of `ranks`).
+        members: Vec<Option<Member>>,
+    },
+    Send {
+        name: String,
+        src: u32,
+        dst: u32,
+        tag: u64,
+        bytes: orrery_units::Bytes,
+        member: Member,
+    },
+}
+
+impl Instance {
+    /// When the replay started it: a collective when its last member arrived (the members'
+    /// ops start when each reaches it, then wait for the others), a send when it was sent.
+    fn start(&self) -> Picos {
+        match self {
+            Instance::Collective { members, .. } => members
+                .iter()
+                .flatten()
+                .map(|m| m.start)
+                .max()
+                .unwrap_or(Picos::ZERO),
+            Instance::Send { member, .. } => member.start,
+        }
+    }
+}
+
+/// [`job_traffic`] with the release rule chosen.
+pub fn job_traffic_with(
+    job: &Job,
+    select: TrafficSelection,
+    release: Release,
 ) -> Result<(NetGraph, FlowSet), TrafficError> {
     let net = AnalyticalNetwork::new(fabric_for(job), AlgorithmChoice::Auto);
     let out = predict_with(job, &net, ReplayMode::Classes)?;
@@ -130,16 +233,49 @@ pub fn job_traffic(
     let layout = &out.graphs.layout;
     let per_host = job.cluster().gpus_per_node as usize;
     let step = Picos::from_nanos(crate::NIC_LATENCY_NS);
-    let mut set = FlowSet::default();
-    let mut done: HashSet<(u32, u32)> = HashSet::new();
+
+    let mut instances: Vec<Instance> = Vec::new();
+    let mut collective_of: HashMap<(u32, u32), usize> = HashMap::new();
+    // Receives that waited for their data, by (receiver, sender, tag): their op index.
+    let mut waiting_recvs: HashMap<(u32, u32, u64), u32> = HashMap::new();
     for r in 0..layout.world_size() {
         let rank = RankId(r);
         let rg = materialize(&out.graphs, rank);
         // In class mode every rank of a class has its class's timeline.
-        let timing = &out.timeline.participants[layout.class_of(rank).index()];
-        let mut seq_on_group = std::collections::HashMap::new();
-        for (i, (op, resolved)) in rg.graph.ops().iter().zip(&rg.resolved).enumerate() {
-            let start = timing.ops[i].start;
+        let timing = &out.timeline.participants[layout.class_of(rank).index()].ops;
+        let ops = rg.graph.ops();
+        // The gate walk: the latest-ending simulated communication each op waits for.
+        let mut gate: Vec<Option<u32>> = vec![None; ops.len()];
+        let mut marker = vec![false; ops.len()];
+        let mut last_on_stream: [Option<u32>; 6] = [None; 6];
+        let mut seq_on_group = HashMap::new();
+        for (i, (op, resolved)) in ops.iter().zip(&rg.resolved).enumerate() {
+            let mut best: Option<u32> = None;
+            let stream_pred = if op.kind.occupies_stream() {
+                last_on_stream[op.stream.index()].replace(i as u32)
+            } else {
+                None
+            };
+            for p in op
+                .deps
+                .iter()
+                .map(|d| d.index())
+                .chain(stream_pred.map(|p| p as usize))
+            {
+                let cand = if marker[p] { Some(p as u32) } else { gate[p] };
+                if let Some(c) = cand {
+                    let later = |b: u32| (timing[c as usize].end, c) > (timing[b as usize].end, b);
+                    if best.is_none_or(later) {
+                        best = Some(c);
+                    }
+                }
+            }
+            gate[i] = best;
+            let member = Member {
+                op: i as u32,
+                start: timing[i].start,
+                gate: best.map(|g| (g, timing[g as usize].end)),
+            };
             match (op.kind, *resolved) {
                 (
                     OpKind::Collective {
@@ -152,43 +288,176 @@ pub fn job_traffic(
                     let seq = seq_on_group.entry(g).or_insert(0u32);
                     let key = (g.0, *seq);
                     *seq += 1;
-                    if !select.role(group) || !done.insert(key) {
+                    if !select.role(group) {
                         continue;
                     }
-                    let members: Vec<u32> = layout
-                        .group_members(rank, group)
-                        .iter()
-                        .map(|m| m.0)
-                        .collect();
-                    let placement = layout.placement(rank, group);
-                    let (kind, algorithm) = match cop {
-                        CollectiveOp::AllToAll => {
-                            (orrery_net::CollectiveKind::AllToAll, FlowAlgorithm::Direct)
-                        }
-                        other => (
-                            crate::replay::net_kind(other),
-                            FlowAlgorithm::Ring {
-                                channels: placement.max_per_node.max(1),
-                            },
-                        ),
-                    };
-                    let name = format!("{} {} g{}", group.name(), rg.graph.name_of(op), g.0);
-                    let range = collective_flows(
-                        &mut set, &name, kind, algorithm, &members, bytes, per_host, step,
-                    )?;
-                    for f in &mut set.flows[range] {
-                        if f.deps.is_empty() {
-                            f.delay += start;
+                    marker[i] = true;
+                    let x = *collective_of.entry(key).or_insert_with(|| {
+                        let ranks: Vec<u32> = layout
+                            .group_members(rank, group)
+                            .iter()
+                            .map(|m| m.0)
+                            .collect();
+                        let placement = layout.placement(rank, group);
+                        let (kind, algorithm) = match cop {
+                            CollectiveOp::AllToAll => {
+                                (orrery_net::CollectiveKind::AllToAll, FlowAlgorithm::Direct)
+                            }
+                            other => (
+                                crate::replay::net_kind(other),
+                                FlowAlgorithm::Ring {
+                                    channels: placement.max_per_node.max(1),
+                                },
+                            ),
+                        };
+                        instances.push(Instance::Collective {
+                            name: format!("{} {} g{}", group.name(), rg.graph.name_of(op), g.0),
+                            kind,
+                            algorithm,
+                            members: vec![None; ranks.len()],
+                            ranks,
+                            bytes,
+                        });
+                        instances.len() - 1
+                    });
+                    if let Instance::Collective { ranks, members, .. } = &mut instances[x] {
+                        if let Some(k) = ranks.iter().position(|&m| m == r) {
+                            members[k] = Some(member);
                         }
                     }
                 }
-                (OpKind::Send { bytes, .. }, Concrete::Peer(peer)) if select.pp => {
-                    set.push_p2p(rg.graph.name_of(op), r, peer.0, bytes, start);
+                (OpKind::Send { bytes, tag, .. }, Concrete::Peer(peer)) if select.pp => {
+                    marker[i] = true;
+                    instances.push(Instance::Send {
+                        name: rg.graph.name_of(op).to_string(),
+                        src: r,
+                        dst: peer.0,
+                        tag,
+                        bytes,
+                        member,
+                    });
+                }
+                // A receive whose data was there when it was reached waited for nothing
+                // simulated (what it waited for is its own gate), so only one that waited
+                // for its data is a gate.
+                (OpKind::Recv { tag, .. }, Concrete::Peer(peer))
+                    if select.pp && timing[i].end > timing[i].start =>
+                {
+                    marker[i] = true;
+                    waiting_recvs.insert((r, peer.0, tag), i as u32);
                 }
                 _ => {}
             }
         }
     }
+
+    // Dependencies point to earlier flows, so with gates the instances are expanded in the
+    // order the replay started them (a gate ends before what it gates starts); the sort is
+    // stable, so ties keep the order the ranks reached them, as the replay rule does.
+    let mut order: Vec<usize> = (0..instances.len()).collect();
+    if release == Release::Dependencies {
+        let starts: Vec<Picos> = instances.iter().map(Instance::start).collect();
+        order.sort_by_key(|&x| starts[x]);
+    }
+    // The last flows of each rank's simulated op, once expanded: what its dependents wait for.
+    let mut last_flows: HashMap<(u32, u32), Vec<FlowId>> = HashMap::new();
+    // What a rank's op that the replay started at `start` waits for: its gate's last flows
+    // at the rank, and the time from the gate's end to `start`.
+    let gated = |rank: u32,
+                 m: &Member,
+                 start: Picos,
+                 last_flows: &HashMap<(u32, u32), Vec<FlowId>>|
+     -> Option<(Vec<FlowId>, Picos)> {
+        if release != Release::Dependencies {
+            return None;
+        }
+        let (g, end) = m.gate?;
+        let deps = last_flows.get(&(rank, g))?;
+        Some((deps.clone(), Picos(start.0.saturating_sub(end.0))))
+    };
+    let mut set = FlowSet::default();
+    for x in order {
+        let start = instances[x].start();
+        match &instances[x] {
+            Instance::Collective {
+                name,
+                kind,
+                algorithm,
+                ranks,
+                bytes,
+                members,
+            } => {
+                let range = collective_flows(
+                    &mut set, name, *kind, *algorithm, ranks, *bytes, per_host, step,
+                )?;
+                for f in &mut set.flows[range.clone()] {
+                    if !f.deps.is_empty() {
+                        continue;
+                    }
+                    let member = ranks
+                        .iter()
+                        .position(|&m| m == f.src)
+                        .and_then(|k| members[k]);
+                    match member.and_then(|m| gated(f.src, &m, start, &last_flows)) {
+                        Some((deps, gap)) => {
+                            f.deps = deps;
+                            f.delay += gap;
+                        }
+                        None => f.delay += start,
+                    }
+                }
+                let mut last = last_flows_by_rank(&set, range);
+                for (&rank, m) in ranks.iter().zip(members) {
+                    if let (Some(m), Some(flows)) = (m, last.remove(&rank)) {
+                        last_flows.insert((rank, m.op), flows);
+                    }
+                }
+            }
+            Instance::Send {
+                name,
+                src,
+                dst,
+                tag,
+                bytes,
+                member,
+            } => {
+                let id = set.push_p2p(name, *src, *dst, *bytes, start);
+                if let Some((deps, gap)) = gated(*src, member, start, &last_flows) {
+                    let f = &mut set.flows[id.index()];
+                    f.deps = deps;
+                    f.delay = gap;
+                }
+                last_flows.insert((*src, member.op), vec![id]);
+                if let Some(&op) = waiting_recvs.get(&(*dst, *src, *tag)) {
+                    last_flows.insert((*dst, op), vec![id]);
+                }
+            }
+        }
+    }
     set.check()?;
     Ok((graph, set))
+}
+
+/// For every rank the flows of `range` touch: those that touch it (as source or
+/// destination) and that no other flow of the range touching it depends on. When they have
+/// finished, the collective is done at that rank.
+fn last_flows_by_rank(set: &FlowSet, range: std::ops::Range<usize>) -> HashMap<u32, Vec<FlowId>> {
+    let mut waited_on: HashSet<(FlowId, u32)> = HashSet::new();
+    for f in &set.flows[range.clone()] {
+        for &d in &f.deps {
+            waited_on.insert((d, f.src));
+            waited_on.insert((d, f.dst));
+        }
+    }
+    let mut last: HashMap<u32, Vec<FlowId>> = HashMap::new();
+    for i in range {
+        let id = FlowId::from_index(i);
+        let f = &set.flows[i];
+        for rank in [f.src, f.dst] {
+            if !waited_on.contains(&(id, rank)) {
+                last.entry(rank).or_default().push(id);
+            }
+        }
+    }
+    last
 }
