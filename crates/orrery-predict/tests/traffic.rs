@@ -101,7 +101,7 @@ fn released_after_dependencies_the_step_sends_the_same_flows() {
     assert!(deps.check().is_ok());
     assert_eq!(sent(&deps), sent(&replay));
     // Replay releases every collective's first flows at fixed times; with dependencies,
-    // most of them wait for other flows instead.
+    // those of every op with a gate wait for other collectives' flows instead.
     let waiting = |set: &orrery_net::flows::FlowSet| {
         set.flows
             .iter()
