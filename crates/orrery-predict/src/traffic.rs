@@ -244,7 +244,9 @@ pub fn job_traffic_with(
         // In class mode every rank of a class has its class's timeline.
         let timing = &out.timeline.participants[layout.class_of(rank).index()].ops;
         let ops = rg.graph.ops();
-        // The gate walk: the latest-ending simulated communication each op waits for.
+        // The gate walk: the latest-ending simulated communication each op waits for (only
+        // the dependency rule uses it).
+        let walk = release == Release::Dependencies;
         let mut gate: Vec<Option<u32>> = vec![None; ops.len()];
         let mut marker = vec![false; ops.len()];
         let mut last_on_stream: [Option<u32>; 6] = [None; 6];
@@ -256,12 +258,12 @@ pub fn job_traffic_with(
             } else {
                 None
             };
-            for p in op
+            let preds = op
                 .deps
                 .iter()
                 .map(|d| d.index())
-                .chain(stream_pred.map(|p| p as usize))
-            {
+                .chain(stream_pred.map(|p| p as usize));
+            for p in preds.filter(|_| walk) {
                 let cand = if marker[p] { Some(p as u32) } else { gate[p] };
                 if let Some(c) = cand {
                     let later = |b: u32| (timing[c as usize].end, c) > (timing[b as usize].end, b);
