@@ -252,20 +252,18 @@ pub fn job_traffic_with(
         let mut last_on_stream: [Option<u32>; 6] = [None; 6];
         let mut seq_on_group = HashMap::new();
         for (i, (op, resolved)) in ops.iter().zip(&rg.resolved).enumerate() {
-            let mut best: Option<u32> = None;
             let stream_pred = if op.kind.occupies_stream() {
                 last_on_stream[op.stream.index()].replace(i as u32)
             } else {
                 None
             };
-            let preds = op
-                .deps
-                .iter()
-                .map(|d| d.index())
-                .chain(stream_pred.map(|p| p as usize));
-            for p in preds.filter(|_| walk) {
-                let cand = if marker[p] { Some(p as u32) } else { gate[p] };
-                if let Some(c) = cand {
+            let mut best: Option<u32> = None;
+            if walk {
+                let preds = op.deps.iter().map(|d| d.index());
+                for p in preds.chain(stream_pred.map(|p| p as usize)) {
+                    let Some(c) = (if marker[p] { Some(p as u32) } else { gate[p] }) else {
+                        continue;
+                    };
                     let later = |b: u32| (timing[c as usize].end, c) > (timing[b as usize].end, b);
                     if best.is_none_or(later) {
                         best = Some(c);
@@ -300,6 +298,7 @@ pub fn job_traffic_with(
                             .iter()
                             .map(|m| m.0)
                             .collect();
+                        debug_assert!(ranks.windows(2).all(|w| w[0] < w[1]), "rank order");
                         let placement = layout.placement(rank, group);
                         let (kind, algorithm) = match cop {
                             CollectiveOp::AllToAll => {
@@ -322,8 +321,9 @@ pub fn job_traffic_with(
                         });
                         instances.len() - 1
                     });
+                    // Group members are listed in rank order.
                     if let Instance::Collective { ranks, members, .. } = &mut instances[x] {
-                        if let Some(k) = ranks.iter().position(|&m| m == r) {
+                        if let Ok(k) = ranks.binary_search(&r) {
                             members[k] = Some(member);
                         }
                     }
@@ -396,10 +396,7 @@ pub fn job_traffic_with(
                     if !f.deps.is_empty() {
                         continue;
                     }
-                    let member = ranks
-                        .iter()
-                        .position(|&m| m == f.src)
-                        .and_then(|k| members[k]);
+                    let member = ranks.binary_search(&f.src).ok().and_then(|k| members[k]);
                     match member.and_then(|m| gated(f.src, &m, start, &last_flows)) {
                         Some((deps, gap)) => {
                             f.deps = deps;
