@@ -3,7 +3,9 @@
 //! The predictor replays the step with the analytical network, which says when every rank
 //! issues every collective and transfer and how long its compute takes. Each collective
 //! instance (one per concrete group and position in that group's order) becomes the flows of
-//! its NCCL-like algorithm among the group's ranks; each pipeline send becomes one flow. The
+//! the algorithm the replay's analytical model chose for it (ring, tree or hierarchical; see
+//! `flow_algorithm`) among the group's ranks, so the simulated network carries the traffic
+//! whose timing the replay assumed; each pipeline send becomes one flow. The
 //! result runs on a topology built from the job's cluster, so the packet- or flow-level
 //! simulator sees the step's traffic with its timing and overlaps.
 //!
@@ -39,10 +41,13 @@
 use crate::replay::ReplayMode;
 use crate::{fabric_for, predict_with, PredictError};
 use orrery_graph::materialize::{materialize, Concrete};
-use orrery_graph::{CollectiveOp, GroupRole, OpKind};
+use orrery_graph::{GroupRole, OpKind};
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowError, FlowSet};
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, TopologyError};
-use orrery_net::{AlgorithmChoice, AnalyticalNetwork};
+use orrery_net::{
+    Algorithm, AlgorithmChoice, AnalyticalNetwork, CollectiveKind, CollectiveRequest,
+    GroupPlacement, NetworkModel,
+};
 use orrery_spec::{Job, TopologyKind};
 use orrery_units::{FlowId, Picos, RankId};
 use serde::Serialize;
@@ -221,6 +226,52 @@ impl Instance {
     }
 }
 
+/// The flows' algorithm for a collective: the one the replay's analytical model chose for
+/// it, so that the simulated network carries the traffic whose timing the replay assumed
+/// (a ring where the replay costed a tree would run the ring's `2(n-1)` latency-bound steps
+/// where the replay had budgeted the tree's few, and overlap what the replay put after it).
+///
+/// - Ring: `max_per_node` channels, as NCCL runs one ring per GPU of a node so that the
+///   inter-node hop gets every member's NIC (the bandwidth the analytical ring assumes).
+/// - Tree: NCCL's double binary tree over the members. The analytical tree is a double
+///   binary tree across nodes with a chain inside each node; the flows' tree is over all
+///   members instead (`log2(n)` levels rather than `log2(nodes)` plus the chain), an
+///   approximation of its shape with the same latency-bound character.
+/// - Hierarchical: inside each node, across nodes, inside again, exactly as costed. It needs
+///   the same number of members on every node; on an uneven placement (which the analytical
+///   model costs by its busiest node) the flows fall back to the ring.
+/// - Direct (all-to-all) and anything else: as the kind requires.
+fn flow_algorithm(
+    net: &AnalyticalNetwork,
+    kind: CollectiveKind,
+    bytes: orrery_units::Bytes,
+    placement: GroupPlacement,
+) -> FlowAlgorithm {
+    let ring = FlowAlgorithm::Ring {
+        channels: placement.max_per_node.max(1),
+    };
+    if kind == CollectiveKind::AllToAll {
+        return FlowAlgorithm::Direct;
+    }
+    let chosen = net
+        .collective(&CollectiveRequest {
+            kind,
+            bytes,
+            placement,
+        })
+        .algorithm;
+    match (chosen, kind) {
+        (Algorithm::Tree, CollectiveKind::AllReduce) => FlowAlgorithm::DoubleBinaryTree,
+        (
+            Algorithm::Hierarchical,
+            CollectiveKind::AllReduce | CollectiveKind::AllGather | CollectiveKind::ReduceScatter,
+        ) if placement.size == placement.nodes * placement.max_per_node => {
+            FlowAlgorithm::Hierarchical
+        }
+        _ => ring,
+    }
+}
+
 /// [`job_traffic`] with the release rule chosen.
 pub fn job_traffic_with(
     job: &Job,
@@ -300,17 +351,13 @@ pub fn job_traffic_with(
                             .collect();
                         debug_assert!(ranks.windows(2).all(|w| w[0] < w[1]), "rank order");
                         let placement = layout.placement(rank, group);
-                        let (kind, algorithm) = match cop {
-                            CollectiveOp::AllToAll => {
-                                (orrery_net::CollectiveKind::AllToAll, FlowAlgorithm::Direct)
-                            }
-                            other => (
-                                crate::replay::net_kind(other),
-                                FlowAlgorithm::Ring {
-                                    channels: placement.max_per_node.max(1),
-                                },
-                            ),
+                        let placement = GroupPlacement {
+                            size: placement.size,
+                            nodes: placement.nodes,
+                            max_per_node: placement.max_per_node,
                         };
+                        let kind = crate::replay::net_kind(cop);
+                        let algorithm = flow_algorithm(&net, kind, bytes, placement);
                         instances.push(Instance::Collective {
                             name: format!("{} {} g{}", group.name(), rg.graph.name_of(op), g.0),
                             kind,

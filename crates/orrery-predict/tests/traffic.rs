@@ -191,3 +191,89 @@ fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() 
     );
     assert_eq!(early(Release::Dependencies), 0);
 }
+
+/// The (source, destination) pairs of the flows of the collectives whose name contains
+/// `name`, with the group's ranks.
+fn pairs_of(set: &orrery_net::flows::FlowSet, name: &str) -> Vec<(Vec<u32>, Vec<(u32, u32)>)> {
+    let mut out = Vec::new();
+    for (c, info) in set.collectives.iter().enumerate() {
+        if info.kind.is_none() || !info.name.contains(name) {
+            continue;
+        }
+        let pairs = set
+            .flows
+            .iter()
+            .filter(|f| f.collective as usize == c)
+            .map(|f| (f.src, f.dst))
+            .collect();
+        out.push((info.ranks.clone(), pairs));
+    }
+    out
+}
+
+#[test]
+fn a_small_all_reduce_across_nodes_runs_the_tree_the_replay_costed() {
+    // One GPU of each data-parallel group per node: the analytical model costs the
+    // gradient norm's four-byte all-reduce as a tree (4 latency-bound steps across four
+    // nodes, against the ring's 6), so its flows must be a tree's, not a ring's.
+    let job = small_job(&[
+        "cluster.gpus_per_node=2",
+        "cluster.nodes=8",
+        "parallel.dp=4",
+        "training.global_batch=16",
+    ]);
+    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    let (_, set) = job_traffic(&job, dp).unwrap();
+    let norms = pairs_of(&set, "grad-norm");
+    assert!(!norms.is_empty());
+    for (ranks, pairs) in norms {
+        let n = ranks.len();
+        assert_eq!(n, 4);
+        let position = |r: u32| ranks.iter().position(|&x| x == r).unwrap();
+        // A ring only ever sends to the next member; a tree's parents and children are not
+        // all neighbours in that order, and it sends fewer flows than the ring's 2n(n-1).
+        let off_ring = pairs
+            .iter()
+            .filter(|&&(s, d)| position(d) != (position(s) + 1) % n)
+            .count();
+        assert!(off_ring > 0, "{pairs:?}");
+        assert!(pairs.len() < 2 * n * (n - 1), "{}", pairs.len());
+    }
+}
+
+#[test]
+fn gradients_of_several_gpus_per_node_run_the_hierarchy_the_replay_costed() {
+    // Four members of each data-parallel group on each of two nodes: the analytical model
+    // costs the gradient all-reduce hierarchically (inside each node, then across nodes
+    // between GPUs of the same local index, then inside again), so no flow may cross
+    // nodes between GPUs of different local indices, as a multi-channel ring's do.
+    let job = small_job(&[
+        "cluster.gpus_per_node=8",
+        "cluster.nodes=4",
+        "parallel.dp=8",
+        "training.global_batch=16",
+    ]);
+    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    let (_, set) = job_traffic(&job, dp).unwrap();
+    let grads = pairs_of(&set, "grad-reduce");
+    assert!(!grads.is_empty());
+    for (ranks, pairs) in grads {
+        assert_eq!(ranks.len(), 8);
+        let node = |r: u32| r / 8;
+        let local = |r: u32| {
+            ranks
+                .iter()
+                .filter(|&&x| node(x) == node(r) && x < r)
+                .count()
+        };
+        let crossing: Vec<_> = pairs.iter().filter(|&&(s, d)| node(s) != node(d)).collect();
+        assert!(!crossing.is_empty());
+        for &&(s, d) in &crossing {
+            assert_eq!(
+                local(s),
+                local(d),
+                "{s} -> {d} crosses nodes between local indices"
+            );
+        }
+    }
+}
