@@ -192,9 +192,11 @@ fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() 
     assert_eq!(early(Release::Dependencies), 0);
 }
 
-/// The (source, destination) pairs of the flows of the collectives whose name contains
-/// `name`, with the group's ranks.
-fn pairs_of(set: &orrery_net::flows::FlowSet, name: &str) -> Vec<(Vec<u32>, Vec<(u32, u32)>)> {
+/// A collective's ranks and the (source, destination) pairs of its flows.
+type Pairs = (Vec<u32>, Vec<(u32, u32)>);
+
+/// The [`Pairs`] of every collective whose name contains `name`.
+fn pairs_of(set: &orrery_net::flows::FlowSet, name: &str) -> Vec<Pairs> {
     let mut out = Vec::new();
     for (c, info) in set.collectives.iter().enumerate() {
         if info.kind.is_none() || !info.name.contains(name) {
