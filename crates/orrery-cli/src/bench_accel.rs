@@ -329,6 +329,8 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                 Release::Replay => "at the replay's times (--release replay)",
                 Release::Dependencies =>
                     "after what each rank's op waits for, as simulated (--release dependencies)",
+                Release::Rendezvous =>
+                    "after what each rank's op waits for, as simulated, a collective on all its members at once (--release rendezvous)",
             }
         );
         outln!(

@@ -109,9 +109,10 @@ enum Command {
         #[arg(long)]
         no_moe: bool,
         /// With --accel: when the job steps' flows are released: `replay` (at the analytical
-        /// replay's times) or `dependencies` (after what each rank's op waits for, as
-        /// simulated; docs/netsim.md).
-        #[arg(long, default_value = "replay", value_parser = ["replay", "dependencies"])]
+        /// replay's times), `dependencies` (after what each rank's op waits for, as
+        /// simulated) or `rendezvous` (as dependencies, a collective starting on all its
+        /// members when the last is ready; docs/netsim.md).
+        #[arg(long, default_value = "replay", value_parser = ["replay", "dependencies", "rendezvous"])]
         release: String,
         /// With --accel: run the (slow) reference only for scenarios up to this many GPUs;
         /// larger ones show the speedup estimated from events.

@@ -468,7 +468,7 @@ fn job_scenario(
         None => orrery_predict::traffic::Release::default(),
         Some(name) => orrery_predict::traffic::Release::from_name(name).ok_or_else(|| {
             bad(format!(
-                "job.release: unknown rule {name:?}; known: dependencies, replay"
+                "job.release: unknown rule {name:?}; known: dependencies, rendezvous, replay"
             ))
         })?,
     };

@@ -346,7 +346,12 @@ fn netsim_takes_a_jobs_step_as_traffic_released_either_way() {
         orrery(&["netsim", scenario.to_str().unwrap(), "--json"])
     };
     let mut sent = Vec::new();
-    for release in ["", "release = \"replay\"", "release = \"dependencies\""] {
+    for release in [
+        "",
+        "release = \"replay\"",
+        "release = \"dependencies\"",
+        "release = \"rendezvous\"",
+    ] {
         let (code, stdout, stderr) = with_release(release);
         assert_eq!(code, 0, "{release}: {stderr}");
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
@@ -357,10 +362,12 @@ fn netsim_takes_a_jobs_step_as_traffic_released_either_way() {
             v["end"].clone(),
         ));
     }
-    // Replay is the default; both rules release the same flows.
+    // Replay is the default; every rule releases the same flows.
     assert_eq!(sent[0], sent[1]);
-    assert_eq!(sent[1].0, sent[2].0);
-    assert_eq!(sent[1].1, sent[2].1);
+    for other in &sent[2..] {
+        assert_eq!(sent[1].0, other.0);
+        assert_eq!(sent[1].1, other.1);
+    }
     let (code, _, stderr) = with_release("release = \"later\"");
     assert_eq!(code, 2);
     assert!(stderr.contains("job.release"), "{stderr}");

@@ -30,6 +30,15 @@
 //!   be released when the replay issued it. An op without a gate is released at the
 //!   replay's time.
 //!
+//! - [`Release::Rendezvous`]: as [`Release::Dependencies`], but a collective's first flows on
+//!   every member wait for the last flows of *all* its members' gates, followed by the
+//!   replay's gap after the gate that ended last in the replay (or, when no member has a
+//!   gate, start at the replay's time). A collective then starts on all its members at
+//!   once, as the replay's rendezvous has it, where NCCL would let early members send their
+//!   first chunks sooner: the difference is at most the spread of the members' gates, and in
+//!   exchange consecutive collectives on one group never overlap, which the replay did not
+//!   let them do either.
+//!
 //! What this deliberately does not do: move compute, or honour more than one gate. The gaps
 //! are the replay's, an op waits for its latest gate only (one that ended earlier in the
 //! replay and runs late in the simulation is not waited for), and the members of a
@@ -157,6 +166,9 @@ pub enum Release {
     /// After the communication each rank's op waits for, as simulated (closed loop along
     /// each op's latest gate).
     Dependencies,
+    /// As [`Release::Dependencies`], but a collective starts on all its members at once,
+    /// when the last of their gates has finished (the replay's own rendezvous).
+    Rendezvous,
 }
 
 impl Release {
@@ -164,6 +176,7 @@ impl Release {
     pub fn from_name(name: &str) -> Option<Release> {
         match name {
             "dependencies" => Some(Release::Dependencies),
+            "rendezvous" => Some(Release::Rendezvous),
             "replay" => Some(Release::Replay),
             _ => None,
         }
@@ -297,7 +310,7 @@ pub fn job_traffic_with(
         let ops = rg.graph.ops();
         // The gate walk: the latest-ending simulated communication each op waits for (only
         // the dependency rule uses it).
-        let walk = release == Release::Dependencies;
+        let walk = release != Release::Replay;
         let mut gate: Vec<Option<u32>> = vec![None; ops.len()];
         let mut marker = vec![false; ops.len()];
         let mut last_on_stream: [Option<u32>; 6] = [None; 6];
@@ -404,7 +417,7 @@ pub fn job_traffic_with(
     // order the replay started them (a gate ends before what it gates starts); the sort is
     // stable, so ties keep the order the ranks reached them, as the replay rule does.
     let mut order: Vec<usize> = (0..instances.len()).collect();
-    if release == Release::Dependencies {
+    if release != Release::Replay {
         let starts: Vec<Picos> = instances.iter().map(Instance::start).collect();
         order.sort_by_key(|&x| starts[x]);
     }
@@ -417,7 +430,7 @@ pub fn job_traffic_with(
                  start: Picos,
                  last_flows: &HashMap<(u32, u32), Vec<FlowId>>|
      -> Option<(Vec<FlowId>, Picos)> {
-        if release != Release::Dependencies {
+        if release == Release::Replay {
             return None;
         }
         let (g, end) = m.gate?;
@@ -439,8 +452,35 @@ pub fn job_traffic_with(
                 let range = collective_flows(
                     &mut set, name, *kind, *algorithm, ranks, *bytes, per_host, step,
                 )?;
+                // The rendezvous: every member's gate, and the replay's gap after the one
+                // that ended last there.
+                let together = (release == Release::Rendezvous)
+                    .then(|| {
+                        let mut deps: Vec<FlowId> = Vec::new();
+                        let mut latest: Option<(Picos, Picos)> = None;
+                        for (&rank, m) in ranks.iter().zip(members) {
+                            let Some(m) = m else { continue };
+                            let Some((d, gap)) = gated(rank, m, start, &last_flows) else {
+                                continue;
+                            };
+                            deps.extend(d);
+                            let end = m.gate.map_or(Picos::ZERO, |g| g.1);
+                            if latest.is_none_or(|(e, _)| end > e) {
+                                latest = Some((end, gap));
+                            }
+                        }
+                        deps.sort_unstable();
+                        deps.dedup();
+                        latest.map(|(_, gap)| (deps, gap))
+                    })
+                    .flatten();
                 for f in &mut set.flows[range.clone()] {
                     if !f.deps.is_empty() {
+                        continue;
+                    }
+                    if let Some((deps, gap)) = &together {
+                        f.deps = deps.clone();
+                        f.delay += *gap;
                         continue;
                     }
                     let member = ranks.binary_search(&f.src).ok().and_then(|k| members[k]);

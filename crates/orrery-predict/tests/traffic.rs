@@ -100,6 +100,9 @@ fn released_after_dependencies_the_step_sends_the_same_flows() {
     let (_, deps) = job_traffic_with(&job, TrafficSelection::ALL, Release::Dependencies).unwrap();
     assert!(deps.check().is_ok());
     assert_eq!(sent(&deps), sent(&replay));
+    let (_, together) = job_traffic_with(&job, TrafficSelection::ALL, Release::Rendezvous).unwrap();
+    assert!(together.check().is_ok());
+    assert_eq!(sent(&together), sent(&replay));
     // Replay releases every collective's first flows at fixed times; with dependencies,
     // those of every op with a gate wait for other collectives' flows instead.
     let waiting = |set: &orrery_net::flows::FlowSet| {
@@ -114,6 +117,7 @@ fn released_after_dependencies_the_step_sends_the_same_flows() {
     };
     assert_eq!(waiting(&replay), 0);
     assert!(waiting(&deps) > deps.flows.len() / 20, "{}", waiting(&deps));
+    assert!(waiting(&together) > together.flows.len() / 20);
 }
 
 /// When each collective named `name` starts and ends at each rank in a simulation: the
@@ -190,6 +194,64 @@ fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() 
         "the open loop should overlap them"
     );
     assert_eq!(early(Release::Dependencies), 0);
+    assert_eq!(early(Release::Rendezvous), 0);
+}
+
+#[test]
+fn at_a_rendezvous_a_collective_starts_on_all_its_members_at_once() {
+    let job = small_job(&[
+        "parallel.dp=2",
+        "training.global_batch=8",
+        "model.tied_embeddings=true",
+    ]);
+    // On a slow fabric the members' gates end at different times.
+    let slow =
+        orrery_net::topology::NetGraph::rail_optimized(&orrery_net::topology::RailOptimizedSpec {
+            gpus_per_host: 4,
+            nvlink: orrery_units::Bandwidth::from_gbytes_per_sec(3.0),
+            nic: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
+            uplink: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
+            ..orrery_net::topology::RailOptimizedSpec::dgx_h100(2)
+        })
+        .unwrap();
+    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    // Per collective, the earliest and the latest release of its first flows (those that
+    // wait for nothing of their own collective), and whether they wait for another's.
+    let starts = |release: Release| {
+        let (_, set) = job_traffic_with(&job, dp, release).unwrap();
+        let report = FlowLevelSimulator::default().simulate(&slow, &set).unwrap();
+        let mut span: std::collections::BTreeMap<u32, (u64, u64, bool)> = Default::default();
+        for (f, out) in set.flows.iter().zip(&report.flows) {
+            if f.deps
+                .iter()
+                .any(|d| set.flows[d.index()].collective == f.collective)
+            {
+                continue;
+            }
+            let gated = !f.deps.is_empty();
+            let e = span.entry(f.collective).or_insert((u64::MAX, 0, gated));
+            e.0 = e.0.min(out.start.0);
+            e.1 = e.1.max(out.start.0);
+            if release == Release::Rendezvous {
+                assert_eq!(e.2, gated, "all members gated or none");
+            }
+            e.2 |= gated;
+        }
+        span
+    };
+    let apart = |release: Release| {
+        starts(release)
+            .values()
+            .filter(|&&(first, last, gated)| gated && first != last)
+            .count()
+    };
+    let gated = starts(Release::Rendezvous).values().filter(|v| v.2).count();
+    assert!(gated > 0);
+    assert_eq!(apart(Release::Rendezvous), 0);
+    assert!(
+        apart(Release::Dependencies) > 0,
+        "members should start apart"
+    );
 }
 
 /// A collective's ranks and the (source, destination) pairs of its flows.
