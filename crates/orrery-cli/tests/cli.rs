@@ -362,11 +362,11 @@ fn netsim_takes_a_jobs_step_as_traffic_released_either_way() {
             v["end"].clone(),
         ));
     }
-    // Replay is the default; every rule releases the same flows.
-    assert_eq!(sent[0], sent[1]);
-    for other in &sent[2..] {
-        assert_eq!(sent[1].0, other.0);
-        assert_eq!(sent[1].1, other.1);
+    // Rendezvous is the default; every rule releases the same flows.
+    assert_eq!(sent[0], sent[3]);
+    for other in &sent[1..] {
+        assert_eq!(sent[0].0, other.0);
+        assert_eq!(sent[0].1, other.1);
     }
     let (code, _, stderr) = with_release("release = \"later\"");
     assert_eq!(code, 2);

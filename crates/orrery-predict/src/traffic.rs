@@ -11,11 +11,11 @@
 //!
 //! ## When the flows are released ([`Release`])
 //!
-//! - [`Release::Replay`] (the default): every flow at the time the replay issued it (open
-//!   loop). A collective the simulated network finds slower than the analytical model then
-//!   overlaps what the replay put after it, which the program could not do: on the GPT 13B
-//!   step at 1,024 GPUs the parameter all-gathers start while the embedding all-reduce they
-//!   follow is still running (docs/benchmarks.md).
+//! - [`Release::Replay`]: every flow at the time the replay issued it (open loop). A
+//!   collective the simulated network finds slower than the analytical model then overlaps
+//!   what the replay put after it, which the program could not do: on the GPT 13B step at
+//!   1,024 GPUs the parameter all-gathers start while the embedding all-reduce they follow
+//!   is still running (docs/benchmarks.md).
 //! - [`Release::Dependencies`]: a rank's communication waits for the communication it
 //!   depends on *in the simulation*. For every collective and send of a rank, the *gate* is
 //!   the communication op of that rank it waits for that ended last in the replay: found by
@@ -30,14 +30,18 @@
 //!   be released when the replay issued it. An op without a gate is released at the
 //!   replay's time.
 //!
-//! - [`Release::Rendezvous`]: as [`Release::Dependencies`], but a collective's first flows on
+//! - [`Release::Rendezvous`] (the default): as [`Release::Dependencies`], but a collective's
+//!   first flows on
 //!   every member wait for the last flows of *all* its members' gates, followed by the
 //!   replay's gap after the gate that ended last in the replay (or, when no member has a
 //!   gate, start at the replay's time). A collective then starts on all its members at
 //!   once, as the replay's rendezvous has it, where NCCL would let early members send their
 //!   first chunks sooner: the difference is at most the spread of the members' gates, and in
 //!   exchange consecutive collectives on one group never overlap, which the replay did not
-//!   let them do either.
+//!   let them do either. It is the default because it keeps the step causal (no op before
+//!   what it waits for) with the replay's own rule for collectives, and because steps
+//!   released so repeat themselves on idle links, where the accelerated packet model skips
+//!   most of their events (docs/benchmarks.md).
 //!
 //! What this deliberately does not do: move compute, or honour more than one gate. The gaps
 //! are the replay's, an op waits for its latest gate only (one that ended earlier in the
@@ -161,18 +165,18 @@ pub fn cluster_topology(job: &Job) -> Result<NetGraph, TopologyError> {
 #[serde(rename_all = "snake_case")]
 pub enum Release {
     /// At the analytical replay's times (open loop).
-    #[default]
     Replay,
     /// After the communication each rank's op waits for, as simulated (closed loop along
     /// each op's latest gate).
     Dependencies,
     /// As [`Release::Dependencies`], but a collective starts on all its members at once,
     /// when the last of their gates has finished (the replay's own rendezvous).
+    #[default]
     Rendezvous,
 }
 
 impl Release {
-    /// Parses `dependencies` or `replay`.
+    /// Parses `dependencies`, `rendezvous` or `replay`.
     pub fn from_name(name: &str) -> Option<Release> {
         match name {
             "dependencies" => Some(Release::Dependencies),
@@ -183,13 +187,13 @@ impl Release {
     }
 }
 
-/// The flows of one training step of `job`, with the topology they run on, released at the
-/// replay's times ([`Release::Replay`]).
+/// The flows of one training step of `job`, with the topology they run on, released by the
+/// default rule ([`Release::Rendezvous`]).
 pub fn job_traffic(
     job: &Job,
     select: TrafficSelection,
 ) -> Result<(NetGraph, FlowSet), TrafficError> {
-    job_traffic_with(job, select, Release::Replay)
+    job_traffic_with(job, select, Release::default())
 }
 
 /// One simulated communication op of a rank: its index in the rank's graph, when the replay

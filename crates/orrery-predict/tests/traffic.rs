@@ -1,5 +1,7 @@
 //! A job's training-step communication as flows: every collective instance and pipeline send
-//! appears once, released when the replay issued it, and the flows simulate to completion.
+//! appears once, with the algorithm the replay costed, released by each rule (the replay's
+//! times, or after what each rank waits for as simulated), and the flows simulate to
+//! completion.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -96,7 +98,7 @@ fn sent(set: &orrery_net::flows::FlowSet) -> Vec<(String, u32, u32, u64)> {
 #[test]
 fn released_after_dependencies_the_step_sends_the_same_flows() {
     let job = small_job(&["parallel.dp=2", "training.global_batch=8"]);
-    let (_, replay) = job_traffic(&job, TrafficSelection::ALL).unwrap();
+    let (_, replay) = job_traffic_with(&job, TrafficSelection::ALL, Release::Replay).unwrap();
     let (_, deps) = job_traffic_with(&job, TrafficSelection::ALL, Release::Dependencies).unwrap();
     assert!(deps.check().is_ok());
     assert_eq!(sent(&deps), sent(&replay));
