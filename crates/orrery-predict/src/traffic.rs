@@ -31,23 +31,23 @@
 //!   replay's time.
 //!
 //! - [`Release::Rendezvous`] (the default): as [`Release::Dependencies`], but a collective's
-//!   first flows on
-//!   every member wait for the last flows of *all* its members' gates, followed by the
-//!   replay's gap after the gate that ended last in the replay (or, when no member has a
-//!   gate, start at the replay's time). A collective then starts on all its members at
-//!   once, as the replay's rendezvous has it, where NCCL would let early members send their
-//!   first chunks sooner: the difference is at most the spread of the members' gates, and in
-//!   exchange consecutive collectives on one group never overlap, which the replay did not
-//!   let them do either. It is the default because it keeps the step causal (no op before
-//!   what it waits for) with the replay's own rule for collectives, and because steps
-//!   released so repeat themselves on idle links, where the accelerated packet model skips
-//!   most of their events (docs/benchmarks.md).
+//!   first flows on every member wait for the last flows of *all* its members' gates,
+//!   followed by the replay's gap after the gate that ended last in the replay (or, when no
+//!   member has a gate, start at the replay's time). A collective then starts on all its
+//!   members at once, as the replay's rendezvous has it. Under the dependency rule early
+//!   members send their first chunks sooner; the difference is at most the spread of the
+//!   members' gates, and in exchange consecutive collectives on one group never overlap,
+//!   which the replay did not let them do either. It is the default because it keeps the
+//!   step causal (no op before what it waits for) with the replay's own rule for
+//!   collectives, and because steps released so repeat themselves on idle links, where the
+//!   accelerated packet model skips most of their events (docs/benchmarks.md).
 //!
 //! What this deliberately does not do: move compute, or honour more than one gate. The gaps
 //! are the replay's, an op waits for its latest gate only (one that ended earlier in the
-//! replay and runs late in the simulation is not waited for), and the members of a
-//! collective start their own first flows when each is ready (a ring's later steps wait for
-//! their neighbours through the ring's own dependencies). It is the traffic of a step with
+//! replay and runs late in the simulation is not waited for), and under the dependency rule
+//! the members of a collective start their own first flows when each is ready (a ring's
+//! later steps wait for their neighbours through the ring's own dependencies). It is the
+//! traffic of a step with
 //! its causality along each rank's latest dependency, not a co-simulation of compute and
 //! network.
 
@@ -312,8 +312,8 @@ pub fn job_traffic_with(
         // In class mode every rank of a class has its class's timeline.
         let timing = &out.timeline.participants[layout.class_of(rank).index()].ops;
         let ops = rg.graph.ops();
-        // The gate walk: the latest-ending simulated communication each op waits for (only
-        // the dependency rule uses it).
+        // The gate walk: the latest-ending simulated communication each op waits for (the
+        // replay's times need none).
         let walk = release != Release::Replay;
         let mut gate: Vec<Option<u32>> = vec![None; ops.len()];
         let mut marker = vec![false; ops.len()];

@@ -146,6 +146,18 @@ fn spans_at(
     spans
 }
 
+/// The small job's two hosts on a fabric a hundred times slower than the replay assumed.
+fn slow_fabric() -> orrery_net::topology::NetGraph {
+    orrery_net::topology::NetGraph::rail_optimized(&orrery_net::topology::RailOptimizedSpec {
+        gpus_per_host: 4,
+        nvlink: orrery_units::Bandwidth::from_gbytes_per_sec(3.0),
+        nic: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
+        uplink: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
+        ..orrery_net::topology::RailOptimizedSpec::dgx_h100(2)
+    })
+    .unwrap()
+}
+
 #[test]
 fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() {
     // Tied embeddings on two stages: the first and last stage all-reduce the embedding's
@@ -157,15 +169,7 @@ fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() 
     ]);
     // A fabric a hundred times slower than the one the replay assumed: what the replay put
     // after the embedding all-reduce comes before the simulated one has finished.
-    let slow =
-        orrery_net::topology::NetGraph::rail_optimized(&orrery_net::topology::RailOptimizedSpec {
-            gpus_per_host: 4,
-            nvlink: orrery_units::Bandwidth::from_gbytes_per_sec(3.0),
-            nic: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
-            uplink: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
-            ..orrery_net::topology::RailOptimizedSpec::dgx_h100(2)
-        })
-        .unwrap();
+    let slow = slow_fabric();
     let dp = TrafficSelection::from_names(&["dp"]).unwrap();
     // Ranks whose gradient-norm all-reduce starts before their embedding all-reduce has
     // finished there, in the simulation.
@@ -207,15 +211,7 @@ fn at_a_rendezvous_a_collective_starts_on_all_its_members_at_once() {
         "model.tied_embeddings=true",
     ]);
     // On a slow fabric the members' gates end at different times.
-    let slow =
-        orrery_net::topology::NetGraph::rail_optimized(&orrery_net::topology::RailOptimizedSpec {
-            gpus_per_host: 4,
-            nvlink: orrery_units::Bandwidth::from_gbytes_per_sec(3.0),
-            nic: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
-            uplink: orrery_units::Bandwidth::from_gbits_per_sec(2.0),
-            ..orrery_net::topology::RailOptimizedSpec::dgx_h100(2)
-        })
-        .unwrap();
+    let slow = slow_fabric();
     let dp = TrafficSelection::from_names(&["dp"]).unwrap();
     // Per collective, the earliest and the latest release of its first flows (those that
     // wait for nothing of their own collective), and whether they wait for another's.
