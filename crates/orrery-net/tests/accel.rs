@@ -995,3 +995,51 @@ fn two_rings_on_the_same_gpus_stay_within_bounds() {
     // buffers' background, which this run does not exercise.
     assert!(e.mean_fct < 1e-4 && e.p99_fct < 1e-3, "{e:?}");
 }
+
+/// An episode of two flows released together, `p` (short, GPU 0 to GPU 4) and `q` (long,
+/// GPU 1 to GPU 4 across the rails, so it shares `p`'s last link), and after `p` three equal
+/// transfers from GPU 0 to GPU 8, each a collective of its own that waits for the previous
+/// one: the next collectives of a rank, released on links of the episode they wait for
+/// (GPU 0's, which `p` used) while that episode still runs elsewhere (`q`).
+fn chained_after_a_live_episode() -> (NetGraph, FlowSet) {
+    let g = four_gpu_hosts(3);
+    let info = |name: &str, ranks: Vec<u32>| CollectiveInfo {
+        name: name.to_string(),
+        kind: None,
+        ranks,
+        bytes: Bytes(0),
+    };
+    let mut fs = FlowSet {
+        flows: vec![flow(0, 4, 200_000), flow(1, 4, 20_000_000)],
+        collectives: vec![info("p and q", vec![0, 1, 4])],
+    };
+    let mut prev = 0u32;
+    for k in 0..3u32 {
+        fs.collectives.push(info(&format!("k{k}"), vec![0, 8]));
+        let mut f = flow(0, 8, 1_000_000);
+        f.deps = vec![FlowId(prev)];
+        f.delay = us(10);
+        f.collective = k + 1;
+        prev = fs.flows.len() as u32;
+        fs.flows.push(f);
+    }
+    (g, fs)
+}
+
+#[test]
+fn a_collective_after_another_starts_its_own_episode_and_repeats_hit() {
+    // The transfers wait for a flow of another collective's episode that is still running
+    // (its long flow). Joining it would make one episode of everything,
+    // never stored while it runs; each starts its own on idle links instead, so the first
+    // is recorded and the other two are answered from the cache, exactly.
+    let (g, fs) = chained_after_a_live_episode();
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_memo(base.clone()), &g, &fs);
+    let e = check_bounds(&base, &off, &on, &fs, "chained after a live episode");
+    assert_eq!((e.mean_fct, e.end), (0.0, 0.0), "{e:?}");
+    // The transfers ran while `q` did.
+    assert!(off.report.flows[4].finish < off.report.flows[1].finish);
+    assert_eq!(on.stats.memo_hits, 2, "{:?}", on.stats);
+    assert!(on.flow_events[3] == 0 && on.flow_events[4] == 0);
+}
