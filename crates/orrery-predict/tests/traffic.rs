@@ -158,24 +158,39 @@ fn slow_fabric() -> orrery_net::topology::NetGraph {
     .unwrap()
 }
 
-#[test]
-fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() {
-    // Tied embeddings on two stages: the first and last stage all-reduce the embedding's
-    // gradient, then every data-parallel group all-reduces the gradient norm.
-    let job = small_job(&[
+/// Tied embeddings on two stages: the first and last stage all-reduce the embedding's
+/// gradient, then every data-parallel group all-reduces the gradient norm.
+fn tied_job() -> orrery_spec::Job {
+    small_job(&[
         "parallel.dp=2",
         "training.global_batch=8",
         "model.tied_embeddings=true",
-    ]);
-    // A fabric a hundred times slower than the one the replay assumed: what the replay put
-    // after the embedding all-reduce comes before the simulated one has finished.
-    let slow = slow_fabric();
+    ])
+}
+
+/// The data-parallel traffic of `job` released by `release`, simulated at flow level on
+/// [`slow_fabric`].
+fn on_slow_fabric(
+    job: &orrery_spec::Job,
+    release: Release,
+) -> (orrery_net::flows::FlowSet, orrery_net::sim::SimReport) {
     let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    let (_, set) = job_traffic_with(job, dp, release).unwrap();
+    let report = FlowLevelSimulator::default()
+        .simulate(&slow_fabric(), &set)
+        .unwrap();
+    (set, report)
+}
+
+#[test]
+fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() {
+    let job = tied_job();
+    // On a fabric a hundred times slower than the one the replay assumed, what the replay
+    // put after the embedding all-reduce comes before the simulated one has finished.
     // Ranks whose gradient-norm all-reduce starts before their embedding all-reduce has
-    // finished there, in the simulation.
+    // finished there, in the simulation:
     let early = |release: Release| {
-        let (_, set) = job_traffic_with(&job, dp, release).unwrap();
-        let report = FlowLevelSimulator::default().simulate(&slow, &set).unwrap();
+        let (set, report) = on_slow_fabric(&job, release);
         let embedding = spans_at(&set, &report, "embedding-grad-allreduce");
         let norm = spans_at(&set, &report, "grad-norm");
         assert!(!embedding.is_empty() && !norm.is_empty());
@@ -205,19 +220,12 @@ fn released_after_dependencies_a_collective_waits_for_the_slow_one_it_follows() 
 
 #[test]
 fn at_a_rendezvous_a_collective_starts_on_all_its_members_at_once() {
-    let job = small_job(&[
-        "parallel.dp=2",
-        "training.global_batch=8",
-        "model.tied_embeddings=true",
-    ]);
     // On a slow fabric the members' gates end at different times.
-    let slow = slow_fabric();
-    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    let job = tied_job();
     // Per collective, the earliest and the latest release of its first flows (those that
     // wait for nothing of their own collective), and whether they wait for another's.
     let starts = |release: Release| {
-        let (_, set) = job_traffic_with(&job, dp, release).unwrap();
-        let report = FlowLevelSimulator::default().simulate(&slow, &set).unwrap();
+        let (set, report) = on_slow_fabric(&job, release);
         let mut span: std::collections::BTreeMap<u32, (u64, u64, bool)> = Default::default();
         for (f, out) in set.flows.iter().zip(&report.flows) {
             if f.deps
@@ -273,20 +281,29 @@ fn pairs_of(set: &orrery_net::flows::FlowSet, name: &str) -> Vec<Pairs> {
     out
 }
 
+/// The [`Pairs`] of the data-parallel collectives named `name` in a step of the small job
+/// with `overrides` (and a global batch of 16).
+fn dp_pairs(overrides: &[&str], name: &str) -> Vec<Pairs> {
+    let mut all = overrides.to_vec();
+    all.push("training.global_batch=16");
+    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
+    let (_, set) = job_traffic(&small_job(&all), dp).unwrap();
+    pairs_of(&set, name)
+}
+
 #[test]
 fn a_small_all_reduce_across_nodes_runs_the_tree_the_replay_costed() {
     // One GPU of each data-parallel group per node: the analytical model costs the
     // gradient norm's four-byte all-reduce as a tree (4 latency-bound steps across four
     // nodes, against the ring's 6), so its flows must be a tree's, not a ring's.
-    let job = small_job(&[
-        "cluster.gpus_per_node=2",
-        "cluster.nodes=8",
-        "parallel.dp=4",
-        "training.global_batch=16",
-    ]);
-    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
-    let (_, set) = job_traffic(&job, dp).unwrap();
-    let norms = pairs_of(&set, "grad-norm");
+    let norms = dp_pairs(
+        &[
+            "cluster.gpus_per_node=2",
+            "cluster.nodes=8",
+            "parallel.dp=4",
+        ],
+        "grad-norm",
+    );
     assert!(!norms.is_empty());
     for (ranks, pairs) in norms {
         let n = ranks.len();
@@ -309,15 +326,14 @@ fn gradients_of_several_gpus_per_node_run_the_hierarchy_the_replay_costed() {
     // costs the gradient all-reduce hierarchically (inside each node, then across nodes
     // between GPUs of the same local index, then inside again), so no flow may cross
     // nodes between GPUs of different local indices, as a multi-channel ring's do.
-    let job = small_job(&[
-        "cluster.gpus_per_node=8",
-        "cluster.nodes=4",
-        "parallel.dp=8",
-        "training.global_batch=16",
-    ]);
-    let dp = TrafficSelection::from_names(&["dp"]).unwrap();
-    let (_, set) = job_traffic(&job, dp).unwrap();
-    let grads = pairs_of(&set, "grad-reduce");
+    let grads = dp_pairs(
+        &[
+            "cluster.gpus_per_node=8",
+            "cluster.nodes=4",
+            "parallel.dp=8",
+        ],
+        "grad-reduce",
+    );
     assert!(!grads.is_empty());
     for (ranks, pairs) in grads {
         assert_eq!(ranks.len(), 8);
