@@ -1029,9 +1029,9 @@ fn chained_after_a_live_episode() -> (NetGraph, FlowSet) {
 #[test]
 fn a_collective_after_another_starts_its_own_episode_and_repeats_hit() {
     // The transfers wait for a flow of another collective's episode that is still running
-    // (its long flow). Joining it would make one episode of everything,
-    // never stored while it runs; each starts its own on idle links instead, so the first
-    // is recorded and the other two are answered from the cache, exactly.
+    // (its long flow). Joining it would make one episode of everything, never stored
+    // while it runs; each starts its own on idle links instead, so the first is recorded
+    // and the other two are answered from the cache, exactly.
     let (g, fs) = chained_after_a_live_episode();
     let base = PacketConfig::reference();
     let off = run(base.clone(), &g, &fs);

@@ -1198,13 +1198,11 @@ impl Engine<'_> {
                     ep.left > 0 && ((!ep.hit && !ep.intruded) || ep.leader != NONE)
                 })
         };
-        // The episode of a dependency of the same collective (a dependent join: the next
-        // step of a ring), else of a link (a timed join: a release fixed before the
-        // episode started that lands on its links). A flow of another collective that
-        // waits for the episode's flows (the next collective of a rank, released after
-        // the one it waits for) does not grow the episode: on idle links it starts its
-        // own, which can be looked up, where joining would make every episode the whole
-        // chain of a group's collectives, never the same twice.
+        // A flow of another collective that waits for a live episode's flows (the next
+        // collective of a rank, released after the one it waits for) does not grow the
+        // episode: on idle links it starts its own, which can be looked up, where joining
+        // would make every episode the whole chain of a group's collectives, never the
+        // same twice (see "Joins" in the module essay).
         let coll = m.collective[f as usize];
         if deps
             .iter()
@@ -1212,9 +1210,11 @@ impl Engine<'_> {
         {
             return None;
         }
+        // The episode of a dependency (a dependent join: the next step of a ring), else of
+        // a link (a timed join: a release fixed before the episode started that lands on
+        // its links).
         let id = deps
             .iter()
-            .filter(|&&d| m.collective[d as usize] == coll)
             .map(|&d| m.flow_episode[d as usize])
             .find(|&e| joinable(e))
             .or_else(|| {
