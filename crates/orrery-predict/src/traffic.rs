@@ -37,8 +37,10 @@
 //!   members at once, as the replay's rendezvous has it. Under the dependency rule early
 //!   members send their first chunks sooner; the difference is at most the spread of the
 //!   members' gates, and in exchange consecutive collectives on one group never overlap,
-//!   which the replay did not let them do either. It is the default because it keeps the
-//!   step causal (no op before what it waits for) with the replay's own rule for
+//!   which the replay did not let them do either. The price is in the flow set: each of a
+//!   collective's first flows lists every member's gate flows, so a collective's
+//!   dependencies grow with the square of its members (a ring of `n` members on `c`
+//!   channels: about `(n c)^2`). It is the default because it keeps the step causal (no op before what it waits for) with the replay's own rule for
 //!   collectives, and because steps released so repeat themselves on idle links, where the
 //!   accelerated packet model skips most of their events (docs/benchmarks.md).
 //!
