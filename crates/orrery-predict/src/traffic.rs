@@ -40,9 +40,10 @@
 //!   which the replay did not let them do either. The price is in the flow set: each of a
 //!   collective's first flows lists every member's gate flows, so a collective's
 //!   dependencies grow with the square of its members (a ring of `n` members on `c`
-//!   channels: about `(n c)^2`). It is the default because it keeps the step causal (no op before what it waits for) with the replay's own rule for
-//!   collectives, and because steps released so repeat themselves on idle links, where the
-//!   accelerated packet model skips most of their events (docs/benchmarks.md).
+//!   channels: about `(n c)^2`). It is the default because it keeps the step causal (no
+//!   op before what it waits for) with the replay's own rule for collectives, and because
+//!   steps released so repeat themselves on idle links, where the accelerated packet model
+//!   skips most of their events (docs/benchmarks.md).
 //!
 //! What this deliberately does not do: move compute, or honour more than one gate. The gaps
 //! are the replay's, an op waits for its latest gate only (one that ended earlier in the
