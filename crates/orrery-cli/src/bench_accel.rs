@@ -324,14 +324,14 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference"
         );
         outln!(
-            "job steps' flows released {}\n",
+            "job steps' flows released {} (--release {})\n",
             match b.release {
-                Release::Replay => "at the replay's times (--release replay)",
-                Release::Dependencies =>
-                    "after what each rank's op waits for, as simulated (--release dependencies)",
+                Release::Replay => "at the replay's times",
+                Release::Dependencies => "after what each rank's op waits for, as simulated",
                 Release::Rendezvous =>
-                    "after what each rank's op waits for, as simulated, a collective on all its members at once (--release rendezvous)",
-            }
+                    "after what each rank's op waits for, as simulated, a collective on all its members at once",
+            },
+            b.release.name()
         );
         outln!(
             "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",

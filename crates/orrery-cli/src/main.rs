@@ -102,7 +102,8 @@ enum Command {
         gpt_gpus: Vec<u32>,
         /// With --accel: GPU counts of the GPT 13B step scenarios (32 times a divisor of 256,
         /// e.g. 64,128,256,1024; 0: none, the default, so that the table's other commands
-        /// keep their meaning). At 1,024 GPUs the accelerated run alone took about 10 minutes (2026-12-01).
+        /// keep their meaning). At 1,024 GPUs the accelerated run alone took 8 minutes
+        /// (2026-12-01).
         #[arg(long = "gpt13b-gpus", value_delimiter = ',', default_values_t = [0])]
         gpt_13b_gpus: Vec<u32>,
         /// With --accel: leave out the MoE step.
@@ -112,7 +113,13 @@ enum Command {
         /// each rank's op waits for, as simulated, a collective starting on all its members
         /// when the last is ready), `dependencies` (each member on its own) or `replay` (at
         /// the analytical replay's times); docs/netsim.md.
-        #[arg(long, default_value = "rendezvous", value_parser = ["rendezvous", "dependencies", "replay"])]
+        #[arg(
+            long,
+            default_value = "rendezvous",
+            value_parser = clap::builder::PossibleValuesParser::new(
+                orrery_predict::traffic::Release::ALL.map(|r| r.name())
+            )
+        )]
         release: String,
         /// With --accel: run the (slow) reference only for scenarios up to this many GPUs;
         /// larger ones show the speedup estimated from events.

@@ -424,8 +424,8 @@ struct JobTraffic {
     set: Vec<String>,
     /// Which communication to include: any of tp, cp, ep, dp, pp (default all).
     traffic: Option<Vec<String>>,
-    /// When flows are released: `replay` (at the analytical replay's times, the default) or
-    /// `dependencies` (after what each rank's op waits for, as simulated).
+    /// When flows are released: `rendezvous` (the default), `dependencies` or `replay`
+    /// ([`orrery_predict::traffic::Release`]).
     release: Option<String>,
 }
 
@@ -467,8 +467,13 @@ fn job_scenario(
     let release = match j.release.as_deref() {
         None => orrery_predict::traffic::Release::default(),
         Some(name) => orrery_predict::traffic::Release::from_name(name).ok_or_else(|| {
+            let known: Vec<&str> = orrery_predict::traffic::Release::ALL
+                .iter()
+                .map(|r| r.name())
+                .collect();
             bad(format!(
-                "job.release: unknown rule {name:?}; known: dependencies, rendezvous, replay"
+                "job.release: unknown rule {name:?}; known: {}",
+                known.join(", ")
             ))
         })?,
     };

@@ -331,7 +331,7 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
 }
 
 #[test]
-fn netsim_takes_a_jobs_step_as_traffic_released_either_way() {
+fn netsim_takes_a_jobs_step_as_traffic_released_by_each_rule() {
     let dir = temp_dir("netsim-job");
     std::fs::write(dir.join("job.toml"), SMALL_JOB).unwrap();
     let scenario = dir.join("step.toml");

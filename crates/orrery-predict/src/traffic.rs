@@ -50,9 +50,8 @@
 //! replay and runs late in the simulation is not waited for), and under the dependency rule
 //! the members of a collective start their own first flows when each is ready (a ring's
 //! later steps wait for their neighbours through the ring's own dependencies). It is the
-//! traffic of a step with
-//! its causality along each rank's latest dependency, not a co-simulation of compute and
-//! network.
+//! traffic of a step with its causality along each rank's latest dependency, not a
+//! co-simulation of compute and network.
 
 use crate::replay::ReplayMode;
 use crate::{fabric_for, predict_with, PredictError};
@@ -179,14 +178,21 @@ pub enum Release {
 }
 
 impl Release {
-    /// Parses `dependencies`, `rendezvous` or `replay`.
-    pub fn from_name(name: &str) -> Option<Release> {
-        match name {
-            "dependencies" => Some(Release::Dependencies),
-            "rendezvous" => Some(Release::Rendezvous),
-            "replay" => Some(Release::Replay),
-            _ => None,
+    /// Every rule, the default first.
+    pub const ALL: [Release; 3] = [Release::Rendezvous, Release::Dependencies, Release::Replay];
+
+    /// The rule's name in scenario files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Release::Replay => "replay",
+            Release::Dependencies => "dependencies",
+            Release::Rendezvous => "rendezvous",
         }
+    }
+
+    /// Parses a rule's [`Release::name`].
+    pub fn from_name(name: &str) -> Option<Release> {
+        Release::ALL.into_iter().find(|r| r.name() == name)
     }
 }
 
@@ -460,27 +466,22 @@ pub fn job_traffic_with(
                     &mut set, name, *kind, *algorithm, ranks, *bytes, per_host, step,
                 )?;
                 // The rendezvous: every member's gate, and the replay's gap after the one
-                // that ended last there.
-                let together = (release == Release::Rendezvous)
-                    .then(|| {
-                        let mut deps: Vec<FlowId> = Vec::new();
-                        let mut latest: Option<(Picos, Picos)> = None;
-                        for (&rank, m) in ranks.iter().zip(members) {
-                            let Some(m) = m else { continue };
-                            let Some((d, gap)) = gated(rank, m, start, &last_flows) else {
-                                continue;
-                            };
+                // that ended last there (the smallest gap, all being measured to `start`).
+                let together = if release == Release::Rendezvous {
+                    let mut deps: Vec<FlowId> = Vec::new();
+                    let mut gap: Option<Picos> = None;
+                    for (&rank, m) in ranks.iter().zip(members) {
+                        if let Some((d, g)) = m.and_then(|m| gated(rank, &m, start, &last_flows)) {
                             deps.extend(d);
-                            let end = m.gate.map_or(Picos::ZERO, |g| g.1);
-                            if latest.is_none_or(|(e, _)| end > e) {
-                                latest = Some((end, gap));
-                            }
+                            gap = Some(gap.map_or(g, |x| x.min(g)));
                         }
-                        deps.sort_unstable();
-                        deps.dedup();
-                        latest.map(|(_, gap)| (deps, gap))
-                    })
-                    .flatten();
+                    }
+                    deps.sort_unstable();
+                    deps.dedup();
+                    gap.map(|gap| (deps, gap))
+                } else {
+                    None
+                };
                 for f in &mut set.flows[range.clone()] {
                     if !f.deps.is_empty() {
                         continue;
