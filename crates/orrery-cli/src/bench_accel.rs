@@ -11,13 +11,13 @@
 //! event ratio `(processed + skipped) / processed`, marked "est".
 
 use anyhow::{Context, Result};
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
+use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_predict::traffic::Release;
-use orrery_units::{Bytes, Picos};
+use orrery_units::{Bytes, FlowId, Picos};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -216,9 +216,14 @@ fn moe_step(release: Release) -> Result<Scenario> {
 }
 
 fn timed(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64)> {
+    timed_on(config, s, &s.flows)
+}
+
+/// [`timed`] on other flows over `s`'s fabric.
+fn timed_on(config: PacketConfig, s: &Scenario, flows: &FlowSet) -> Result<(PacketRun, f64)> {
     let t = Instant::now();
     let run = PacketSimulator::new(config)
-        .run(&s.graph, &s.flows, &TraceRequest::default())
+        .run(&s.graph, flows, &TraceRequest::default())
         .with_context(|| format!("simulating {}", s.name))?;
     Ok((run, t.elapsed().as_secs_f64()))
 }
@@ -238,6 +243,9 @@ pub struct AccelBench {
     pub release: Release,
     /// Also run each reference with the next seed and report how far it is from the first.
     pub seed_spread: bool,
+    /// Also run each reference on its flows numbered in another dependency order and report
+    /// how far it is from the first.
+    pub label_spread: bool,
     pub json: bool,
 }
 
@@ -269,6 +277,9 @@ struct AccelRow {
     memo_hit_rate: f64,
     mirrored_groups: u64,
     virtual_flows: u64,
+    /// Copies of each simulated flow when the accelerated run was a symmetry quotient (0:
+    /// no symmetry found).
+    symmetry_copies: u64,
     /// Packets dropped by the accelerated run and, when it ran, by the reference (with
     /// PFC, neither should drop any).
     drops: u64,
@@ -279,6 +290,12 @@ struct AccelRow {
     /// the same measures. Where this is as large as `errors`, single flows are chaotic
     /// (random ECN marks decide them) and per-flow errors measure that, not acceleration.
     reference_seed_spread: Option<AccelErrors>,
+    /// With `--label-spread`: the reference run on the same flows numbered in another order
+    /// that keeps every dependency before its dependents, against the reference. The
+    /// reference breaks ties between events of the same picosecond (which queue pair a port
+    /// serves first) by flow number; where this is as large as `errors`, per-flow errors
+    /// measure those ties.
+    reference_label_spread: Option<AccelErrors>,
 }
 
 #[derive(Debug, Serialize)]
@@ -334,7 +351,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             b.release.name()
         );
         outln!(
-            "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
             "scenario",
             "GPUs",
             "flows",
@@ -346,6 +363,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             "memo%",
             "mirror",
             "virtual",
+            "sym",
             "meanFCT%",
             "p99FCT%",
             "end%",
@@ -354,7 +372,11 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     }
     let mut rows = Vec::new();
     for s in &scenarios {
-        let row = measure(s, s.gpus <= b.reference_max_gpus, b.seed_spread)?;
+        let spreads = Spreads {
+            seed: b.seed_spread,
+            label: b.label_spread,
+        };
+        let row = measure(s, s.gpus <= b.reference_max_gpus, spreads)?;
         if !b.json {
             outln!("{}", table_line(&row));
             if row.drops > 0 || row.reference_drops.is_some_and(|d| d > 0) {
@@ -367,15 +389,20 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                     row.drops
                 );
             }
-            if let Some(e) = &row.reference_seed_spread {
-                outln!(
-                    "{:<40} the reference with the next seed against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
-                    "",
-                    100.0 * e.mean_fct,
-                    100.0 * e.p99_fct,
-                    100.0 * e.end,
-                    100.0 * e.collective
-                );
+            for (e, what) in [
+                (&row.reference_seed_spread, "with the next seed"),
+                (&row.reference_label_spread, "on its flows renumbered"),
+            ] {
+                if let Some(e) = e {
+                    outln!(
+                        "{:<40} the reference {what} against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
+                        "",
+                        100.0 * e.mean_fct,
+                        100.0 * e.p99_fct,
+                        100.0 * e.end,
+                        100.0 * e.collective
+                    );
+                }
             }
         }
         rows.push(row);
@@ -386,9 +413,61 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     Ok(())
 }
 
-/// Runs scenario `s` accelerated and, if `with_reference`, packet by packet (and, if
-/// `seed_spread`, packet by packet again with the next seed).
-fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<AccelRow> {
+/// Which second reference runs measure how far the reference moves by itself.
+#[derive(Debug, Clone, Copy)]
+struct Spreads {
+    /// With the next seed (other ECN marking draws).
+    seed: bool,
+    /// On the flows renumbered (other tie-breaking between same-time events).
+    label: bool,
+}
+
+/// `flows` numbered in another order that keeps each flow after its dependencies (among
+/// the flows ready, the highest-numbered first), and each new number's old one.
+fn renumbered(flows: &FlowSet) -> (FlowSet, Vec<usize>) {
+    let n = flows.flows.len();
+    let mut waiting: Vec<usize> = flows.flows.iter().map(|f| f.deps.len()).collect();
+    let mut dependents = vec![Vec::new(); n];
+    for (i, f) in flows.flows.iter().enumerate() {
+        for d in &f.deps {
+            dependents[d.index()].push(i);
+        }
+    }
+    let mut ready: std::collections::BinaryHeap<usize> =
+        (0..n).filter(|&i| waiting[i] == 0).collect();
+    let mut old_of = Vec::with_capacity(n);
+    while let Some(i) = ready.pop() {
+        old_of.push(i);
+        for &g in &dependents[i] {
+            waiting[g] -= 1;
+            if waiting[g] == 0 {
+                ready.push(g);
+            }
+        }
+    }
+    let mut new_of = vec![0u32; n];
+    for (k, &i) in old_of.iter().enumerate() {
+        new_of[i] = k as u32;
+    }
+    let renamed = FlowSet {
+        flows: old_of
+            .iter()
+            .map(|&i| {
+                let f = &flows.flows[i];
+                FlowSpec {
+                    deps: f.deps.iter().map(|d| FlowId(new_of[d.index()])).collect(),
+                    ..f.clone()
+                }
+            })
+            .collect(),
+        collectives: flows.collectives.clone(),
+    };
+    (renamed, old_of)
+}
+
+/// Runs scenario `s` accelerated and, if `with_reference`, packet by packet (and packet by
+/// packet again for each spread asked for).
+fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<AccelRow> {
     let (fast, t_fast) = timed(PacketConfig::default(), s)?;
     let reference = if with_reference {
         Some(timed(PacketConfig::reference(), s)?)
@@ -396,11 +475,25 @@ fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<Acce
         None
     };
     let spread = match &reference {
-        Some((reference, _)) if seed_spread => {
+        Some((reference, _)) if spreads.seed => {
             let mut config = PacketConfig::reference();
             config.seed = config.seed.wrapping_add(1);
             let (other, _) = timed(config, s)?;
             Some(RunErrors::between(&reference.report, &other.report, &s.flows).into())
+        }
+        _ => None,
+    };
+    let label_spread = match &reference {
+        Some((reference, _)) if spreads.label => {
+            let (renamed, old_of) = renumbered(&s.flows);
+            let (other, _) = timed_on(PacketConfig::reference(), s, &renamed)?;
+            let mut report = other.report;
+            let mut flows = report.flows.clone();
+            for (k, &i) in old_of.iter().enumerate() {
+                flows[i] = report.flows[k];
+            }
+            report.flows = flows;
+            Some(RunErrors::between(&reference.report, &report, &s.flows).into())
         }
         _ => None,
     };
@@ -428,12 +521,14 @@ fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<Acce
         memo_hit_rate: st.memo_hit_rate(),
         mirrored_groups: st.memo_mirrored,
         virtual_flows: st.periodic_flows,
+        symmetry_copies: st.symmetry_order,
         drops: fast.report.drops,
         reference_drops: reference.as_ref().map(|(r, _)| r.report.drops),
         errors: reference
             .as_ref()
             .map(|(r, _)| RunErrors::between(&r.report, &fast.report, &s.flows).into()),
         reference_seed_spread: spread,
+        reference_label_spread: label_spread,
     })
 }
 
@@ -441,9 +536,13 @@ fn measure(s: &Scenario, with_reference: bool, seed_spread: bool) -> Result<Acce
 /// event ratio marked "est".
 fn table_line(r: &AccelRow) -> String {
     let memo = 100.0 * r.memo_hit_rate;
+    let sym = match r.symmetry_copies {
+        0 | 1 => "-".to_string(),
+        k => format!("{k}x"),
+    };
     let measured = match (&r.errors, r.reference_secs, r.wall_speedup) {
         (Some(e), Some(t_ref), Some(speedup)) => format!(
-            "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            "{:>9.2} {:>9.2} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
             t_ref,
             r.accelerated_secs,
             speedup,
@@ -452,13 +551,14 @@ fn table_line(r: &AccelRow) -> String {
             memo,
             r.mirrored_groups,
             r.virtual_flows,
+            sym,
             100.0 * e.mean_fct,
             100.0 * e.p99_fct,
             100.0 * e.end,
             100.0 * e.collective
         ),
         _ => format!(
-            "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "{:>9} {:>9.2} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
             "-",
             r.accelerated_secs,
             r.event_ratio,
@@ -467,6 +567,7 @@ fn table_line(r: &AccelRow) -> String {
             memo,
             r.mirrored_groups,
             r.virtual_flows,
+            sym,
             "-",
             "-",
             "-",

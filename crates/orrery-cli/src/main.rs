@@ -97,6 +97,11 @@ enum Command {
         /// lands from the first (how chaotic single flows are).
         #[arg(long)]
         seed_spread: bool,
+        /// With --accel: also run each reference on its flows numbered in another order
+        /// (dependencies still first) and print how far it lands from the first (how much
+        /// the order of same-time events decides single flows).
+        #[arg(long)]
+        label_spread: bool,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
         #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
         gpt_gpus: Vec<u32>,
@@ -305,6 +310,7 @@ fn run(cli: Cli) -> Result<()> {
             ring_mib,
             cross_pod_mib,
             seed_spread,
+            label_spread,
             gpt_gpus,
             gpt_13b_gpus,
             reference_max_gpus,
@@ -316,6 +322,7 @@ fn run(cli: Cli) -> Result<()> {
             ring_mib,
             cross_pod_mib,
             seed_spread,
+            label_spread,
             gpt_gpus,
             gpt_13b_gpus,
             with_moe: !no_moe,

@@ -55,6 +55,10 @@ pub struct NetsimArgs {
     /// periodic regime instead of extrapolating them (`accel.periodic = false`).
     #[arg(long)]
     no_periodic: bool,
+    /// Packet model: simulate every host of traffic that repeats itself host by host
+    /// instead of one copy per orbit (`accel.symmetry = false`).
+    #[arg(long)]
+    no_symmetry: bool,
     /// Packet model: the packet-by-packet reference, every acceleration off.
     #[arg(long)]
     reference: bool,
@@ -399,6 +403,15 @@ fn render(s: &NetsimSummary) -> String {
             "periodic: {} collectives extrapolated ({} ended by an intruder), {} flows virtual, ~{} events skipped",
             p.periodic_starts, p.periodic_aborts, p.periodic_flows, p.periodic_skipped_events
         );
+        if p.symmetry_order > 1 {
+            let _ = writeln!(
+                out,
+                "symmetry: {} flows simulated, each for {} copies, ~{} events skipped",
+                p.symmetry_flows, p.symmetry_order, p.symmetry_skipped_events
+            );
+        } else {
+            out.push_str("symmetry: none found\n");
+        }
         let _ = writeln!(
             out,
             "events processed {}, ~{} skipped in all",
@@ -543,6 +556,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             a.memoize &= !(args.no_memo || args.reference);
             a.mirror &= !(args.no_mirror || args.reference);
             a.periodic &= !(args.no_periodic || args.reference);
+            a.symmetry &= !(args.no_symmetry || args.reference);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),

@@ -13,7 +13,7 @@ use common::{flow, flow_set, gbps, run, us};
 use orrery_net::flows::{collective_flows, CollectiveInfo, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
-use orrery_net::topology::{NetGraph, RailOptimizedSpec};
+use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bytes, FlowId, Picos};
 
@@ -1042,4 +1042,155 @@ fn a_collective_after_another_starts_its_own_episode_and_repeats_hit() {
     assert!(off.report.flows[4].finish < off.report.flows[1].finish);
     assert_eq!(on.stats.memo_hits, 2, "{:?}", on.stats);
     assert!(on.flow_events[3] == 0 && on.flow_events[4] == 0);
+}
+
+// ---- Symmetry reduction ----------------------------------------------------------------
+
+fn with_symmetry(mut c: PacketConfig) -> PacketConfig {
+    c.accel.symmetry = true;
+    c
+}
+
+/// A ring all-reduce of `bytes` over every GPU of `hosts` rail-optimised hosts of four, on
+/// `channels` channels (each host enters and leaves its part of a channel's ring through
+/// other GPUs, so a host shift maps channels onto channels).
+fn ring_over_hosts(hosts: usize, channels: u32, bytes: u64) -> (NetGraph, FlowSet) {
+    let mut fs = FlowSet::default();
+    collective_flows(
+        &mut fs,
+        "ring",
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels },
+        &(0..4 * hosts as u32).collect::<Vec<u32>>(),
+        Bytes(bytes),
+        4,
+        Picos::from_nanos(2000),
+    )
+    .unwrap();
+    (four_gpu_hosts(hosts), fs)
+}
+
+#[test]
+fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
+    let (g, fs) = ring_over_hosts(4, 4, 4_000_000);
+    let trace = TraceRequest {
+        interval: us(2),
+        ports: Vec::new(),
+    };
+    let sim = |c| PacketSimulator::new(c).run(&g, &fs, &trace).unwrap();
+    let off = sim(PacketConfig::reference());
+    let on = sim(with_symmetry(PacketConfig::reference()));
+    let e = check_bounds(&PacketConfig::reference(), &off, &on, &fs, "symmetric ring");
+    // Four hosts alike: one host's worth of flows simulated, a quarter of the events.
+    assert_eq!(on.stats.symmetry_order, 4);
+    assert_eq!(4 * on.stats.symmetry_flows, fs.flows.len() as u64);
+    assert!(
+        4 * on.report.events <= off.report.events,
+        "{}",
+        on.report.events
+    );
+    assert_eq!(e.end, 0.0);
+    assert_eq!(e.collective, 0.0);
+    // The flows simulated, those sent from the first host, are the reference's to the
+    // picosecond, and so are their delivered bytes at every trace sample; the rest are
+    // copies of them.
+    let first_host: Vec<usize> = (0..fs.flows.len())
+        .filter(|&f| fs.flows[f].src < 4)
+        .collect();
+    assert_eq!(first_host.len() as u64, on.stats.symmetry_flows);
+    for &f in &first_host {
+        assert_eq!(on.report.flows[f], off.report.flows[f], "flow {f}");
+    }
+    assert_eq!(on.samples.len(), off.samples.len());
+    for (a, b) in on.samples.iter().zip(&off.samples) {
+        assert_eq!(a.delivered.len(), fs.flows.len());
+        for &f in &first_host {
+            assert_eq!(a.delivered[f], b.delivered[f], "flow {f} at {:?}", a.time);
+        }
+    }
+    assert_eq!(on.report.bytes_delivered, off.report.bytes_delivered);
+    assert_eq!(on.stats.acks, off.stats.acks);
+}
+
+/// The ring of [`ring_over_hosts`] with one more flow inside the first host.
+#[test]
+fn one_flow_out_of_step_leaves_the_run_unreduced_and_unchanged() {
+    let (g, mut fs) = ring_over_hosts(4, 4, 1_000_000);
+    fs.flows.push(flow(0, 2, 100_000));
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    assert_eq!(on.stats.symmetry_order, 0);
+    assert_eq!(on, off);
+}
+
+/// GPU 0 of every host sends 1 MB to GPU 0 of the next host, on four hosts of four GPUs,
+/// each host a pod of its own (its own rail leaves), and `spines` spines between the pods.
+fn next_pod_flows(spines: usize) -> (NetGraph, FlowSet) {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 4,
+        hosts_per_pod: 1,
+        spines,
+        ..RailOptimizedSpec::dgx_h100(4)
+    };
+    let g = NetGraph::rail_optimized(&spec).unwrap();
+    let fs = flow_set(
+        (0..4u32)
+            .map(|h| flow(4 * h, 4 * ((h + 1) % 4), 1_000_000))
+            .collect(),
+    );
+    (g, fs)
+}
+
+#[test]
+fn traffic_whose_routes_do_not_shift_with_the_hosts_is_not_reduced() {
+    // One spine: every route is the shift of the others.
+    let (g, fs) = next_pod_flows(1);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    assert_eq!(on.stats.symmetry_order, 4);
+    // Four spines: each flow's ECMP hash picks its spine, and the hashes do not shift with
+    // the hosts, though the fabric and the flows do.
+    let (g, fs) = next_pod_flows(4);
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    assert_eq!(on.stats.symmetry_order, 0);
+    assert_eq!(on, off);
+}
+
+#[test]
+fn a_leaf_that_every_host_shares_counts_every_copy_in_its_buffer() {
+    // Four hosts of two GPUs on one leaf; both GPUs of every host send to GPU 0 of the
+    // next host: a 2:1 incast at four of the leaf's ports. Without DCQCN the queues grow
+    // until PFC pauses them, at a threshold set by the whole leaf's shared pool, which
+    // holds all four hosts' queues.
+    let spec = FatTreeSpec {
+        gpus_per_host: 2,
+        spines: 1,
+        ..FatTreeSpec::two_tier(4)
+    };
+    let g = NetGraph::fat_tree(&spec).unwrap();
+    let fs = flow_set(
+        (0..4u32)
+            .flat_map(|h| {
+                let to = 2 * ((h + 1) % 4);
+                [flow(2 * h, to, 20_000_000), flow(2 * h + 1, to, 20_000_000)]
+            })
+            .collect(),
+    );
+    let base = pfc_only();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_symmetry(base.clone()), &g, &fs);
+    check_bounds(&base, &off, &on, &fs, "incast on a shared leaf");
+    assert_eq!(on.stats.symmetry_order, 4);
+    let pauses = |r: &PacketRun| r.report.pfc_pauses.iter().sum::<u64>();
+    assert!(pauses(&off) > 0, "the incast must reach PFC");
+    // The full leaf's occupancy and pauses, to within the order of same-time events.
+    let close = |a: u64, b: u64| (a as f64 - b as f64).abs() <= 0.01 * b as f64;
+    let (peak_on, peak_off) = (on.stats.peak_switch_bytes, off.stats.peak_switch_bytes);
+    assert!(close(peak_on, peak_off), "{peak_on} against {peak_off}");
+    assert!(
+        close(pauses(&on), pauses(&off)),
+        "{} against {}",
+        pauses(&on),
+        pauses(&off)
+    );
 }

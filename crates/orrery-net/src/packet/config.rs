@@ -224,6 +224,12 @@ pub struct AccelConfig {
     /// its further flows finish after that time without being simulated (see the
     /// `periodic` module). Default true.
     pub periodic: bool,
+    /// Symmetry reduction: when shifting every host to the next one of its block leaves
+    /// the fabric, the flows and their routes unchanged (a ring over hosts that all do the
+    /// same), only one copy of each orbit of flows is simulated and the others take its
+    /// completion times (see the `symmetry` module). Exact but for the order of ECN
+    /// marking draws. Default true.
+    pub symmetry: bool,
     /// Completion times a chain must have repeated over (and, on average, flows each chain
     /// must still have to run). Default 5. Short rings are the hard case: the lanes of the
     /// 8-rank data-parallel rings of a GPT step on 64 GPUs (7 steps, 4 channels drifting
@@ -278,6 +284,7 @@ impl AccelConfig {
             memoize: false,
             mirror: false,
             periodic: false,
+            symmetry: false,
             ..AccelConfig::default()
         }
     }
@@ -291,6 +298,7 @@ impl Default for AccelConfig {
             memoize: true,
             mirror: true,
             periodic: true,
+            symmetry: true,
             period_window: 5,
             period_theta: 0.01,
             sample_interval: Picos::from_micros(10),

@@ -176,13 +176,27 @@ impl Port {
 }
 
 /// A switch's shared buffer.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub(super) struct SwitchBuf {
     /// Buffer minus all headroom and reserves: the pool the dynamic threshold divides.
     pub shared_cap: u64,
     pub shared_used: u64,
     /// Every data byte in the switch.
     pub used: u64,
+    /// Alike switches this one stands for (the symmetry quotient's; 1 otherwise): every
+    /// data byte it admits counts this many times in `shared_used` and `used`.
+    pub copies: u64,
+}
+
+impl Default for SwitchBuf {
+    fn default() -> SwitchBuf {
+        SwitchBuf {
+            shared_cap: 0,
+            shared_used: 0,
+            used: 0,
+            copies: 1,
+        }
+    }
 }
 
 /// A flow: its RDMA queue pair at the sender and its receiver state.
@@ -397,6 +411,47 @@ pub(super) fn links_of<'p>(
         .map(move |h| paths[h as usize])
 }
 
+/// Every flow's data route (`fwd`) and reverse route for ACKs, NACKs and CNPs (`rev`), as
+/// `(start, len)` ranges of link ids in `paths`.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Routes {
+    pub paths: Vec<u32>,
+    pub fwd: Vec<(u32, u32)>,
+    pub rev: Vec<(u32, u32)>,
+}
+
+impl Routes {
+    /// The routes on `graph`, with the flow model's ECMP hash so both models put a flow on
+    /// the same path.
+    pub fn compute(graph: &NetGraph, flows: &FlowSet) -> Result<Routes, SimError> {
+        let mut dist_cache: Vec<Option<Vec<u32>>> = vec![None; graph.num_nodes()];
+        let mut routes = Routes::default();
+        let mut push = |routes: &mut Routes, s: NodeId, d: NodeId, hash: u64| {
+            let dist = dist_cache[d.index()].get_or_insert_with(|| graph.distances_to(d));
+            let route = graph.route_with(s, d, hash, dist)?;
+            let start = routes.paths.len() as u32;
+            routes.paths.extend(route.iter().map(|l| l.0));
+            Ok::<_, SimError>((start, route.len() as u32))
+        };
+        let connection = connection_numbers(flows);
+        for (i, f) in flows.flows.iter().enumerate() {
+            let s = graph.endpoint(f.src as usize)?;
+            let d = graph.endpoint(f.dst as usize)?;
+            let fwd = push(&mut routes, s, d, flow_hash(f.src, f.dst, connection[i]))?;
+            let rev = push(&mut routes, d, s, flow_hash(f.dst, f.src, connection[i]))?;
+            routes.fwd.push(fwd);
+            routes.rev.push(rev);
+        }
+        Ok(routes)
+    }
+
+    /// Flow `f`'s data route and reverse route.
+    pub fn of(&self, f: usize) -> (&[u32], &[u32]) {
+        let at = |(a, n): (u32, u32)| &self.paths[a as usize..(a + n) as usize];
+        (at(self.fwd[f]), at(self.rev[f]))
+    }
+}
+
 /// Serialisation time of `bytes` at `bw` bytes per second, rounded to the picosecond.
 pub(super) fn ser(bytes: u64, bw: f64) -> Picos {
     Bandwidth(bw).time_for(bytes as f64)
@@ -427,10 +482,30 @@ impl<'a> Engine<'a> {
     }
 
     /// Builds the state: ports, buffers, routes and queue pairs. `cfg` must be sanitised.
+    #[cfg(test)]
     pub fn new(
         cfg: &'a PacketConfig,
         graph: &NetGraph,
         flows: &FlowSet,
+        trace: &'a TraceRequest,
+        cache: Option<&'a mut MemoCache>,
+    ) -> Result<Engine<'a>, SimError> {
+        flows.check()?;
+        let routes = Routes::compute(graph, flows)?;
+        let copies = vec![1; graph.num_nodes()];
+        Engine::with_routes(cfg, graph, flows, routes, &copies, trace, cache)
+    }
+
+    /// [`Engine::new`] on given routes (`routes.fwd[f]`, `routes.rev[f]` index
+    /// `routes.paths`), with every switch buffer standing for `copies[node]` alike
+    /// switches: each data byte it holds counts `copies` times against its pool (the
+    /// symmetry quotient's fixed switches, see the `symmetry` module; 1 elsewhere).
+    pub fn with_routes(
+        cfg: &'a PacketConfig,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        routes: Routes,
+        copies: &[u64],
         trace: &'a TraceRequest,
         cache: Option<&'a mut MemoCache>,
     ) -> Result<Engine<'a>, SimError> {
@@ -476,47 +551,17 @@ impl<'a> Engine<'a> {
                     .saturating_add(cfg.pfc_reserve);
             }
         }
-        for (b, r) in bufs.iter_mut().zip(&reserved) {
+        for ((b, r), &c) in bufs.iter_mut().zip(&reserved).zip(copies) {
             b.shared_cap = cfg.buffer_bytes.saturating_sub(*r);
+            b.copies = c.max(1);
         }
 
-        // Routes: forward for data, reverse for ACK/NACK/CNP, with the flow model's ECMP
-        // hash so both models put a flow on the same path.
-        let mut dist_cache: Vec<Option<Vec<u32>>> = vec![None; n_nodes];
-        let mut paths = Vec::new();
-        let push_path = |paths: &mut Vec<u32>,
-                         dist_cache: &mut Vec<Option<Vec<u32>>>,
-                         s: NodeId,
-                         d: NodeId,
-                         hash: u64|
-         -> Result<(u32, u32), SimError> {
-            let dist = dist_cache[d.index()].get_or_insert_with(|| graph.distances_to(d));
-            let route = graph.route_with(s, d, hash, dist)?;
-            let start = paths.len() as u32;
-            paths.extend(route.iter().map(|l| l.0));
-            Ok((start, route.len() as u32))
-        };
+        let Routes { paths, fwd, rev } = routes;
         let mtu = u64::from(cfg.mtu_payload);
         let mut states = Vec::with_capacity(flows.flows.len());
         let mut n_dependents = vec![0u32; flows.flows.len() + 1];
-        let connection = connection_numbers(flows);
         for (i, f) in flows.flows.iter().enumerate() {
-            let s = graph.endpoint(f.src as usize)?;
-            let d = graph.endpoint(f.dst as usize)?;
-            let fwd = push_path(
-                &mut paths,
-                &mut dist_cache,
-                s,
-                d,
-                flow_hash(f.src, f.dst, connection[i]),
-            )?;
-            let rev = push_path(
-                &mut paths,
-                &mut dist_cache,
-                d,
-                s,
-                flow_hash(f.dst, f.src, connection[i]),
-            )?;
+            let (fwd, rev) = (fwd[i], rev[i]);
             let src_port = paths[fwd.0 as usize];
             let bytes = f.bytes.0;
             let npkts = bytes.div_ceil(mtu);
@@ -586,6 +631,7 @@ impl<'a> Engine<'a> {
         });
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);
+            m.set_buffer_copies(copies);
             for (f, slot) in pending_rel.iter().enumerate() {
                 if slot.is_some() {
                     m.note_pending(f as u32, links_of(&states, &paths, f as u32), true);

@@ -522,6 +522,18 @@ pub(super) struct Memo<'a> {
 }
 
 impl<'a> Memo<'a> {
+    /// Sets apart this run's episodes from those of runs whose switches stand for other
+    /// numbers of copies (a symmetry quotient's fixed switches count each byte `copies`
+    /// times, so the same flows fill their pools differently): `copies` enters the
+    /// configuration hash every certificate starts with. All ones changes nothing.
+    pub fn set_buffer_copies(&mut self, copies: &[u64]) {
+        if copies.iter().any(|&c| c != 1) {
+            let mut words = vec![self.cfg_hash];
+            words.extend_from_slice(copies);
+            self.cfg_hash = hash_words(&words);
+        }
+    }
+
     pub fn new(
         cfg: &PacketConfig,
         set: &FlowSet,

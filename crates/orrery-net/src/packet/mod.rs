@@ -168,7 +168,7 @@
 //!
 //! Every mechanism is on by default; [`PacketConfig::reference`] turns them off
 //! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
-//! `--no-memo`, `--no-mirror`, `--no-periodic` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
+//! `--no-memo`, `--no-mirror`, `--no-periodic`, `--no-symmetry` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
 //! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
 //! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
@@ -188,8 +188,11 @@
 //! idle links, with the flows that join it) in a [`MemoCache`] instead of simulating them
 //! again; see the `memo` module. `accel.periodic` finishes the flows of a collective whose
 //! chains (a ring rank's flows to its successor, step after step) all repeat the same
-//! completion time after that time, without packets; see the `periodic` module. The
-//! designs, bounds and defaults are in the `accel`, `memo` and `periodic` modules and
+//! completion time after that time, without packets; see the `periodic` module.
+//! `accel.symmetry` simulates one copy of traffic that repeats itself host by host (a
+//! ring over alike hosts) and gives the other copies its times; see the `symmetry` module,
+//! which runs before the engine is built. The
+//! designs, bounds and defaults are in the `accel`, `memo`, `periodic` and `symmetry` modules and
 //! [`AccelConfig`]; `tests/accel.rs` is the equivalence harness.
 //!
 //! ## What is not modelled
@@ -222,6 +225,7 @@ mod memo;
 mod partition;
 mod periodic;
 mod switch;
+mod symmetry;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
 pub use memo::{MemoCache, MemoFileError};
@@ -339,6 +343,13 @@ pub struct PacketStats {
     /// events that saves (estimated as for fast-forwarding).
     pub periodic_skipped_packets: u64,
     pub periodic_skipped_events: u64,
+    /// Copies of each simulated flow when the run was a symmetry quotient
+    /// (`accel.symmetry`; 0 when it was not), the flows the quotient simulated, and the
+    /// events of the copies it did not (estimated: `copies - 1` times the quotient's
+    /// processed and skipped events). See the `symmetry` module.
+    pub symmetry_order: u64,
+    pub symmetry_flows: u64,
+    pub symmetry_skipped_events: u64,
 }
 
 impl PacketStats {
@@ -354,7 +365,10 @@ impl PacketStats {
 
     /// Events skipped by every mechanism (estimated).
     pub fn total_skipped_events(&self) -> u64 {
-        self.skipped_events + self.memo_skipped_events + self.periodic_skipped_events
+        self.skipped_events
+            + self.memo_skipped_events
+            + self.periodic_skipped_events
+            + self.symmetry_skipped_events
     }
 }
 
@@ -424,7 +438,27 @@ impl PacketSimulator {
             Ok(c) => c,
             Err(poisoned) => poisoned.into_inner(),
         };
-        engine::Engine::new(&cfg, graph, flows, trace, Some(&mut cache))?.run(progress)
+        flows.check()?;
+        let routes = engine::Routes::compute(graph, flows)?;
+        if cfg.accel.symmetry {
+            if let Some(q) = symmetry::find(graph, flows, &routes) {
+                let q_trace = q.trace(trace);
+                let run = engine::Engine::with_routes(
+                    &cfg,
+                    graph,
+                    &q.flows,
+                    q.routes.clone(),
+                    &q.copies,
+                    &q_trace,
+                    Some(&mut cache),
+                )?
+                .run(progress)?;
+                return Ok(q.expand(run));
+            }
+        }
+        let copies = vec![1; graph.num_nodes()];
+        engine::Engine::with_routes(&cfg, graph, flows, routes, &copies, trace, Some(&mut cache))?
+            .run(progress)
     }
 }
 

@@ -57,12 +57,13 @@ impl Engine<'_> {
                 Admission::CopyInHeadroom => self.pkts[p as usize].hdrm_copy = true,
             }
             self.check_pause(sw, l_in);
-        } else if !copy && self.bufs[sw].used + size > self.cfg.buffer_bytes {
+        } else if !copy && self.bufs[sw].used + size * self.bufs[sw].copies > self.cfg.buffer_bytes
+        {
             self.drop_packet(p);
             return;
         }
         let b = &mut self.bufs[sw];
-        b.used += size;
+        b.used += size * b.copies;
         if b.used > self.stats.peak_switch_bytes {
             self.stats.peak_switch_bytes = b.used;
         }
@@ -89,7 +90,7 @@ impl Engine<'_> {
         let ecn = port.ecn;
         let sw = port.from as usize;
         let b = &mut self.bufs[sw];
-        b.used = b.used.saturating_sub(size);
+        b.used = b.used.saturating_sub(size * b.copies);
         if self.cfg.pfc {
             self.ingress_remove(sw, in_link, size, hdrm_copy);
             self.check_resume(sw, in_link);
@@ -141,7 +142,8 @@ impl Engine<'_> {
             }
         } else {
             port.in_bytes = new;
-            self.bufs[sw].shared_used += size.min(new - reserve);
+            let b = &mut self.bufs[sw];
+            b.shared_used += size.min(new - reserve) * b.copies;
         }
         Admission::Admitted
     }
@@ -162,7 +164,7 @@ impl Engine<'_> {
         port.in_copy_hdrm = port.in_copy_hdrm.min(port.in_hdrm);
         port.in_bytes = port.in_bytes.saturating_sub(size - from_hdrm);
         let b = &mut self.bufs[sw];
-        b.shared_used = b.shared_used.saturating_sub(from_shared);
+        b.shared_used = b.shared_used.saturating_sub(from_shared * b.copies);
     }
 
     /// When the frame's time to reach the upstream sender of `l`.

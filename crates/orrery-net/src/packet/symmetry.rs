@@ -1,0 +1,724 @@
+//! Symmetry reduction (issue 4; `accel.symmetry`): simulate one copy of traffic that
+//! repeats itself host by host.
+//!
+//! A collective over many hosts is often the same traffic on every host: in a ring
+//! all-reduce on 16 hosts of 8 GPUs every host sends its NVLink steps and one step to the
+//! next host, at the same times, through links that look alike. Shift every host by one
+//! and the flow set, the routes and the fabric are unchanged. Simulating all 16 hosts then
+//! computes the same packets 16 times. This module finds such a shift and simulates the
+//! *quotient*: one flow per orbit, on one link per orbit, and hands every flow of an orbit
+//! the completion of the one that was simulated.
+//!
+//! ## The group
+//!
+//! Candidates are host rotations: hosts are cut into blocks of `b` consecutive hosts (`b`
+//! divides the number of hosts, largest first) and each host moves to the next host of its
+//! block, keeping its local GPU index. The rotation acts on nodes through the structure of
+//! the graph: a node at hop distance `d` from the nearest endpoint goes where its
+//! neighbours at smaller distances go (the `i`-th of the nodes sharing those neighbours to
+//! the `i`-th of the nodes sharing their images), so NVLink switches follow their hosts,
+//! a rail leaf that sees one GPU of every host of the block stays put and a leaf of one
+//! block of hosts moves with its block. A candidate is a symmetry only if all of these
+//! hold, each checked exactly:
+//! - it maps every link to a link between the images of its ends with the same bandwidth
+//!   and delay (so the fabric is unchanged);
+//! - it maps every flow to a flow with the images of its endpoints, the same bytes and
+//!   release delay, and dependencies on the images of its dependencies (so the traffic is
+//!   unchanged), one to one;
+//! - every flow's image takes the image of its data route and of its reverse route (ECMP
+//!   hashes are not symmetric in general, so this is checked route by route);
+//! - every link a flow uses has an orbit of the full size `b` and no route uses two links
+//!   of one orbit (then each link of the quotient carries exactly what each of its copies
+//!   carries), and the links standing for consecutive hops of every route meet at one node.
+//!
+//! The first candidate that passes is used; if none does, the run is the plain one. A
+//! candidate costs O(flows + dependencies + links) to check, and most fail at the flow
+//! labels, before routes are compared.
+//!
+//! ## The quotient
+//!
+//! Each flow orbit is simulated as its lowest flow, on the lowest link of each link orbit,
+//! depending on the flows standing for its dependencies' orbits. A switch that the
+//! rotation keeps in place (a rail leaf) holds the packets of all `b` copies in the full
+//! network, while the quotient puts only one copy's through it: its shared buffer counts
+//! every byte `b / (its orbit size)` times ([`super::engine::SwitchBuf::copies`]), so its
+//! dynamic PFC threshold and its tail drop see the full network's occupancy. Every other
+//! mechanism (queues, ECN, PFC, DCQCN, and all other acceleration) runs on the quotient as
+//! on any flow set.
+//!
+//! ## What is exact and what is not
+//!
+//! The flows simulated are those sent from each block's first host, on that host's own
+//! links, so that host's ports serve the same queue pairs in the same order as in the full
+//! run. Without ECN marking draws (queues below Kmin, or marking certain above Kmax) they
+//! are the full run's flows to the picosecond: `tests/accel.rs` checks every one of them
+//! on a ring over four hosts, and on the 64 MiB ring over 128 GPUs of `orrery bench
+//! --accel` all 16,256 were (with the other mechanisms off; `cargo run --release -p
+//! orrery-net --example ring_symmetry`). With marking draws they are
+//! the full run with other draws, which is what another seed gives.
+//!
+//! The other hosts' flows take those times, and that is where the quotient and the full
+//! run part: the full run is not quite symmetric itself. It breaks ties between events
+//! of the same picosecond by flow number (queue pairs released together on a port are
+//! served in flow order), so on every host the lowest-numbered ring channel goes first,
+//! while the shift maps each channel to the next one. On that 128-GPU ring this moves
+//! single flows by 0.64% in mean and 26.7% at the 99th percentile, and the collective's
+//! completion not at all; numbering the reference's own flows in another order moves them
+//! by as much (0.53% and 22.1%; `orrery bench --accel --label-spread`).
+//!
+//! The report expands the quotient: every flow of an orbit gets its simulated flow's start
+//! and finish, every link of an orbit its link's bytes and pause frames, and the network's
+//! counters (bytes, ACKs, ECN marks, CNPs, drops, retransmissions) are multiplied by `b`.
+//! Counters of what the simulator did (events, jumps, memo lookups, virtual flows) are the
+//! quotient's; [`super::PacketStats::symmetry_skipped_events`] estimates the events of the
+//! copies not simulated as `b - 1` times the quotient's own (processed and skipped).
+//!
+//! ## What it does not do
+//!
+//! It looks for host rotations only: not reflections, not rotations of GPUs inside a
+//! host, not symmetries of part of the traffic (one asymmetric flow, such as a tree
+//! collective's, leaves the whole run unreduced).
+
+use super::engine::Routes;
+use super::{PacketRun, PacketStats, TraceRequest};
+use crate::flows::{FlowSet, FlowSpec};
+use crate::topology::NetGraph;
+use orrery_units::{FlowId, LinkId};
+use std::collections::{HashMap, VecDeque};
+
+const NONE: u32 = u32::MAX;
+
+/// A symmetry found in a run: the quotient to simulate and how to expand its results.
+#[derive(Debug)]
+pub(super) struct Quotient {
+    /// Copies of every simulated flow (the rotation's order, `b`).
+    pub order: u32,
+    /// For every flow of the run, its index in the quotient's flow set.
+    pub flow_index: Vec<u32>,
+    /// For every quotient flow, the flow of the run it is.
+    pub reps: Vec<u32>,
+    /// For every link, the link standing for its orbit.
+    pub link_rep: Vec<u32>,
+    /// The quotient's flows (the runs's representatives, dependencies renumbered).
+    pub flows: FlowSet,
+    /// Their routes, on representative links.
+    pub routes: Routes,
+    /// Per node, the copies its buffer stands for.
+    pub copies: Vec<u64>,
+}
+
+/// The quotient of the first host rotation that is a symmetry of `graph`, `flows` and
+/// `routes` (see the module essay), or `None`.
+pub(super) fn find(graph: &NetGraph, flows: &FlowSet, routes: &Routes) -> Option<Quotient> {
+    let per_host = graph.endpoints_per_host();
+    let endpoints = graph.num_endpoints();
+    if flows.flows.len() < 2 || !endpoints.is_multiple_of(per_host) {
+        return None;
+    }
+    let hosts = endpoints / per_host;
+    let keys = FlowKeys::new(flows, endpoints);
+    let layers = Layers::new(graph);
+    (2..=hosts)
+        .rev()
+        .filter(|&b| hosts.is_multiple_of(b))
+        .find_map(|block| {
+            let endpoint_image: Vec<u32> = (0..endpoints)
+                .map(|e| {
+                    let (host, local) = (e / per_host, e % per_host);
+                    let base = host - host % block;
+                    ((base + (host - base + 1) % block) * per_host + local) as u32
+                })
+                .collect();
+            quotient(graph, flows, routes, &keys, &layers, block, &endpoint_image)
+        })
+}
+
+/// Structural labels of the flows, from which an image is found: a flow's *up* label
+/// hashes its endpoints, bytes, delay and its dependencies' up labels; its *down* label
+/// hashes its up label and its dependents' down labels. Flows alike in everything but
+/// their identity (a ring's first steps on two channels between the same two GPUs) differ
+/// in what depends on them, so the down label tells them apart.
+struct FlowKeys {
+    /// Up labels of the run (to reject a candidate early).
+    up: std::collections::HashSet<u64>,
+    /// Flows by down label, in id order.
+    by_down: HashMap<u64, Vec<u32>>,
+    /// Dependents of every flow, in CSR form.
+    dependents_at: Vec<u32>,
+    dependents: Vec<u32>,
+}
+
+fn hash_label(words: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for w in words {
+        h ^= w;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
+    }
+    h ^ (h >> 31)
+}
+
+impl FlowKeys {
+    fn new(flows: &FlowSet, endpoints: usize) -> FlowKeys {
+        let n = flows.flows.len();
+        let mut count = vec![0u32; n + 1];
+        for f in &flows.flows {
+            for d in &f.deps {
+                count[d.index() + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            count[i + 1] += count[i];
+        }
+        let mut fill = count.clone();
+        let mut dependents = vec![0u32; count[n] as usize];
+        for (i, f) in flows.flows.iter().enumerate() {
+            for d in &f.deps {
+                dependents[fill[d.index()] as usize] = i as u32;
+                fill[d.index()] += 1;
+            }
+        }
+        let mut keys = FlowKeys {
+            up: Default::default(),
+            by_down: HashMap::new(),
+            dependents_at: count,
+            dependents,
+        };
+        let identity: Vec<u32> = (0..endpoints as u32).collect();
+        let up = keys.up_labels(flows, &identity, false).unwrap_or_default();
+        let down = keys.down_labels(&up);
+        keys.up = up.iter().copied().collect();
+        for (i, &l) in down.iter().enumerate() {
+            keys.by_down.entry(l).or_default().push(i as u32);
+        }
+        keys
+    }
+
+    /// Up labels with endpoints renamed by `endpoint_image`; with `check`, `None` as soon
+    /// as a label is not one of the run's own.
+    fn up_labels(&self, flows: &FlowSet, endpoint_image: &[u32], check: bool) -> Option<Vec<u64>> {
+        let mut up = Vec::with_capacity(flows.flows.len());
+        let mut below = Vec::new();
+        for f in &flows.flows {
+            below.clear();
+            below.extend(f.deps.iter().map(|d| up[d.index()]));
+            below.sort_unstable();
+            let (src, dst) = (
+                *endpoint_image.get(f.src as usize)?,
+                *endpoint_image.get(f.dst as usize)?,
+            );
+            let l = hash_label(
+                [
+                    u64::from(src),
+                    u64::from(dst),
+                    f.bytes.0,
+                    f.delay.0,
+                    below.len() as u64,
+                ]
+                .into_iter()
+                .chain(below.iter().copied()),
+            );
+            if check && !self.up.contains(&l) {
+                return None;
+            }
+            up.push(l);
+        }
+        Some(up)
+    }
+
+    fn down_labels(&self, up: &[u64]) -> Vec<u64> {
+        let mut down = vec![0u64; up.len()];
+        let mut above = Vec::new();
+        for i in (0..up.len()).rev() {
+            let (a, b) = (
+                self.dependents_at[i] as usize,
+                self.dependents_at[i + 1] as usize,
+            );
+            above.clear();
+            above.extend(self.dependents[a..b].iter().map(|&g| down[g as usize]));
+            above.sort_unstable();
+            down[i] = hash_label(
+                [up[i], above.len() as u64]
+                    .into_iter()
+                    .chain(above.iter().copied()),
+            );
+        }
+        down
+    }
+}
+
+/// Nodes by hop distance from the nearest endpoint (over links either way), and each
+/// node's neighbours one layer closer.
+struct Layers {
+    layer: Vec<u32>,
+    lower: Vec<Vec<u32>>,
+}
+
+impl Layers {
+    fn new(graph: &NetGraph) -> Layers {
+        let n = graph.num_nodes();
+        let mut adj: Vec<Vec<u32>> = vec![Vec::new(); n];
+        for l in graph.links() {
+            adj[l.from.index()].push(l.to.0);
+            adj[l.to.index()].push(l.from.0);
+        }
+        let mut layer = vec![NONE; n];
+        let mut q = VecDeque::new();
+        for e in 0..graph.num_endpoints() {
+            if let Ok(node) = graph.endpoint(e) {
+                layer[node.index()] = 0;
+                q.push_back(node.0);
+            }
+        }
+        while let Some(v) = q.pop_front() {
+            for &u in &adj[v as usize] {
+                if layer[u as usize] == NONE {
+                    layer[u as usize] = layer[v as usize] + 1;
+                    q.push_back(u);
+                }
+            }
+        }
+        let lower = (0..n)
+            .map(|v| {
+                let mut below: Vec<u32> = adj[v]
+                    .iter()
+                    .copied()
+                    .filter(|&u| layer[v] != NONE && layer[u as usize] < layer[v])
+                    .collect();
+                below.sort_unstable();
+                below.dedup();
+                below
+            })
+            .collect();
+        Layers { layer, lower }
+    }
+}
+
+/// The node permutation that `endpoint_image` (on endpoint indices) induces, layer by
+/// layer (see the module essay), or `None` if it is not one.
+fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Option<Vec<u32>> {
+    let n = graph.num_nodes();
+    let mut image = vec![NONE; n];
+    for (e, &to) in endpoint_image.iter().enumerate() {
+        image[graph.endpoint(e).ok()?.index()] = graph.endpoint(to as usize).ok()?.0;
+    }
+    let top = layers.layer.iter().copied().filter(|&d| d != NONE).max()?;
+    for d in 1..=top {
+        let at: Vec<u32> = (0..n as u32)
+            .filter(|&v| layers.layer[v as usize] == d)
+            .collect();
+        let class_key = |kind, below: &[u32]| (kind, below.to_vec());
+        let mut classes: HashMap<_, Vec<u32>> = HashMap::new();
+        for &v in &at {
+            let kind = graph.kind(orrery_units::NodeId(v));
+            classes
+                .entry(class_key(kind, &layers.lower[v as usize]))
+                .or_default()
+                .push(v);
+        }
+        for &v in &at {
+            let kind = graph.kind(orrery_units::NodeId(v));
+            let own = &classes[&class_key(kind, &layers.lower[v as usize])];
+            let mut moved: Vec<u32> = layers.lower[v as usize]
+                .iter()
+                .map(|&u| image[u as usize])
+                .collect();
+            moved.sort_unstable();
+            let target = classes.get(&(kind, moved))?;
+            if target.len() != own.len() {
+                return None;
+            }
+            let pos = own.iter().position(|&w| w == v)?;
+            image[v as usize] = target[pos];
+        }
+    }
+    // Nodes no endpoint reaches stay put; the whole map must be a permutation.
+    let mut seen = vec![false; n];
+    for (v, slot) in image.iter_mut().enumerate() {
+        if *slot == NONE {
+            *slot = v as u32;
+        }
+        if std::mem::replace(&mut seen[*slot as usize], true) {
+            return None;
+        }
+    }
+    Some(image)
+}
+
+/// The link permutation the node permutation induces (the `i`-th link from `a` to `b` goes
+/// to the `i`-th from `a'` to `b'`, with the same bandwidth and delay), or `None`.
+fn link_image(graph: &NetGraph, nodes: &[u32]) -> Option<Vec<u32>> {
+    let mut between: HashMap<(u32, u32), Vec<u32>> = HashMap::new();
+    for (i, l) in graph.links().iter().enumerate() {
+        between
+            .entry((l.from.0, l.to.0))
+            .or_default()
+            .push(i as u32);
+    }
+    graph
+        .links()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let own = &between[&(l.from.0, l.to.0)];
+            let pos = own.iter().position(|&x| x == i as u32)?;
+            let to = between.get(&(nodes[l.from.index()], nodes[l.to.index()]))?;
+            let m = *to.get(pos)?;
+            let ml = graph.link(LinkId(m));
+            (to.len() == own.len() && ml.bandwidth == l.bandwidth && ml.delay == l.delay)
+                .then_some(m)
+        })
+        .collect()
+}
+
+/// The flow permutation, or `None` (see the module essay): flows go to the flows with
+/// their labels under the endpoint renaming (the `k`-th of equal ones to the `k`-th), and
+/// the result is then checked exactly.
+fn flow_image(flows: &FlowSet, keys: &FlowKeys, endpoint_image: &[u32]) -> Option<Vec<u32>> {
+    let n = flows.flows.len();
+    let up = keys.up_labels(flows, endpoint_image, true)?;
+    let down = keys.down_labels(&up);
+    let mut used: HashMap<u64, usize> = HashMap::new();
+    let mut image = vec![NONE; n];
+    for (i, &l) in down.iter().enumerate() {
+        let k = used.entry(l).or_insert(0);
+        image[i] = *keys.by_down.get(&l)?.get(*k)?;
+        *k += 1;
+    }
+    // Exact check: a bijection that renames endpoints and maps dependencies onto
+    // dependencies, with bytes and delays kept.
+    let mut taken = vec![false; n];
+    let mut mine = Vec::new();
+    let mut theirs = Vec::new();
+    for (i, f) in flows.flows.iter().enumerate() {
+        let g = image[i] as usize;
+        let o = &flows.flows[g];
+        if std::mem::replace(&mut taken[g], true)
+            || endpoint_image.get(f.src as usize) != Some(&o.src)
+            || endpoint_image.get(f.dst as usize) != Some(&o.dst)
+            || f.bytes != o.bytes
+            || f.delay != o.delay
+        {
+            return None;
+        }
+        mine.clear();
+        mine.extend(f.deps.iter().map(|d| image[d.index()]));
+        mine.sort_unstable();
+        theirs.clear();
+        theirs.extend(o.deps.iter().map(|d| d.0));
+        theirs.sort_unstable();
+        if mine != theirs {
+            return None;
+        }
+    }
+    Some(image)
+}
+
+/// Orbit representatives of the permutation `image` (the member with the smallest `key`),
+/// if every orbit holding a `wanted` element has exactly `order` members.
+fn orbit_reps<K: Ord>(
+    image: &[u32],
+    order: u32,
+    wanted: impl Fn(usize) -> bool,
+    key: impl Fn(u32) -> K,
+) -> Option<Vec<u32>> {
+    let mut rep = vec![NONE; image.len()];
+    for start in 0..image.len() {
+        if rep[start] != NONE {
+            continue;
+        }
+        let mut members = vec![start as u32];
+        let mut at = image[start];
+        while at != start as u32 {
+            members.push(at);
+            at = image[at as usize];
+        }
+        if members.len() != order as usize && members.iter().any(|&m| wanted(m as usize)) {
+            return None;
+        }
+        let best = members.iter().copied().min_by_key(|&m| key(m))?;
+        for m in members {
+            rep[m as usize] = best;
+        }
+    }
+    Some(rep)
+}
+
+/// The representatives in an order where every one comes after those standing for its
+/// dependencies (the lowest flow id first among those ready). The orbit graph has no
+/// cycle: every member of an orbit is released at the same time in the symmetric run, so
+/// an orbit waits only for orbits that finished before it started.
+fn dependency_order(flows: &FlowSet, flow_rep: &[u32], reps: &[u32]) -> Option<Vec<u32>> {
+    let mut waiting: HashMap<u32, u32> = HashMap::new();
+    let mut dependents: HashMap<u32, Vec<u32>> = HashMap::new();
+    for &r in reps {
+        let mut on: Vec<u32> = flows.flows[r as usize]
+            .deps
+            .iter()
+            .map(|d| flow_rep[d.index()])
+            .collect();
+        on.sort_unstable();
+        on.dedup();
+        waiting.insert(r, on.len() as u32);
+        for d in on {
+            dependents.entry(d).or_default().push(r);
+        }
+    }
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<u32>> = reps
+        .iter()
+        .copied()
+        .filter(|r| waiting[r] == 0)
+        .map(std::cmp::Reverse)
+        .collect();
+    let mut order = Vec::with_capacity(reps.len());
+    while let Some(std::cmp::Reverse(r)) = ready.pop() {
+        order.push(r);
+        for &g in dependents.get(&r).map_or(&[][..], |v| &v[..]) {
+            let w = waiting.get_mut(&g)?;
+            *w -= 1;
+            if *w == 0 {
+                ready.push(std::cmp::Reverse(g));
+            }
+        }
+    }
+    (order.len() == reps.len()).then_some(order)
+}
+
+fn quotient(
+    graph: &NetGraph,
+    flows: &FlowSet,
+    routes: &Routes,
+    keys: &FlowKeys,
+    layers: &Layers,
+    order: usize,
+    endpoint_image: &[u32],
+) -> Option<Quotient> {
+    let nodes = node_image(graph, layers, endpoint_image)?;
+    let links = link_image(graph, &nodes)?;
+    let fimg = flow_image(flows, keys, endpoint_image)?;
+    let mut used = vec![false; links.len()];
+    for (f, &g) in fimg.iter().enumerate() {
+        let (fwd, rev) = routes.of(f);
+        let (gfwd, grev) = routes.of(g as usize);
+        let maps = |a: &[u32], b: &[u32]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(&x, &y)| links[x as usize] == y)
+        };
+        if !maps(fwd, gfwd) || !maps(rev, grev) {
+            return None;
+        }
+        for &l in fwd.iter().chain(rev) {
+            used[l as usize] = true;
+        }
+    }
+    let order = order as u32;
+    // A flow orbit is simulated as its member sent from the block's first host, so the
+    // quotient's flows on that host's ports are the full run's, in the same order (the
+    // order queue pairs share a port in); links and nodes stand as their lowest member,
+    // which for a host's own links is the first host's.
+    let flow_rep = orbit_reps(&fimg, order, |_| true, |f| (flows.flows[f as usize].src, f))?;
+    let link_rep = orbit_reps(&links, order, |l| used[l], |l| l)?;
+    let node_rep = orbit_reps(&nodes, order, |_| false, |v| v)?;
+    let reps: Vec<u32> = (0..fimg.len() as u32)
+        .filter(|&f| flow_rep[f as usize] == f)
+        .collect();
+    let reps = dependency_order(flows, &flow_rep, &reps)?;
+    let mut index_of_rep = vec![NONE; fimg.len()];
+    for (k, &r) in reps.iter().enumerate() {
+        index_of_rep[r as usize] = k as u32;
+    }
+    let flow_index: Vec<u32> = flow_rep.iter().map(|&r| index_of_rep[r as usize]).collect();
+    let mut q_routes = Routes::default();
+    let mut q_flows = Vec::with_capacity(reps.len());
+    for &r in &reps {
+        let (fwd, rev) = routes.of(r as usize);
+        for (path, forward) in [(fwd, true), (rev, false)] {
+            let mapped: Vec<u32> = path.iter().map(|&l| link_rep[l as usize]).collect();
+            // One link per orbit on a route, and consecutive hops meeting at one node.
+            for (i, &l) in mapped.iter().enumerate() {
+                if mapped[..i].contains(&l) {
+                    return None;
+                }
+                if let Some(&next) = mapped.get(i + 1) {
+                    if graph.link(LinkId(l)).to != graph.link(LinkId(next)).from {
+                        return None;
+                    }
+                }
+            }
+            let span = (q_routes.paths.len() as u32, mapped.len() as u32);
+            q_routes.paths.extend(&mapped);
+            if forward {
+                q_routes.fwd.push(span);
+            } else {
+                q_routes.rev.push(span);
+            }
+        }
+        let f = &flows.flows[r as usize];
+        let mut deps: Vec<u32> = f.deps.iter().map(|d| flow_index[d.index()]).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        q_flows.push(FlowSpec {
+            deps: deps.into_iter().map(FlowId).collect(),
+            ..f.clone()
+        });
+    }
+    let mut orbit_size = vec![0u64; nodes.len()];
+    for &r in &node_rep {
+        orbit_size[r as usize] += 1;
+    }
+    let copies = node_rep
+        .iter()
+        .map(|&r| u64::from(order) / orbit_size[r as usize].max(1))
+        .collect();
+    Some(Quotient {
+        order,
+        flow_index,
+        reps,
+        link_rep,
+        flows: FlowSet {
+            flows: q_flows,
+            collectives: flows.collectives.clone(),
+        },
+        routes: q_routes,
+        copies,
+    })
+}
+
+impl Quotient {
+    /// `trace` on the quotient: each requested port replaced by its orbit's link.
+    pub fn trace(&self, trace: &TraceRequest) -> TraceRequest {
+        TraceRequest {
+            interval: trace.interval,
+            ports: trace
+                .ports
+                .iter()
+                .map(|l| LinkId(self.link_rep.get(l.index()).copied().unwrap_or(l.0)))
+                .collect(),
+        }
+    }
+
+    /// The run of the full flow set that the quotient's `run` stands for (see the module
+    /// essay for what is copied, what is multiplied and what is the quotient's own).
+    pub fn expand(&self, run: PacketRun) -> PacketRun {
+        let b = u64::from(self.order);
+        let per_flow = |v: &[u64]| -> Vec<u64> {
+            self.flow_index
+                .iter()
+                .map(|&k| v[k as usize])
+                .collect::<Vec<u64>>()
+        };
+        let per_link =
+            |v: &[u64]| -> Vec<u64> { self.link_rep.iter().map(|&r| v[r as usize]).collect() };
+        let mut report = run.report;
+        report.flows = self
+            .flow_index
+            .iter()
+            .map(|&k| report.flows[k as usize])
+            .collect();
+        report.link_bytes = per_link(&report.link_bytes);
+        report.pfc_pauses = per_link(&report.pfc_pauses);
+        report.drops *= b;
+        report.bytes_sent *= b;
+        report.bytes_delivered *= b;
+        let s = run.stats;
+        let symmetry_skipped_events = (b - 1) * (report.events + s.total_skipped_events());
+        let stats = PacketStats {
+            ecn_marks: s.ecn_marks * b,
+            cnps: s.cnps * b,
+            acks: s.acks * b,
+            nacks: s.nacks * b,
+            go_backs: s.go_backs * b,
+            timeouts: s.timeouts * b,
+            retransmitted_bytes: s.retransmitted_bytes * b,
+            symmetry_order: b,
+            symmetry_flows: self.reps.len() as u64,
+            symmetry_skipped_events,
+            ..s
+        };
+        report.accel.skipped_events = stats.total_skipped_events();
+        let samples = run
+            .samples
+            .into_iter()
+            .map(|mut sample| {
+                sample.delivered = per_flow(&sample.delivered);
+                sample.rate = self
+                    .flow_index
+                    .iter()
+                    .map(|&k| sample.rate[k as usize])
+                    .collect();
+                sample
+            })
+            .collect();
+        // A flow's own events are those of the flow that was simulated; its copies have
+        // none, as memo hits have none.
+        let mut flow_events = vec![0; self.flow_index.len()];
+        for (k, &r) in self.reps.iter().enumerate() {
+            flow_events[r as usize] = run.flow_events[k];
+        }
+        PacketRun {
+            report,
+            stats,
+            samples,
+            flow_events,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::flows::{collective_flows, FlowAlgorithm};
+    use crate::topology::{NodeKind, RailOptimizedSpec};
+    use crate::CollectiveKind;
+    use orrery_units::{Bytes, NodeId, Picos};
+
+    #[test]
+    fn a_host_shift_moves_nvlink_switches_and_keeps_rail_leaves() {
+        let spec = RailOptimizedSpec {
+            gpus_per_host: 4,
+            ..RailOptimizedSpec::dgx_h100(4)
+        };
+        let graph = NetGraph::rail_optimized(&spec).unwrap();
+        let mut flows = FlowSet::default();
+        collective_flows(
+            &mut flows,
+            "ring",
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 4 },
+            &(0..16).collect::<Vec<u32>>(),
+            Bytes(1 << 20),
+            4,
+            Picos::ZERO,
+        )
+        .unwrap();
+        let routes = Routes::compute(&graph, &flows).unwrap();
+        let q = find(&graph, &flows, &routes).unwrap();
+        assert_eq!(q.order, 4);
+        assert_eq!(q.reps.len() * 4, flows.flows.len());
+        // Every simulated flow is sent from the first host, and its dependencies come
+        // before it.
+        for (k, &r) in q.reps.iter().enumerate() {
+            assert!(flows.flows[r as usize].src < 4);
+            assert!(q.flows.flows[k].deps.iter().all(|d| d.index() < k));
+        }
+        for kind in [NodeKind::NvSwitch, NodeKind::Leaf, NodeKind::Spine] {
+            let copies: Vec<u64> = graph
+                .nodes_of_kind(kind)
+                .iter()
+                .map(|n: &NodeId| q.copies[n.index()])
+                .collect();
+            let want = if kind == NodeKind::NvSwitch { 1 } else { 4 };
+            assert!(copies.iter().all(|&c| c == want), "{kind:?}: {copies:?}");
+        }
+        // Routes of the quotient use the first host's links for host links.
+        for (k, &r) in q.reps.iter().enumerate() {
+            let (fwd, _) = q.routes.of(k);
+            let first = graph.link(LinkId(fwd[0]));
+            assert_eq!(
+                first.from,
+                graph
+                    .endpoint(flows.flows[r as usize].src as usize)
+                    .unwrap()
+            );
+        }
+    }
+}
