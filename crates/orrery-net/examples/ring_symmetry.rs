@@ -1,7 +1,7 @@
 //! How the symmetry reduction compares with the packet-by-packet reference on a ring
 //! all-reduce over DGX-H100-like hosts (8 channels), the figures quoted in the `symmetry`
 //! module: the errors of the reduced run with every other mechanism off and with all of
-//! them on, how many of the flows it simulated (those sent from the first host) are the
+//! them on, how many of the flows it simulated (those sent from GPU 0) are the
 //! reference's to the picosecond, and how far the reference itself moves when its flows
 //! are numbered with the channels in reverse order.
 //!
@@ -90,22 +90,23 @@ fn main() {
     symmetry_alone.accel.symmetry = true;
     let mut without = PacketConfig::default();
     without.accel.symmetry = false;
-    let first_host: Vec<usize> = (0..n).filter(|&f| flows.flows[f].src < 8).collect();
+    // With both shifts (hosts, then GPUs) the flows simulated are those sent from GPU 0.
+    let simulated: Vec<usize> = (0..n).filter(|&f| flows.flows[f].src == 0).collect();
     for (name, config) in [
         ("symmetry alone", symmetry_alone),
         ("every mechanism", PacketConfig::default()),
         ("every mechanism but symmetry", without),
     ] {
         let (r, secs) = run(config, &flows);
-        let exact = first_host
+        let exact = simulated
             .iter()
             .filter(|&&f| reference.report.flows[f] == r.report.flows[f])
             .count();
         println!(
-            "{name}: {} events, {secs:.2} s, {} copies, first host's flows exact {exact} of {}, {:?}",
+            "{name}: {} events, {secs:.2} s, {} copies, GPU 0's flows exact {exact} of {}, {:?}",
             r.report.events,
             r.stats.symmetry_order,
-            first_host.len(),
+            simulated.len(),
             RunErrors::between(&reference.report, &r.report, &flows)
         );
     }

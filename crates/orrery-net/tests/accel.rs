@@ -1072,7 +1072,12 @@ fn ring_over_hosts(hosts: usize, channels: u32, bytes: u64) -> (NetGraph, FlowSe
 
 #[test]
 fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
-    let (g, fs) = ring_over_hosts(4, 4, 4_000_000);
+    // The ring, and on every host a transfer from GPU 0 to GPU 2 beside it: the hosts are
+    // alike, the GPUs of a host are not.
+    let (g, mut fs) = ring_over_hosts(4, 4, 4_000_000);
+    for h in 0..4 {
+        fs.flows.push(flow(4 * h, 4 * h + 2, 1_000_000));
+    }
     let trace = TraceRequest {
         interval: us(2),
         ports: Vec::new(),
@@ -1110,6 +1115,41 @@ fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
     }
     assert_eq!(on.report.bytes_delivered, off.report.bytes_delivered);
     assert_eq!(on.stats.acks, off.stats.acks);
+}
+
+#[test]
+fn a_ring_over_alike_hosts_and_gpus_is_simulated_once_per_gpu_within_bounds() {
+    // Shifting the hosts, then the GPUs of every host (with the channels), maps the ring
+    // onto itself: one GPU's flows are simulated, on one GPU's links.
+    let (g, fs) = ring_over_hosts(4, 4, 4_000_000);
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    let e = check_bounds(
+        &PacketConfig::reference(),
+        &off,
+        &on,
+        &fs,
+        "ring, hosts and GPUs",
+    );
+    assert_eq!(on.stats.symmetry_order, 16);
+    assert_eq!(16 * on.stats.symmetry_flows, fs.flows.len() as u64);
+    assert!(
+        10 * on.report.events <= off.report.events,
+        "{}",
+        on.report.events
+    );
+    assert_eq!(e.end, 0.0);
+    assert_eq!(e.collective, 0.0);
+    // The same with every other mechanism on.
+    let all = run(PacketConfig::default(), &g, &fs);
+    check_bounds(
+        &PacketConfig::reference(),
+        &off,
+        &all,
+        &fs,
+        "ring, every mechanism",
+    );
+    assert_eq!(all.stats.symmetry_order, 16);
 }
 
 /// The ring of [`ring_over_hosts`] with one more flow inside the first host.

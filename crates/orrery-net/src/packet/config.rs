@@ -224,11 +224,13 @@ pub struct AccelConfig {
     /// its further flows finish after that time without being simulated (see the
     /// `periodic` module). Default true.
     pub periodic: bool,
-    /// Symmetry reduction: when shifting every host to the next one of its block leaves
-    /// the fabric, the flows and their routes unchanged (a ring over hosts that all do the
-    /// same), only one copy of each orbit of flows is simulated and the others take its
-    /// completion times (see the `symmetry` module). Exact but for the order of ECN
-    /// marking draws. Default true.
+    /// Symmetry reduction: when shifting every host (or every GPU of a host) to the next
+    /// one of its block leaves the fabric, the flows and their routes unchanged (a ring
+    /// over hosts that all do the same), only one copy of each orbit of flows is simulated
+    /// and the others take its completion times (see the `symmetry` module). It changes
+    /// single flows where the reference breaks ties between same-time events by flow
+    /// number (about as much as renumbering the reference's flows does), and collective
+    /// completions not at all on the rings measured. Default true.
     pub symmetry: bool,
     /// Completion times a chain must have repeated over (and, on average, flows each chain
     /// must still have to run). Default 5. Short rings are the hard case: the lanes of the

@@ -440,25 +440,44 @@ impl PacketSimulator {
         };
         flows.check()?;
         let routes = engine::Routes::compute(graph, flows)?;
-        if cfg.accel.symmetry {
-            if let Some(q) = symmetry::find(graph, flows, &routes) {
-                let q_trace = q.trace(trace);
-                let run = engine::Engine::with_routes(
-                    &cfg,
-                    graph,
-                    &q.flows,
-                    q.routes.clone(),
-                    &q.copies,
-                    &q_trace,
-                    Some(&mut cache),
-                )?
-                .run(progress)?;
-                return Ok(q.expand(run));
+        let ones = vec![1; graph.num_nodes()];
+        // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
+        let mut levels: Vec<symmetry::Quotient> = Vec::new();
+        loop {
+            let next = match levels.last() {
+                _ if !cfg.accel.symmetry => None,
+                Some(q) => symmetry::find(graph, &q.flows, &q.routes, &q.copies),
+                None => symmetry::find(graph, flows, &routes, &ones),
+            };
+            match next {
+                Some(q) => levels.push(q),
+                None => break,
             }
         }
-        let copies = vec![1; graph.num_nodes()];
-        engine::Engine::with_routes(&cfg, graph, flows, routes, &copies, trace, Some(&mut cache))?
-            .run(progress)
+        let Some(last) = levels.last() else {
+            return engine::Engine::with_routes(
+                &cfg,
+                graph,
+                flows,
+                routes,
+                &ones,
+                trace,
+                Some(&mut cache),
+            )?
+            .run(progress);
+        };
+        let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
+        let run = engine::Engine::with_routes(
+            &cfg,
+            graph,
+            &last.flows,
+            last.routes.clone(),
+            &last.copies,
+            &q_trace,
+            Some(&mut cache),
+        )?
+        .run(progress)?;
+        Ok(levels.iter().rev().fold(run, |run, q| q.expand(run)))
     }
 }
 

@@ -1,5 +1,5 @@
 //! Symmetry reduction (issue 4; `accel.symmetry`): simulate one copy of traffic that
-//! repeats itself host by host.
+//! repeats itself host by host, or GPU by GPU.
 //!
 //! A collective over many hosts is often the same traffic on every host: in a ring
 //! all-reduce on 16 hosts of 8 GPUs every host sends its NVLink steps and one step to the
@@ -7,13 +7,17 @@
 //! and the flow set, the routes and the fabric are unchanged. Simulating all 16 hosts then
 //! computes the same packets 16 times. This module finds such a shift and simulates the
 //! *quotient*: one flow per orbit, on one link per orbit, and hands every flow of an orbit
-//! the completion of the one that was simulated.
+//! the completion of the one that was simulated. The quotient may have a symmetry of its
+//! own (in that ring, shifting every GPU of a host to the next one, with the channels), so
+//! the search runs again on it, and the copies multiply: that ring is simulated as the
+//! flows of one GPU, 128 copies each.
 //!
 //! ## The group
 //!
-//! Candidates are host rotations: hosts are cut into blocks of `b` consecutive hosts (`b`
-//! divides the number of hosts, largest first) and each host moves to the next host of its
-//! block, keeping its local GPU index. The rotation acts on nodes through the structure of
+//! Candidates are rotations of hosts, then of the GPUs inside every host: hosts (or local
+//! GPU indices) are cut into blocks of `b` consecutive ones (`b` divides their number,
+//! largest first) and each moves to the next of its block, keeping its local index (or
+//! its host). The rotation acts on nodes through the structure of
 //! the graph: a node at hop distance `d` from the nearest endpoint goes where its
 //! neighbours at smaller distances go (the `i`-th of the nodes sharing those neighbours to
 //! the `i`-th of the nodes sharing their images), so NVLink switches follow their hosts,
@@ -29,7 +33,8 @@
 //!   hashes are not symmetric in general, so this is checked route by route);
 //! - every link a flow uses has an orbit of the full size `b` and no route uses two links
 //!   of one orbit (then each link of the quotient carries exactly what each of its copies
-//!   carries), and the links standing for consecutive hops of every route meet at one node.
+//!   carries), and the links standing for consecutive hops of every route meet at one node;
+//! - on a quotient, it maps every switch to one standing for as many copies.
 //!
 //! The first candidate that passes is used; if none does, the run is the plain one. A
 //! candidate costs O(flows + dependencies + links) to check, and most fail at the flow
@@ -53,18 +58,22 @@
 //! run. Without ECN marking draws (queues below Kmin, or marking certain above Kmax) they
 //! are the full run's flows to the picosecond: `tests/accel.rs` checks every one of them
 //! on a ring over four hosts, and on the 64 MiB ring over 128 GPUs of `orrery bench
-//! --accel` all 16,256 were (with the other mechanisms off; `cargo run --release -p
-//! orrery-net --example ring_symmetry`). With marking draws they are
-//! the full run with other draws, which is what another seed gives.
+//! --accel` all 16,256 were (the host shift alone, every other mechanism off). With marking
+//! draws they are the full run with other draws, which is what another seed gives. A
+//! shift of the GPUs inside a host folds each GPU's port onto its neighbour's, and events
+//! of one picosecond on it (an acknowledgement queued as the port frees) can then come in
+//! another order: with both shifts, 1,497 of the ring's 2,032 flows simulated are exact
+//! (`cargo run --release -p orrery-net --example ring_symmetry`).
 //!
-//! The other hosts' flows take those times, and that is where the quotient and the full
-//! run part: the full run is not quite symmetric itself. It breaks ties between events
-//! of the same picosecond by flow number (queue pairs released together on a port are
-//! served in flow order), so on every host the lowest-numbered ring channel goes first,
-//! while the shift maps each channel to the next one. On that 128-GPU ring this moves
-//! single flows by 0.64% in mean and 26.7% at the 99th percentile, and the collective's
-//! completion not at all; numbering the reference's own flows in another order moves them
-//! by as much (0.53% and 22.1%; `orrery bench --accel --label-spread`).
+//! The copies take those times, and that is where the quotient and the full run part:
+//! the full run is not quite symmetric itself. It breaks ties between events of the same
+//! picosecond by flow number (queue pairs released together on a port are served in flow
+//! order), so on every host the lowest-numbered ring channel goes first, while the shifts
+//! map each channel to the next one. On that 128-GPU ring this moves single flows by
+//! 0.57% in mean and 22.2% at the 99th percentile (0.64% and 26.7% with the host shift
+//! alone), and the collective's completion not at all; numbering the reference's own flows
+//! in another order moves them by as much (0.53% and 22.1%; `orrery bench --accel
+//! --label-spread`).
 //!
 //! The report expands the quotient: every flow of an orbit gets its simulated flow's start
 //! and finish, every link of an orbit its link's bytes and pause frames, and the network's
@@ -75,9 +84,9 @@
 //!
 //! ## What it does not do
 //!
-//! It looks for host rotations only: not reflections, not rotations of GPUs inside a
-//! host, not symmetries of part of the traffic (one asymmetric flow, such as a tree
-//! collective's, leaves the whole run unreduced).
+//! It looks for rotations of hosts and of the GPUs inside hosts only: not reflections,
+//! not other permutations, not symmetries of part of the traffic (one asymmetric flow,
+//! such as a tree collective's, leaves the whole run unreduced).
 
 use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
@@ -107,9 +116,15 @@ pub(super) struct Quotient {
     pub copies: Vec<u64>,
 }
 
-/// The quotient of the first host rotation that is a symmetry of `graph`, `flows` and
-/// `routes` (see the module essay), or `None`.
-pub(super) fn find(graph: &NetGraph, flows: &FlowSet, routes: &Routes) -> Option<Quotient> {
+/// The quotient of the first rotation (of hosts, then of GPUs inside every host) that is
+/// a symmetry of `graph`, `flows`, `routes` and the buffer `copies` they already stand for
+/// (see the module essay), or `None`.
+pub(super) fn find(
+    graph: &NetGraph,
+    flows: &FlowSet,
+    routes: &Routes,
+    copies: &[u64],
+) -> Option<Quotient> {
     let per_host = graph.endpoints_per_host();
     let endpoints = graph.num_endpoints();
     if flows.flows.len() < 2 || !endpoints.is_multiple_of(per_host) {
@@ -118,19 +133,44 @@ pub(super) fn find(graph: &NetGraph, flows: &FlowSet, routes: &Routes) -> Option
     let hosts = endpoints / per_host;
     let keys = FlowKeys::new(flows, endpoints);
     let layers = Layers::new(graph);
-    (2..=hosts)
-        .rev()
-        .filter(|&b| hosts.is_multiple_of(b))
-        .find_map(|block| {
+    // Each candidate moves every endpoint's (host, local GPU) index `i` to the next index
+    // of its block of `block`: across hosts first, then across a host's GPUs.
+    let rotations = |count: usize, across_hosts: bool| {
+        (2..=count)
+            .rev()
+            .filter(move |&b| count.is_multiple_of(b))
+            .map(move |b| (b, across_hosts))
+    };
+    rotations(hosts, true)
+        .chain(rotations(per_host, false))
+        .find_map(|(block, across_hosts)| {
+            let next = |i: usize| i - i % block + (i % block + 1) % block;
             let endpoint_image: Vec<u32> = (0..endpoints)
                 .map(|e| {
                     let (host, local) = (e / per_host, e % per_host);
-                    let base = host - host % block;
-                    ((base + (host - base + 1) % block) * per_host + local) as u32
+                    let (host, local) = if across_hosts {
+                        (next(host), local)
+                    } else {
+                        (host, next(local))
+                    };
+                    (host * per_host + local) as u32
                 })
                 .collect();
-            quotient(graph, flows, routes, &keys, &layers, block, &endpoint_image)
+            let shift = Shift {
+                order: block as u32,
+                endpoint_image: &endpoint_image,
+                copies,
+            };
+            quotient(graph, flows, routes, &keys, &layers, &shift)
         })
+}
+
+/// A candidate rotation: its order, where it sends each endpoint, and the buffer copies of
+/// the run it is tried on (which it must leave unchanged).
+struct Shift<'a> {
+    order: u32,
+    endpoint_image: &'a [u32],
+    copies: &'a [u64],
 }
 
 /// Structural labels of the flows, from which an image is found: a flow's *up* label
@@ -489,12 +529,16 @@ fn quotient(
     routes: &Routes,
     keys: &FlowKeys,
     layers: &Layers,
-    order: usize,
-    endpoint_image: &[u32],
+    shift: &Shift,
 ) -> Option<Quotient> {
-    let nodes = node_image(graph, layers, endpoint_image)?;
+    let order = shift.order;
+    let nodes = node_image(graph, layers, shift.endpoint_image)?;
+    // Switches standing for other numbers of copies are not alike.
+    if (0..nodes.len()).any(|v| shift.copies[nodes[v] as usize] != shift.copies[v]) {
+        return None;
+    }
     let links = link_image(graph, &nodes)?;
-    let fimg = flow_image(flows, keys, endpoint_image)?;
+    let fimg = flow_image(flows, keys, shift.endpoint_image)?;
     let mut used = vec![false; links.len()];
     for (f, &g) in fimg.iter().enumerate() {
         let (fwd, rev) = routes.of(f);
@@ -509,7 +553,6 @@ fn quotient(
             used[l as usize] = true;
         }
     }
-    let order = order as u32;
     // A flow orbit is simulated as its member sent from the block's first host, so the
     // quotient's flows on that host's ports are the full run's, in the same order (the
     // order queue pairs share a port in); links and nodes stand as their lowest member,
@@ -566,7 +609,8 @@ fn quotient(
     }
     let copies = node_rep
         .iter()
-        .map(|&r| u64::from(order) / orbit_size[r as usize].max(1))
+        .zip(shift.copies)
+        .map(|(&r, &c)| c * (u64::from(order) / orbit_size[r as usize].max(1)))
         .collect();
     Some(Quotient {
         order,
@@ -619,6 +663,7 @@ impl Quotient {
         report.bytes_sent *= b;
         report.bytes_delivered *= b;
         let s = run.stats;
+        // The copies of this level cost what the level below cost, its own copies included.
         let symmetry_skipped_events = (b - 1) * (report.events + s.total_skipped_events());
         let stats = PacketStats {
             ecn_marks: s.ecn_marks * b,
@@ -628,9 +673,15 @@ impl Quotient {
             go_backs: s.go_backs * b,
             timeouts: s.timeouts * b,
             retransmitted_bytes: s.retransmitted_bytes * b,
-            symmetry_order: b,
-            symmetry_flows: self.reps.len() as u64,
-            symmetry_skipped_events,
+            // A quotient of a quotient: the copies multiply, and the flows simulated are
+            // the innermost one's.
+            symmetry_order: b * s.symmetry_order.max(1),
+            symmetry_flows: if s.symmetry_order > 1 {
+                s.symmetry_flows
+            } else {
+                self.reps.len() as u64
+            },
+            symmetry_skipped_events: symmetry_skipped_events + s.symmetry_skipped_events,
             ..s
         };
         report.accel.skipped_events = stats.total_skipped_events();
@@ -672,7 +723,7 @@ mod tests {
     use orrery_units::{Bytes, NodeId, Picos};
 
     #[test]
-    fn a_host_shift_moves_nvlink_switches_and_keeps_rail_leaves() {
+    fn host_then_gpu_shifts_fold_a_ring_onto_one_gpu() {
         let spec = RailOptimizedSpec {
             gpus_per_host: 4,
             ..RailOptimizedSpec::dgx_h100(4)
@@ -691,7 +742,7 @@ mod tests {
         )
         .unwrap();
         let routes = Routes::compute(&graph, &flows).unwrap();
-        let q = find(&graph, &flows, &routes).unwrap();
+        let q = find(&graph, &flows, &routes, &vec![1; graph.num_nodes()]).unwrap();
         assert_eq!(q.order, 4);
         assert_eq!(q.reps.len() * 4, flows.flows.len());
         // Every simulated flow is sent from the first host, and its dependencies come
