@@ -338,7 +338,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     }
     if !b.json {
         outln!(
-            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation) vs the packet-by-packet reference"
+            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation, symmetry) vs the packet-by-packet reference"
         );
         outln!(
             "job steps' flows released {} (--release {})\n",

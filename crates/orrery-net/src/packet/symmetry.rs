@@ -10,7 +10,10 @@
 //! the completion of the one that was simulated. The quotient may have a symmetry of its
 //! own (in that ring, shifting every GPU of a host to the next one, with the channels), so
 //! the search runs again on it, and the copies multiply: that ring is simulated as the
-//! flows of one GPU, 128 copies each.
+//! flows of one GPU, 128 copies each. In a training step with tensor parallelism inside
+//! hosts, the GPU shift alone often holds: it maps each tensor rank's data-parallel
+//! groups and pipeline sends onto the next rank's, while the host shift fails on the
+//! gradient norm's tree all-reduce.
 //!
 //! ## The group
 //!
@@ -108,7 +111,7 @@ pub(super) struct Quotient {
     pub reps: Vec<u32>,
     /// For every link, the link standing for its orbit.
     pub link_rep: Vec<u32>,
-    /// The quotient's flows (the runs's representatives, dependencies renumbered).
+    /// The quotient's flows (the run's representatives, dependencies renumbered).
     pub flows: FlowSet,
     /// Their routes, on representative links.
     pub routes: Routes,
