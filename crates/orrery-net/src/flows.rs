@@ -29,6 +29,9 @@ pub enum FlowAlgorithm {
     Ring { channels: u32 },
     /// Two complementary binary trees, each carrying half the data (all-reduce).
     DoubleBinaryTree,
+    /// NCCL's tree across hosts: a double binary tree over the hosts, each host's ranks a
+    /// chain that the tree enters and leaves at its first rank (all-reduce).
+    HostTree,
     /// Recursive halving then doubling (all-reduce, reduce-scatter, all-gather).
     HalvingDoubling,
     /// Every rank sends to every other rank directly (all-to-all).
@@ -162,6 +165,17 @@ pub const MAX_COLLECTIVE_FLOWS: u64 = 1 << 24;
 ///   in chunks as for broadcast: a node sends chunk `k` up once it has chunk `k` from all its
 ///   children; the root sends chunk `k` down once it has it from all its children, and every
 ///   other node forwards it down once received from its parent.
+/// - [`FlowAlgorithm::HostTree`]: all-reduce only. NCCL's tree as it runs across hosts
+///   (and as the analytical model costs it): hosts ordered by first appearance in
+///   `ranks`, each host's ranks a chain in that order whose first rank is the host's
+///   *head*; the double binary tree ([`double_binary_tree`]) runs over the hosts, between
+///   heads, each tree carrying half of `S` in pipelined chunks. Per chunk, every host
+///   reduces along its chain towards its head (a rank sends once it has the chunk from the
+///   rank after it), a head sends up once it has its chain's and its child hosts' chunks,
+///   the root host's head holds the sum once it has its chain's and its children's, and
+///   every head forwards the sum down to its child hosts' heads and along its chain. Heads
+///   of alike groups sit at the same local index of their hosts, so the hosts' links are
+///   those of one rail. On one host it is a chain there and back.
 /// - [`FlowAlgorithm::HalvingDoubling`]: all-reduce, reduce-scatter, all-gather.
 ///   Recursive halving reduce-scatter (partner at distance `n/2`, then `n/4`, ...,
 ///   exchanging half of the remaining data) and recursive doubling all-gather (distance 1,
@@ -224,7 +238,7 @@ pub fn collective_flows(
             (FlowAlgorithm::Ring { channels }, K::Broadcast | K::Reduce) => {
                 ring_channels(channels, s, n) as u128 * u128::from(MAX_PIPELINE_CHUNKS) * (n128 - 1)
             }
-            (FlowAlgorithm::DoubleBinaryTree, K::AllReduce) => {
+            (FlowAlgorithm::DoubleBinaryTree | FlowAlgorithm::HostTree, K::AllReduce) => {
                 2 * u128::from(MAX_PIPELINE_CHUNKS) * 2 * (n128 - 1)
             }
             (FlowAlgorithm::HalvingDoubling, K::AllReduce) => 2 * n128 * 64 + 2 * n128,
@@ -302,6 +316,12 @@ pub fn collective_flows(
         (FlowAlgorithm::DoubleBinaryTree, _) => {
             for (tree, half) in double_binary_tree(n).iter().zip(split(s, 2)) {
                 b.tree_all_reduce(tree, &split(half, pipeline_chunks(half)));
+            }
+        }
+        (FlowAlgorithm::HostTree, _) => {
+            let hosts = hosts_in_order(ranks, endpoints_per_host);
+            for (tree, half) in double_binary_tree(hosts.len()).iter().zip(split(s, 2)) {
+                b.host_tree_all_reduce(tree, &hosts, &split(half, pipeline_chunks(half)));
             }
         }
         (FlowAlgorithm::HalvingDoubling, _) => b.halving_doubling(kind, s),
@@ -478,6 +498,13 @@ fn split(total: u64, parts: impl TryInto<u64>) -> Vec<u64> {
 /// Group positions by host (order of first appearance; within a host, order in `ranks`).
 /// `None` when hosts hold different numbers of ranks.
 fn host_groups(ranks: &[u32], endpoints_per_host: usize) -> Option<Vec<Vec<usize>>> {
+    let hosts = hosts_in_order(ranks, endpoints_per_host);
+    let l = hosts.first().map_or(0, Vec::len);
+    hosts.iter().all(|h| h.len() == l).then_some(hosts)
+}
+
+/// The positions in `ranks` of each host's ranks, hosts in order of first appearance.
+fn hosts_in_order(ranks: &[u32], endpoints_per_host: usize) -> Vec<Vec<usize>> {
     let eph = endpoints_per_host.max(1) as u64;
     let mut hosts: Vec<(u64, Vec<usize>)> = Vec::new();
     for (pos, &r) in ranks.iter().enumerate() {
@@ -487,11 +514,7 @@ fn host_groups(ranks: &[u32], endpoints_per_host: usize) -> Option<Vec<Vec<usize
             None => hosts.push((h, vec![pos])),
         }
     }
-    let l = hosts.first().map_or(0, |h| h.1.len());
-    if hosts.iter().any(|h| h.1.len() != l) {
-        return None;
-    }
-    Some(hosts.into_iter().map(|h| h.1).collect())
+    hosts.into_iter().map(|h| h.1).collect()
 }
 
 /// Which half of a ring all-reduce a ring pass is.
@@ -605,6 +628,69 @@ impl Builder<'_> {
                 for &u in &tree.children[v] {
                     let deps = have.iter().copied().chain(prev_down[u]).collect();
                     down[u] = Some(self.push(v, u, size, deps));
+                }
+            }
+            prev_up = up;
+            prev_down = down;
+        }
+    }
+
+    /// Pipelined reduce up `tree` (over hosts) then broadcast down it, chunk by chunk,
+    /// each host entered and left at the first of its ranks (`hosts[h]`, positions) and
+    /// its ranks a chain (see [`collective_flows`]).
+    fn host_tree_all_reduce(&mut self, tree: &BinaryTree, hosts: &[Vec<usize>], chunks: &[u64]) {
+        let top_down = tree.top_down();
+        let h = hosts.len();
+        // The previous chunk's flow on each edge: a link carries its chunks in order.
+        let mut prev_chain_up: Vec<Vec<Option<FlowId>>> =
+            hosts.iter().map(|c| vec![None; c.len()]).collect();
+        let mut prev_chain_down = prev_chain_up.clone();
+        let mut prev_up: Vec<Option<FlowId>> = vec![None; h];
+        let mut prev_down: Vec<Option<FlowId>> = vec![None; h];
+        for &size in chunks {
+            // Up: each chain towards its head, then heads towards the root, children first.
+            let mut into_head: Vec<Vec<FlowId>> = vec![Vec::new(); h];
+            let mut up: Vec<Option<FlowId>> = vec![None; h];
+            for &v in top_down.iter().rev() {
+                let chain = &hosts[v];
+                let mut received: Option<FlowId> = None;
+                for k in (1..chain.len()).rev() {
+                    let deps = received.into_iter().chain(prev_chain_up[v][k]).collect();
+                    let id = self.push(chain[k], chain[k - 1], size, deps);
+                    prev_chain_up[v][k] = Some(id);
+                    received = Some(id);
+                }
+                into_head[v].extend(received);
+                into_head[v].extend(tree.children[v].iter().filter_map(|&c| up[c]));
+                if let Some(p) = tree.parent[v] {
+                    let deps = into_head[v].iter().copied().chain(prev_up[v]).collect();
+                    up[v] = Some(self.push(chain[0], hosts[p][0], size, deps));
+                }
+            }
+            // Down: the root's head has the sum; every head passes it to its child hosts'
+            // heads and along its chain.
+            let mut down: Vec<Option<FlowId>> = vec![None; h];
+            for &v in &top_down {
+                let have: Vec<FlowId> = if v == tree.root {
+                    into_head[v].clone()
+                } else {
+                    down[v].into_iter().collect()
+                };
+                for &c in &tree.children[v] {
+                    let deps = have.iter().copied().chain(prev_down[c]).collect();
+                    down[c] = Some(self.push(hosts[v][0], hosts[c][0], size, deps));
+                }
+                let chain = &hosts[v];
+                let mut received = have;
+                for k in 1..chain.len() {
+                    let deps = received
+                        .iter()
+                        .copied()
+                        .chain(prev_chain_down[v][k])
+                        .collect();
+                    let id = self.push(chain[k - 1], chain[k], size, deps);
+                    prev_chain_down[v][k] = Some(id);
+                    received = vec![id];
                 }
             }
             prev_up = up;

@@ -19,7 +19,7 @@
 //!
 //! [[collectives]]                 # collectives expanded into flows
 //! kind = "all_reduce"
-//! algorithm = "ring"              # ring | double_binary_tree | halving_doubling | direct | hierarchical
+//! algorithm = "ring"              # ring | double_binary_tree | host_tree | halving_doubling | direct | hierarchical
 //! channels = 8
 //! ranks = { first = 0, count = 8 } # or an explicit list: ranks = [0, 1, 2, 3]
 //! bytes = 1073741824
@@ -362,6 +362,7 @@ fn algorithm(name: &str, channels: u32) -> Option<FlowAlgorithm> {
             channels: channels.max(1),
         },
         "double_binary_tree" | "tree" => FlowAlgorithm::DoubleBinaryTree,
+        "host_tree" => FlowAlgorithm::HostTree,
         "halving_doubling" => FlowAlgorithm::HalvingDoubling,
         "direct" => FlowAlgorithm::Direct,
         "hierarchical" => FlowAlgorithm::Hierarchical,
@@ -425,7 +426,7 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
         let alg_name = c.algorithm.clone().unwrap_or_else(|| "ring".to_string());
         let alg = algorithm(&alg_name, c.channels.unwrap_or(1));
         if alg.is_none() {
-            p.push(path("algorithm"), format!("unknown algorithm `{alg_name}`; known: ring, double_binary_tree, halving_doubling, direct, hierarchical"));
+            p.push(path("algorithm"), format!("unknown algorithm `{alg_name}`; known: ring, double_binary_tree, host_tree, halving_doubling, direct, hierarchical"));
         }
         let ranks: Option<Vec<u64>> = match &c.ranks {
             None => {

@@ -633,3 +633,52 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn host_tree_all_reduce_on_two_hosts_of_two() {
+    // Hosts {0, 1} and {2, 3}: each chain reduces towards its head (1 -> 0, 3 -> 2), the
+    // heads meet across hosts, and the sum goes back down each chain; one tree per half.
+    let ranks = seq(4);
+    let (set, range) = build(K::AllReduce, A::HostTree, &ranks, 1000, 2);
+    assert_well_formed(&set, &range, &ranks, K::AllReduce);
+    expect![[r#"
+        f0  3->2 500B after []
+        f1  2->0 500B after [0]
+        f2  1->0 500B after []
+        f3  0->2 500B after [1,2]
+        f4  0->1 500B after [1,2]
+        f5  2->3 500B after [3]
+        f6  1->0 500B after []
+        f7  0->2 500B after [6]
+        f8  3->2 500B after []
+        f9  2->0 500B after [7,8]
+        f10 2->3 500B after [7,8]
+        f11 0->1 500B after [9]
+    "#]]
+    .assert_eq(&render(&set, range));
+}
+
+#[test]
+fn host_trees_cross_hosts_only_between_heads_and_send_as_much_as_the_rank_tree() {
+    // Four hosts of four: inside a host only chain neighbours talk, across hosts only
+    // heads (each host's first rank), and the flow count is the rank tree's, 2(n-1) per
+    // tree and chunk.
+    for bytes in [4u64, 64 << 20] {
+        let ranks = seq(16);
+        let (set, range) = build(K::AllReduce, A::HostTree, &ranks, bytes, 4);
+        assert_well_formed(&set, &range, &ranks, K::AllReduce);
+        for f in &set.flows[range.clone()] {
+            let (hs, hd) = (f.src / 4, f.dst / 4);
+            if hs == hd {
+                assert_eq!(f.src.abs_diff(f.dst), 1, "{f:?}");
+            } else {
+                assert!(f.src % 4 == 0 && f.dst % 4 == 0, "{f:?}");
+            }
+        }
+        let (tree_set, tree_range) = build(K::AllReduce, A::DoubleBinaryTree, &ranks, bytes, 4);
+        assert_eq!(range.len(), tree_range.len());
+        let total =
+            |s: &FlowSet, r: Range<usize>| s.flows[r].iter().map(|f| f.bytes.0).sum::<u64>();
+        assert_eq!(total(&set, range), total(&tree_set, tree_range));
+    }
+}

@@ -259,10 +259,9 @@ impl Instance {
 ///
 /// - Ring: `max_per_node` channels, as NCCL runs one ring per GPU of a node so that the
 ///   inter-node hop gets every member's NIC (the bandwidth the analytical ring assumes).
-/// - Tree: NCCL's double binary tree over the members. The analytical tree is a double
-///   binary tree across nodes with a chain inside each node; the flows' tree is over all
-///   members instead (`log2(n)` levels rather than `log2(nodes)` plus the chain), an
-///   approximation of its shape with the same latency-bound character.
+/// - Tree: NCCL's tree across hosts, as the analytical model costs it: a double binary tree
+///   across nodes with a chain inside each ([`FlowAlgorithm::HostTree`]). Its inter-node
+///   edges join the first member of each node, so alike groups keep to one rail.
 /// - Hierarchical: inside each node, across nodes, inside again, exactly as costed. It needs
 ///   the same number of members on every node; on an uneven placement (which the analytical
 ///   model costs by its busiest node) the flows fall back to the ring.
@@ -287,7 +286,7 @@ fn flow_algorithm(
         })
         .algorithm;
     match (chosen, kind) {
-        (Algorithm::Tree, CollectiveKind::AllReduce) => FlowAlgorithm::DoubleBinaryTree,
+        (Algorithm::Tree, CollectiveKind::AllReduce) => FlowAlgorithm::HostTree,
         (
             Algorithm::Hierarchical,
             CollectiveKind::AllReduce | CollectiveKind::AllGather | CollectiveKind::ReduceScatter,
