@@ -1051,6 +1051,33 @@ fn with_symmetry(mut c: PacketConfig) -> PacketConfig {
     c
 }
 
+/// Checks a run `on` reduced by symmetry against its reference `off`: within the bounds,
+/// `copies` copies of each simulated flow, at least `ratio` times fewer events, and the end
+/// and every collective's completion exact.
+fn assert_reduced(
+    off: &PacketRun,
+    on: &PacketRun,
+    fs: &FlowSet,
+    copies: u64,
+    ratio: u64,
+    name: &str,
+) {
+    let e = check_bounds(&PacketConfig::reference(), off, on, fs, name);
+    assert_eq!(on.stats.symmetry_order, copies, "{name}");
+    assert_eq!(
+        copies * on.stats.symmetry_flows,
+        fs.flows.len() as u64,
+        "{name}"
+    );
+    assert!(
+        ratio * on.report.events <= off.report.events,
+        "{name}: {}",
+        on.report.events
+    );
+    assert_eq!(e.end, 0.0, "{name}");
+    assert_eq!(e.collective, 0.0, "{name}");
+}
+
 /// A ring all-reduce of `bytes` over every GPU of `hosts` rail-optimised hosts of four, on
 /// `channels` channels (each host enters and leaves its part of a channel's ring through
 /// other GPUs, so a host shift maps channels onto channels).
@@ -1085,17 +1112,8 @@ fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
     let sim = |c| PacketSimulator::new(c).run(&g, &fs, &trace).unwrap();
     let off = sim(PacketConfig::reference());
     let on = sim(with_symmetry(PacketConfig::reference()));
-    let e = check_bounds(&PacketConfig::reference(), &off, &on, &fs, "symmetric ring");
     // Four hosts alike: one host's worth of flows simulated, a quarter of the events.
-    assert_eq!(on.stats.symmetry_order, 4);
-    assert_eq!(4 * on.stats.symmetry_flows, fs.flows.len() as u64);
-    assert!(
-        4 * on.report.events <= off.report.events,
-        "{}",
-        on.report.events
-    );
-    assert_eq!(e.end, 0.0);
-    assert_eq!(e.collective, 0.0);
+    assert_reduced(&off, &on, &fs, 4, 4, "symmetric ring");
     // The flows simulated, those sent from the first host, are the reference's to the
     // picosecond, and so are their delivered bytes at every trace sample; the rest are
     // copies of them.
@@ -1124,22 +1142,7 @@ fn a_ring_over_alike_hosts_and_gpus_is_simulated_once_per_gpu_within_bounds() {
     let (g, fs) = ring_over_hosts(4, 4, 4_000_000);
     let off = run(PacketConfig::reference(), &g, &fs);
     let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
-    let e = check_bounds(
-        &PacketConfig::reference(),
-        &off,
-        &on,
-        &fs,
-        "ring, hosts and GPUs",
-    );
-    assert_eq!(on.stats.symmetry_order, 16);
-    assert_eq!(16 * on.stats.symmetry_flows, fs.flows.len() as u64);
-    assert!(
-        10 * on.report.events <= off.report.events,
-        "{}",
-        on.report.events
-    );
-    assert_eq!(e.end, 0.0);
-    assert_eq!(e.collective, 0.0);
+    assert_reduced(&off, &on, &fs, 16, 10, "ring, hosts and GPUs");
     // The same with every other mechanism on.
     let all = run(PacketConfig::default(), &g, &fs);
     check_bounds(
