@@ -576,3 +576,50 @@ fn table_line(r: &AccelRow) -> String {
     };
     format!("{:<40} {:>5} {:>6} {measured}", r.scenario, r.gpus, r.flows)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn renumbering_keeps_dependencies_first_and_maps_back() {
+        // A ring all-reduce over four ranks: chains of dependencies and ties among the
+        // flows ready at once.
+        let mut flows = FlowSet::default();
+        collective_flows(
+            &mut flows,
+            "ring",
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 2 },
+            &[0, 1, 2, 3],
+            Bytes(1 << 16),
+            4,
+            Picos::ZERO,
+        )
+        .unwrap();
+        let (renamed, old_of) = renumbered(&flows);
+        renamed.check().unwrap();
+        let mut seen = old_of.clone();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..flows.flows.len()).collect::<Vec<_>>());
+        assert_ne!(old_of, seen, "another order than the first");
+        let mut new_of = vec![0; old_of.len()];
+        for (k, &i) in old_of.iter().enumerate() {
+            new_of[i] = k;
+        }
+        for (k, &i) in old_of.iter().enumerate() {
+            let (a, b) = (&renamed.flows[k], &flows.flows[i]);
+            assert_eq!(
+                (a.src, a.dst, a.bytes, a.delay),
+                (b.src, b.dst, b.bytes, b.delay)
+            );
+            let mut deps: Vec<usize> = a.deps.iter().map(|d| old_of[d.index()]).collect();
+            let mut want: Vec<usize> = b.deps.iter().map(|d| d.index()).collect();
+            deps.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(deps, want, "flow {i}");
+            assert!(b.deps.iter().all(|d| new_of[d.index()] < k));
+        }
+    }
+}

@@ -429,9 +429,10 @@ fn bad_options_exit_with_status_2() {
     }
 }
 
-/// `bench --accel --seed-spread --json` on the smallest scenario (a 1 MiB ring all-reduce on
-/// 128 GPUs, reference included): one row whose figures agree with each other, whose errors
-/// are within the bounds, and with the reference's spread across seeds.
+/// `bench --accel --seed-spread --label-spread --json` on the smallest scenario (a 1 MiB ring
+/// all-reduce on 128 GPUs, reference included): one row whose figures agree with each other,
+/// whose errors are within the bounds, with the reference's spread across seeds and
+/// flow numberings.
 #[test]
 fn accel_json_report_has_the_row_and_its_errors() {
     let (code, stdout, stderr) = orrery(&[
@@ -443,6 +444,7 @@ fn accel_json_report_has_the_row_and_its_errors() {
         "0",
         "--no-moe",
         "--seed-spread",
+        "--label-spread",
         "--json",
     ]);
     assert_eq!(code, 0, "{stderr}");
@@ -477,10 +479,14 @@ fn accel_json_report_has_the_row_and_its_errors() {
         !stdout.contains("orrery bench --accel:"),
         "no table heading in JSON"
     );
-    // The reference against itself with the next seed: errors of the same kind.
-    let spread = &r["reference_seed_spread"];
-    for key in ["mean_fct", "p99_fct", "end", "collective"] {
-        let x = spread[key].as_f64().unwrap_or(f64::NAN);
-        assert!(x.is_finite() && x >= 0.0, "{key}: {r}");
+    // The reference against itself with the next seed, and on its flows renumbered:
+    // errors of the same kind.
+    for spread in ["reference_seed_spread", "reference_label_spread"] {
+        for key in ["mean_fct", "p99_fct", "end", "collective"] {
+            let x = r[spread][key].as_f64().unwrap_or(f64::NAN);
+            assert!(x.is_finite() && x >= 0.0, "{spread} {key}: {r}");
+        }
     }
+    // The ring is alike on every host and GPU: one GPU's flows simulated, 128 copies.
+    assert_eq!(r["symmetry_copies"], 128, "{r}");
 }
