@@ -45,9 +45,11 @@
 //!
 //! ## The quotient
 //!
-//! Each flow orbit is simulated as its lowest flow, on the lowest link of each link orbit,
-//! depending on the flows standing for its dependencies' orbits. A switch that the
-//! rotation keeps in place (a rail leaf) holds the packets of all `b` copies in the full
+//! Each flow orbit is simulated as its member with the smallest source endpoint (the one
+//! sent from the block's first host or GPU), on the lowest link of each link orbit,
+//! depending on the flows standing for its dependencies' orbits, in an order that keeps
+//! dependencies first. A switch that the rotation keeps in place (a rail leaf under the
+//! host shift, a host's NVLink switch under the GPU shift) holds the packets of all `b` copies in the full
 //! network, while the quotient puts only one copy's through it: its shared buffer counts
 //! every byte `b / (its orbit size)` times ([`super::engine::SwitchBuf::copies`]), so its
 //! dynamic PFC threshold and its tail drop see the full network's occupancy. Every other
@@ -73,8 +75,8 @@
 //! picosecond by flow number (queue pairs released together on a port are served in flow
 //! order), so on every host the lowest-numbered ring channel goes first, while the shifts
 //! map each channel to the next one. On that 128-GPU ring this moves single flows by
-//! 0.57% in mean and 22.2% at the 99th percentile (0.64% and 26.7% with the host shift
-//! alone), and the collective's completion not at all; numbering the reference's own flows
+//! 0.57% in mean and 22.2% at the 99th percentile (0.62% and 26.7% with the host shift
+//! alone and no other mechanism), and the collective's completion not at all; numbering the reference's own flows
 //! in another order moves them by as much (0.53% and 22.1%; `orrery bench --accel
 //! --label-spread`).
 //!
