@@ -11,7 +11,7 @@
 //! event ratio `(processed + skipped) / processed`, marked "est".
 
 use anyhow::{Context, Result};
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
+use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
@@ -426,25 +426,9 @@ struct Spreads {
 /// the flows ready, the highest-numbered first), and each new number's old one.
 fn renumbered(flows: &FlowSet) -> (FlowSet, Vec<usize>) {
     let n = flows.flows.len();
-    let mut waiting: Vec<usize> = flows.flows.iter().map(|f| f.deps.len()).collect();
-    let mut dependents = vec![Vec::new(); n];
-    for (i, f) in flows.flows.iter().enumerate() {
-        for d in &f.deps {
-            dependents[d.index()].push(i);
-        }
-    }
-    let mut ready: std::collections::BinaryHeap<usize> =
-        (0..n).filter(|&i| waiting[i] == 0).collect();
-    let mut old_of = Vec::with_capacity(n);
-    while let Some(i) = ready.pop() {
-        old_of.push(i);
-        for &g in &dependents[i] {
-            waiting[g] -= 1;
-            if waiting[g] == 0 {
-                ready.push(g);
-            }
-        }
-    }
+    let deps = |i: usize| flows.flows[i].deps.iter().map(|d| d.index()).collect();
+    // A flow set's dependencies point to earlier flows, so there is no cycle.
+    let old_of = dependency_order(n, deps, true).unwrap_or_else(|| (0..n).collect());
     let mut new_of = vec![0u32; n];
     for (k, &i) in old_of.iter().enumerate() {
         new_of[i] = k as u32;

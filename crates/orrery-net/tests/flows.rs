@@ -682,3 +682,18 @@ fn host_trees_cross_hosts_only_between_heads_and_send_as_much_as_the_rank_tree()
         assert_eq!(total(&set, range), total(&tree_set, tree_range));
     }
 }
+
+#[test]
+fn dependency_order_puts_dependencies_first_and_breaks_ties_by_id() {
+    // 0 <- 2, 1 <- 2, 3 alone; 2 waits for 0 and 1.
+    let deps = |i: usize| match i {
+        2 => vec![0, 1],
+        _ => Vec::new(),
+    };
+    use orrery_net::flows::dependency_order;
+    assert_eq!(dependency_order(4, deps, false), Some(vec![0, 1, 2, 3]));
+    assert_eq!(dependency_order(4, deps, true), Some(vec![3, 1, 0, 2]));
+    // A cycle has no such order.
+    let cycle = |i: usize| vec![(i + 1) % 3];
+    assert_eq!(dependency_order(3, cycle, false), None);
+}

@@ -95,7 +95,7 @@
 
 use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
-use crate::flows::{FlowSet, FlowSpec};
+use crate::flows::{dependency_order, FlowSet, FlowSpec};
 use crate::topology::NetGraph;
 use orrery_units::{FlowId, LinkId};
 use std::collections::{HashMap, VecDeque};
@@ -492,40 +492,21 @@ fn orbit_reps<K: Ord>(
 /// dependencies (the lowest flow id first among those ready). The orbit graph has no
 /// cycle: every member of an orbit is released at the same time in the symmetric run, so
 /// an orbit waits only for orbits that finished before it started.
-fn dependency_order(flows: &FlowSet, flow_rep: &[u32], reps: &[u32]) -> Option<Vec<u32>> {
-    let mut waiting: HashMap<u32, u32> = HashMap::new();
-    let mut dependents: HashMap<u32, Vec<u32>> = HashMap::new();
-    for &r in reps {
-        let mut on: Vec<u32> = flows.flows[r as usize]
+fn quotient_order(flows: &FlowSet, flow_rep: &[u32], reps: &[u32]) -> Option<Vec<u32>> {
+    // `reps` ascend, so a position's order is its flow's.
+    let mut position = HashMap::with_capacity(reps.len());
+    for (k, &r) in reps.iter().enumerate() {
+        position.insert(r, k);
+    }
+    let deps = |k: usize| {
+        flows.flows[reps[k] as usize]
             .deps
             .iter()
-            .map(|d| flow_rep[d.index()])
-            .collect();
-        on.sort_unstable();
-        on.dedup();
-        waiting.insert(r, on.len() as u32);
-        for d in on {
-            dependents.entry(d).or_default().push(r);
-        }
-    }
-    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<u32>> = reps
-        .iter()
-        .copied()
-        .filter(|r| waiting[r] == 0)
-        .map(std::cmp::Reverse)
-        .collect();
-    let mut order = Vec::with_capacity(reps.len());
-    while let Some(std::cmp::Reverse(r)) = ready.pop() {
-        order.push(r);
-        for &g in dependents.get(&r).map_or(&[][..], |v| &v[..]) {
-            let w = waiting.get_mut(&g)?;
-            *w -= 1;
-            if *w == 0 {
-                ready.push(std::cmp::Reverse(g));
-            }
-        }
-    }
-    (order.len() == reps.len()).then_some(order)
+            .map(|d| position[&flow_rep[d.index()]])
+            .collect()
+    };
+    let order = dependency_order(reps.len(), deps, false)?;
+    Some(order.into_iter().map(|k| reps[k]).collect())
 }
 
 fn quotient(
@@ -568,7 +549,7 @@ fn quotient(
     let reps: Vec<u32> = (0..fimg.len() as u32)
         .filter(|&f| flow_rep[f as usize] == f)
         .collect();
-    let reps = dependency_order(flows, &flow_rep, &reps)?;
+    let reps = quotient_order(flows, &flow_rep, &reps)?;
     let mut index_of_rep = vec![NONE; fimg.len()];
     for (k, &r) in reps.iter().enumerate() {
         index_of_rep[r as usize] = k as u32;
