@@ -11,13 +11,13 @@
 //! event ratio `(processed + skipped) / processed`, marked "est".
 
 use anyhow::{Context, Result};
-use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet, FlowSpec};
+use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
 use orrery_predict::traffic::Release;
-use orrery_units::{Bytes, FlowId, Picos};
+use orrery_units::{Bytes, Picos};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -429,24 +429,7 @@ fn renumbered(flows: &FlowSet) -> (FlowSet, Vec<usize>) {
     let deps = |i: usize| flows.flows[i].deps.iter().map(|d| d.index()).collect();
     // A flow set's dependencies point to earlier flows, so there is no cycle.
     let old_of = dependency_order(n, deps, true).unwrap_or_else(|| (0..n).collect());
-    let mut new_of = vec![0u32; n];
-    for (k, &i) in old_of.iter().enumerate() {
-        new_of[i] = k as u32;
-    }
-    let renamed = FlowSet {
-        flows: old_of
-            .iter()
-            .map(|&i| {
-                let f = &flows.flows[i];
-                FlowSpec {
-                    deps: f.deps.iter().map(|d| FlowId(new_of[d.index()])).collect(),
-                    ..f.clone()
-                }
-            })
-            .collect(),
-        collectives: flows.collectives.clone(),
-    };
-    (renamed, old_of)
+    (flows.reordered(&old_of), old_of)
 }
 
 /// Runs scenario `s` accelerated and, if `with_reference`, packet by packet (and packet by

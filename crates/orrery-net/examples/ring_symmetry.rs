@@ -3,21 +3,21 @@
 //! module: the errors of the reduced run with every other mechanism off and with all of
 //! them on, how many of the flows it simulated (those sent from GPU 0) are the
 //! reference's to the picosecond, and how far the reference itself moves when its flows
-//! are numbered with the channels in reverse order.
+//! are numbered in another order that keeps dependencies first.
 //!
 //! `cargo run --release -p orrery-net --example ring_symmetry -- [HOSTS] [MIB]` (defaults
 //! 16 hosts, 64 MiB: about 40 s, most of it the two reference runs).
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
+use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
-use orrery_units::{Bytes, FlowId, Picos};
+use orrery_units::{Bytes, Picos};
 use std::time::Instant;
 
-const CHANNELS: usize = 8;
+const CHANNELS: u32 = 8;
 
 fn main() {
     let arg = |i: usize, default: u64| {
@@ -33,9 +33,7 @@ fn main() {
         &mut flows,
         "ring",
         CollectiveKind::AllReduce,
-        FlowAlgorithm::Ring {
-            channels: CHANNELS as u32,
-        },
+        FlowAlgorithm::Ring { channels: CHANNELS },
         &(0..8 * hosts as u32).collect::<Vec<u32>>(),
         Bytes(bytes),
         8,
@@ -56,33 +54,19 @@ fn main() {
         reference.report.events
     );
 
-    // Each channel's flows are one block, depending only on their own channel's: reversed
-    // blocks keep every dependency first.
+    // Numbered in another order that keeps dependencies first (the highest-numbered ready
+    // flow first, as `orrery bench --accel --label-spread` does).
     let n = flows.flows.len();
-    let per_channel = n / CHANNELS;
-    let new_id = |i: usize| (CHANNELS - 1 - i / per_channel) * per_channel + i % per_channel;
-    let mut renumbered: Vec<Option<FlowSpec>> = vec![None; n];
-    for (i, f) in flows.flows.iter().enumerate() {
-        renumbered[new_id(i)] = Some(FlowSpec {
-            deps: f
-                .deps
-                .iter()
-                .map(|d| FlowId(new_id(d.index()) as u32))
-                .collect(),
-            ..f.clone()
-        });
-    }
-    let renumbered = FlowSet {
-        flows: renumbered.into_iter().map(Option::unwrap).collect(),
-        collectives: flows.collectives.clone(),
-    };
+    let deps = |i: usize| flows.flows[i].deps.iter().map(|d| d.index()).collect();
+    let old_of = dependency_order(n, deps, true).unwrap();
+    let renumbered = flows.reordered(&old_of);
     let (other, _) = run(PacketConfig::reference(), &renumbered);
     let mut back = reference.report.clone();
-    for (i, slot) in back.flows.iter_mut().enumerate() {
-        *slot = other.report.flows[new_id(i)];
+    for (k, &i) in old_of.iter().enumerate() {
+        back.flows[i] = other.report.flows[k];
     }
     println!(
-        "reference with the channels numbered in reverse: {:?}",
+        "reference with its flows renumbered: {:?}",
         RunErrors::between(&reference.report, &back, &flows)
     );
 

@@ -95,6 +95,30 @@ impl FlowSet {
         Ok(())
     }
 
+    /// The same flows numbered anew: new flow `k` is old flow `order[k]`, its dependencies
+    /// renamed. `order` must be a permutation that keeps dependencies first, such as
+    /// [`dependency_order`] gives.
+    pub fn reordered(&self, order: &[usize]) -> FlowSet {
+        let mut new_of = vec![0u32; self.flows.len()];
+        for (k, &i) in order.iter().enumerate() {
+            new_of[i] = k as u32;
+        }
+        FlowSet {
+            flows: order
+                .iter()
+                .map(|&i| FlowSpec {
+                    deps: self.flows[i]
+                        .deps
+                        .iter()
+                        .map(|d| FlowId(new_of[d.index()]))
+                        .collect(),
+                    ..self.flows[i].clone()
+                })
+                .collect(),
+            collectives: self.collectives.clone(),
+        }
+    }
+
     /// Adds a single point-to-point flow as its own collective; returns its id.
     pub fn push_p2p(
         &mut self,

@@ -625,24 +625,20 @@ impl Quotient {
         }
     }
 
+    /// A per-flow quantity of the quotient's flows for every flow of the run: each flow
+    /// gets the value of the flow that stands for its orbit.
+    fn per_flow<T: Copy>(&self, v: &[T]) -> Vec<T> {
+        self.flow_index.iter().map(|&k| v[k as usize]).collect()
+    }
+
     /// The run of the full flow set that the quotient's `run` stands for (see the module
     /// essay for what is copied, what is multiplied and what is the quotient's own).
     pub fn expand(&self, run: PacketRun) -> PacketRun {
         let b = u64::from(self.order);
-        let per_flow = |v: &[u64]| -> Vec<u64> {
-            self.flow_index
-                .iter()
-                .map(|&k| v[k as usize])
-                .collect::<Vec<u64>>()
-        };
         let per_link =
             |v: &[u64]| -> Vec<u64> { self.link_rep.iter().map(|&r| v[r as usize]).collect() };
         let mut report = run.report;
-        report.flows = self
-            .flow_index
-            .iter()
-            .map(|&k| report.flows[k as usize])
-            .collect();
+        report.flows = self.per_flow(&report.flows);
         report.link_bytes = per_link(&report.link_bytes);
         report.pfc_pauses = per_link(&report.pfc_pauses);
         report.drops *= b;
@@ -675,12 +671,8 @@ impl Quotient {
             .samples
             .into_iter()
             .map(|mut sample| {
-                sample.delivered = per_flow(&sample.delivered);
-                sample.rate = self
-                    .flow_index
-                    .iter()
-                    .map(|&k| sample.rate[k as usize])
-                    .collect();
+                sample.delivered = self.per_flow(&sample.delivered);
+                sample.rate = self.per_flow(&sample.rate);
                 sample
             })
             .collect();
