@@ -59,6 +59,10 @@ pub struct NetsimArgs {
     /// instead of one copy per orbit (`accel.symmetry = false`).
     #[arg(long)]
     no_symmetry: bool,
+    /// Packet model: find only symmetries that map every flow, none that leave flows of one
+    /// packet out of the check (`accel.symmetry_exempt = false`).
+    #[arg(long)]
+    strict_symmetry: bool,
     /// Packet model: the packet-by-packet reference, every acceleration off.
     #[arg(long)]
     reference: bool,
@@ -409,6 +413,20 @@ fn render(s: &NetsimSummary) -> String {
                 "symmetry: {} flows simulated, each for {} copies, ~{} events skipped",
                 p.symmetry_flows, p.symmetry_order, p.symmetry_skipped_events
             );
+            if p.symmetry_exempt_flows > 0 {
+                let _ = writeln!(
+                    out,
+                    "symmetry: {} one-packet flows exempt from the check, {} flows waiting for them timed through their dependencies",
+                    p.symmetry_exempt_flows, p.symmetry_late_flows
+                );
+            }
+            if p.symmetry_retried_events > 0 {
+                let _ = writeln!(
+                    out,
+                    "symmetry: a quotient whose late flows came out of step with their copies was set aside ({} events, counted above)",
+                    p.symmetry_retried_events
+                );
+            }
         } else {
             out.push_str("symmetry: none found\n");
         }
@@ -557,6 +575,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             a.mirror &= !(args.no_mirror || args.reference);
             a.periodic &= !(args.no_periodic || args.reference);
             a.symmetry &= !(args.no_symmetry || args.reference);
+            a.symmetry_exempt &= !(args.strict_symmetry || args.reference);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),

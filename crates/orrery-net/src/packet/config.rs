@@ -232,6 +232,15 @@ pub struct AccelConfig {
     /// number (about as much as renumbering the reference's flows does), and collective
     /// completions not at all on the rings measured. Default true.
     pub symmetry: bool,
+    /// With `symmetry`: when no rotation maps every flow, try them again with the flows of
+    /// at most one packet (`mtu_payload` bytes) left out of the check, as long as they are
+    /// at most one per hundred packets. The tiny all-reduce of a gradient norm over a tree
+    /// with a root is the case: it breaks every host shift of a training step and carries
+    /// a few bytes. Exempt flows are simulated each on its own, folded onto the quotient's
+    /// links, and the flows that wait for them are released when their own dependencies
+    /// finish (see "Exempt flows" in the `symmetry` module for what that approximates).
+    /// Default true.
+    pub symmetry_exempt: bool,
     /// Completion times a chain must have repeated over (and, on average, flows each chain
     /// must still have to run). Default 5. Short rings are the hard case: the lanes of the
     /// 8-rank data-parallel rings of a GPT step on 64 GPUs (7 steps, 4 channels drifting
@@ -287,6 +296,7 @@ impl AccelConfig {
             mirror: false,
             periodic: false,
             symmetry: false,
+            symmetry_exempt: false,
             ..AccelConfig::default()
         }
     }
@@ -301,6 +311,7 @@ impl Default for AccelConfig {
             mirror: true,
             periodic: true,
             symmetry: true,
+            symmetry_exempt: true,
             period_window: 5,
             period_theta: 0.01,
             sample_interval: Picos::from_micros(10),

@@ -350,6 +350,15 @@ pub struct PacketStats {
     pub symmetry_order: u64,
     pub symmetry_flows: u64,
     pub symmetry_skipped_events: u64,
+    /// Flows of at most one packet left out of the symmetry check and simulated each on
+    /// its own (`accel.symmetry_exempt`), and the flows waiting for them whose times were
+    /// carried through their dependencies, each counted at the level that exempted it.
+    pub symmetry_exempt_flows: u64,
+    pub symmetry_late_flows: u64,
+    /// Events of quotient runs set aside because their late flows came out of step with
+    /// their copies (the run was then simulated again with a stricter symmetry); they are
+    /// included in the run's `events`.
+    pub symmetry_retried_events: u64,
 }
 
 impl PacketStats {
@@ -441,43 +450,85 @@ impl PacketSimulator {
         flows.check()?;
         let routes = engine::Routes::compute(graph, flows)?;
         let ones = vec![1; graph.num_nodes()];
-        // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
-        let mut levels: Vec<symmetry::Quotient> = Vec::new();
+        let exempt_bytes = if cfg.accel.symmetry_exempt {
+            u64::from(cfg.mtu_payload)
+        } else {
+            0
+        };
+        // Levels from `strict_from` on look only for symmetries that map every flow: a
+        // level with exempt flows whose late flows came out of step (see the `symmetry`
+        // module) is searched again strictly, and the run simulated again.
+        let mut strict_from = usize::MAX;
+        let mut retried_events = 0;
         loop {
-            let next = match levels.last() {
-                _ if !cfg.accel.symmetry => None,
-                Some(q) => symmetry::find(graph, &q.flows, &q.routes, &q.copies),
-                None => symmetry::find(graph, flows, &routes, &ones),
-            };
-            match next {
-                Some(q) => levels.push(q),
-                None => break,
+            // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
+            let mut levels: Vec<symmetry::Quotient> = Vec::new();
+            loop {
+                let exempt = if levels.len() < strict_from {
+                    exempt_bytes
+                } else {
+                    0
+                };
+                let next = match levels.last() {
+                    _ if !cfg.accel.symmetry => None,
+                    Some(q) => symmetry::find(graph, &q.flows, &q.routes, &q.copies, exempt),
+                    None => symmetry::find(graph, flows, &routes, &ones, exempt),
+                };
+                match next {
+                    Some(q) => levels.push(q),
+                    None => break,
+                }
             }
-        }
-        let Some(last) = levels.last() else {
-            return engine::Engine::with_routes(
+            let Some(last) = levels.last() else {
+                let mut run = engine::Engine::with_routes(
+                    &cfg,
+                    graph,
+                    flows,
+                    routes,
+                    &ones,
+                    trace,
+                    Some(&mut cache),
+                )?
+                .run(progress)?;
+                run.add_retried_events(retried_events);
+                return Ok(run);
+            };
+            let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
+            let run = engine::Engine::with_routes(
                 &cfg,
                 graph,
-                flows,
-                routes,
-                &ones,
-                trace,
+                &last.flows,
+                last.routes.clone(),
+                &last.copies,
+                &q_trace,
                 Some(&mut cache),
             )?
-            .run(progress);
-        };
-        let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
-        let run = engine::Engine::with_routes(
-            &cfg,
-            graph,
-            &last.flows,
-            last.routes.clone(),
-            &last.copies,
-            &q_trace,
-            Some(&mut cache),
-        )?
-        .run(progress)?;
-        Ok(levels.iter().rev().fold(run, |run, q| q.expand(run)))
+            .run(progress)?;
+            let events = run.report.events;
+            let mut expanded = Some(run);
+            for (level, q) in levels.iter().enumerate().rev() {
+                expanded = expanded.and_then(|run| q.expand(run));
+                if expanded.is_none() {
+                    strict_from = level;
+                    break;
+                }
+            }
+            match expanded {
+                Some(mut run) => {
+                    run.add_retried_events(retried_events);
+                    return Ok(run);
+                }
+                None => retried_events += events,
+            }
+        }
+    }
+}
+
+impl PacketRun {
+    /// Counts the events of runs simulated and set aside before this one as its own.
+    fn add_retried_events(&mut self, events: u64) {
+        self.report.events += events;
+        self.stats.symmetry_retried_events += events;
     }
 }
 
