@@ -599,3 +599,40 @@ fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
     let (code, _, stderr) = orrery(&["train", "--device-budget", "lots"]);
     assert_eq!(code, 2, "{stderr}");
 }
+
+#[test]
+fn netsim_exempts_the_gradient_norm_from_the_symmetry_check_unless_told_not_to() {
+    // The README's training-step scenario: the GPU shift of the tensor ranks holds exactly;
+    // the shift of a pipeline stage's hosts, and then the strided shift of the
+    // data-parallel ranks inside a host, hold once the norm's one-packet flows are left
+    // out of the check.
+    let scenario = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/scenarios/gpt-step-128.toml"
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec!["netsim", scenario, "--json"];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let loose = run(&[]);
+    let strict = run(&["--strict-symmetry"]);
+    let stat = |v: &serde_json::Value, k: &str| v["packet_stats"][k].as_u64().unwrap();
+    assert_eq!(stat(&loose, "symmetry_order"), 32);
+    assert!(stat(&loose, "symmetry_exempt_flows") > 0);
+    assert!(stat(&loose, "symmetry_late_flows") > 0);
+    assert_eq!(stat(&strict, "symmetry_order"), 2);
+    assert_eq!(stat(&strict, "symmetry_exempt_flows"), 0);
+    assert!(loose["events"].as_u64().unwrap() < strict["events"].as_u64().unwrap());
+    assert_eq!(loose["bytes_delivered"], strict["bytes_delivered"]);
+    let end = |v: &serde_json::Value| v["end"].as_f64().unwrap();
+    assert!((end(&loose) - end(&strict)).abs() < 0.001 * end(&strict));
+    let (code, text, stderr) = orrery(&["netsim", scenario]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        text.contains("one-packet flows exempt from the check"),
+        "{text}"
+    );
+}

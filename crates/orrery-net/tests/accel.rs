@@ -1155,6 +1155,30 @@ fn a_ring_over_alike_hosts_and_gpus_is_simulated_once_per_gpu_within_bounds() {
     assert_eq!(all.stats.symmetry_order, 16);
 }
 
+#[test]
+fn a_ring_over_every_other_gpu_is_folded_by_a_strided_shift() {
+    // Ranks on GPUs 0 and 2 of four hosts of four, as a data-parallel group takes every
+    // other GPU when tensor ranks are interleaved: after the host shift, moving each GPU
+    // two places on within its host (0 to 2 to 0, 1 to 3 to 1) maps the ring onto itself.
+    let ranks: Vec<u32> = (0..4).flat_map(|h| [4 * h, 4 * h + 2]).collect();
+    let mut fs = FlowSet::default();
+    collective_flows(
+        &mut fs,
+        "ring",
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels: 2 },
+        &ranks,
+        Bytes(4_000_000),
+        4,
+        Picos::from_nanos(2000),
+    )
+    .unwrap();
+    let g = four_gpu_hosts(4);
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    assert_reduced(&off, &on, &fs, 8, 6, "ring over every other GPU");
+}
+
 /// The ring of [`ring_over_hosts`] with one more flow inside the first host.
 #[test]
 fn one_flow_out_of_step_leaves_the_run_unreduced_and_unchanged() {

@@ -20,7 +20,11 @@
 //! Candidates are rotations of hosts, then of the GPUs inside every host: hosts (or local
 //! GPU indices) are cut into blocks of `b` consecutive ones (`b` divides their number,
 //! largest first) and each moves to the next of its block, keeping its local index (or
-//! its host). The rotation acts on nodes through the structure of
+//! its host). After those, each moves `s` places on within its block instead (`s`
+//! divides `b`; orbits of `b / s`): a data-parallel group that takes every other GPU of a
+//! host, the tensor ranks interleaved with it, is rotated by moving every GPU two places
+//! (the 350M step on 128 GPUs, after the tensor ranks' shift and the hosts': 32 copies
+//! instead of 8). The rotation acts on nodes through the structure of
 //! the graph: a node at hop distance `d` from the nearest endpoint goes where its
 //! neighbours at smaller distances go (the `i`-th of the nodes sharing those neighbours to
 //! the `i`-th of the nodes sharing their images), so NVLink switches follow their hosts,
@@ -194,36 +198,46 @@ pub(super) fn find(
     let layers = Layers::new(graph);
     // Each candidate moves every endpoint's (host, local GPU) index `i` to the next index
     // of its block of `block`: across hosts first, then across a host's GPUs.
+    // Blocks of `block` indices, each index moving `stride` places on within its block
+    // (an orbit of `block / stride`): steps of one first, largest blocks first; then
+    // longer strides, for groups that take every other GPU of a host (tensor ranks
+    // interleaved with data-parallel ones).
     let rotations = |count: usize, across_hosts: bool| {
-        (2..=count)
-            .rev()
-            .filter(move |&b| count.is_multiple_of(b))
-            .map(move |b| (b, across_hosts))
+        let blocks = move || (2..=count).rev().filter(move |&b| count.is_multiple_of(b));
+        let unit = blocks().map(move |b| (b, 1, across_hosts));
+        let strided = blocks().flat_map(move |b| {
+            (2..b)
+                .filter(move |&s| b.is_multiple_of(s))
+                .map(move |s| (b, s, across_hosts))
+        });
+        unit.chain(strided)
     };
-    let candidates: Vec<(usize, bool)> = rotations(hosts, true)
+    let candidates: Vec<(usize, usize, bool)> = rotations(hosts, true)
         .chain(rotations(per_host, false))
         .collect();
     let first_that_holds = |keys: &FlowKeys| {
-        candidates.iter().find_map(|&(block, across_hosts)| {
-            let next = |i: usize| i - i % block + (i % block + 1) % block;
-            let endpoint_image: Vec<u32> = (0..endpoints)
-                .map(|e| {
-                    let (host, local) = (e / per_host, e % per_host);
-                    let (host, local) = if across_hosts {
-                        (next(host), local)
-                    } else {
-                        (host, next(local))
-                    };
-                    (host * per_host + local) as u32
-                })
-                .collect();
-            let shift = Shift {
-                order: block as u32,
-                endpoint_image: &endpoint_image,
-                copies,
-            };
-            quotient(graph, flows, routes, keys, &layers, &shift)
-        })
+        candidates
+            .iter()
+            .find_map(|&(block, stride, across_hosts)| {
+                let next = |i: usize| i - i % block + (i % block + stride) % block;
+                let endpoint_image: Vec<u32> = (0..endpoints)
+                    .map(|e| {
+                        let (host, local) = (e / per_host, e % per_host);
+                        let (host, local) = if across_hosts {
+                            (next(host), local)
+                        } else {
+                            (host, next(local))
+                        };
+                        (host * per_host + local) as u32
+                    })
+                    .collect();
+                let shift = Shift {
+                    order: (block / stride) as u32,
+                    endpoint_image: &endpoint_image,
+                    copies,
+                };
+                quotient(graph, flows, routes, keys, &layers, &shift)
+            })
     };
     first_that_holds(&FlowKeys::new(flows, endpoints, Vec::new())).or_else(|| {
         let exempt = exempt_flows(flows, exempt_bytes)?;
