@@ -238,8 +238,9 @@ pub struct AccelConfig {
     /// with a root is the case: it breaks every host shift of a training step and carries
     /// a few bytes. Exempt flows are simulated each on its own, folded onto the quotient's
     /// links, and the flows that wait for them are released when their own dependencies
-    /// finish (see "Exempt flows" in the `symmetry` module for what that approximates).
-    /// Default true.
+    /// finish; a level whose late flows come out of step with their copies is set aside
+    /// and searched again without exemptions (see "Exempt flows" in the `symmetry` module
+    /// for what that approximates and checks). Default true.
     pub symmetry_exempt: bool,
     /// Completion times a chain must have repeated over (and, on average, flows each chain
     /// must still have to run). Default 5. Short rings are the hard case: the lanes of the

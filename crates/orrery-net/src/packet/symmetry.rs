@@ -71,11 +71,21 @@
 //! share the quotient's links with each other, one frame each (a few tens of nanoseconds
 //! at 400 Gb/s against the microseconds of their per-step latency); the switch buffer
 //! counts their frames once per copy; the copies of a late flow run with the quotient's
-//! timing (all at once) when they were in fact released some microseconds apart. Byte
-//! totals and per-link bytes count each exempt flow once, on its own links; ECN, ACK and
-//! other network counters are the quotient's multiplied by the copies (an exempt flow's
-//! ACK counts once per copy), and trace samples of a late flow are its stand-in's. `tests/accel.rs` checks the
-//! bounds on a step with a tree norm, and `orrery bench --accel` measures the GPT steps.
+//! timing (all at once) when they were in fact released some microseconds apart. That
+//! last part is small only while each copy's late flows lag the flows simulated for them
+//! by about one amount, so that the copy is the quotient shifted in time: the expansion
+//! checks it, and when the lags within one copy spread by more than [`LAG_SPREAD`] of the
+//! late flows' median duration, the quotient's run is set aside (its events still
+//! counted, `PacketStats::symmetry_retried_events`) and that level is searched again
+//! without exempt flows. A host shift passes (a host's chain delivers the norm to its
+//! GPUs in the same order on every host); a GPU shift of a host whose chain delivers it
+//! GPU after GPU does not.
+//!
+//! Byte totals and per-link bytes count each exempt flow once, on its own links; ECN, ACK
+//! and other network counters are the quotient's multiplied by the copies (an exempt
+//! flow's ACK counts once per copy), and trace samples of a late flow are its
+//! stand-in's. `tests/accel.rs` checks the bounds on a step with a tree norm, and `orrery
+//! bench --accel` measures the GPT steps.
 //!
 //! ## The quotient
 //!
@@ -196,12 +206,11 @@ pub(super) fn find(
     }
     let hosts = endpoints / per_host;
     let layers = Layers::new(graph);
-    // Each candidate moves every endpoint's (host, local GPU) index `i` to the next index
-    // of its block of `block`: across hosts first, then across a host's GPUs.
-    // Blocks of `block` indices, each index moving `stride` places on within its block
-    // (an orbit of `block / stride`): steps of one first, largest blocks first; then
-    // longer strides, for groups that take every other GPU of a host (tensor ranks
-    // interleaved with data-parallel ones).
+    // Each candidate moves every endpoint's (host, local GPU) index `i` `stride` places on
+    // within its block of `block` (orbits of `block / stride`): across hosts first, then
+    // across a host's GPUs; on each, steps of one first, largest blocks first, then longer
+    // strides, for groups that take every other GPU of a host (tensor ranks interleaved
+    // with data-parallel ones).
     let rotations = |count: usize, across_hosts: bool| {
         let blocks = move || (2..=count).rev().filter(move |&b| count.is_multiple_of(b));
         let unit = blocks().map(move |b| (b, 1, across_hosts));
