@@ -880,25 +880,68 @@ fn a_periodic_ring_is_extrapolated_within_bounds() {
     assert_eq!(again.report, on.report);
 }
 
+/// The ring of [`long_ring`] (on a fabric with a fifth host, idle) and a 20 MB flow from
+/// rank 3 to its successor on the path of the ring's chain between them, released in the middle
+/// of that chain's first flow after 80% of the ring's reference length: by a transfer
+/// inside the fifth host that finishes then (`announced` false: its release is scheduled
+/// only then), or with that delay and no dependency (true: scheduled from the start).
+fn ring_and_late_flow(announced: bool) -> (NetGraph, FlowSet) {
+    let mut fs = FlowSet::default();
+    add_ring(&mut fs, "ring16", &(0..16).collect::<Vec<u32>>(), 4_000_000);
+    let g = four_gpu_hosts(5);
+    let plain = run(PacketConfig::reference(), &g, &fs);
+    let times = &plain.report.flows;
+    let chain = (0..fs.flows.len())
+        .filter(|&f| fs.flows[f].src == 3)
+        .filter(|&f| times[f].finish.0 >= plain.report.end.0 / 5 * 4)
+        .min_by_key(|&f| times[f].start)
+        .unwrap();
+    let middle = (times[chain].start.0 + times[chain].finish.0) / 2;
+    let mut own_collective = |name: &str, ranks: Vec<u32>| {
+        fs.collectives.push(CollectiveInfo {
+            name: name.to_string(),
+            kind: None,
+            ranks,
+            bytes: Bytes(0),
+        });
+        fs.collectives.len() as u32 - 1
+    };
+    let next = fs.flows[chain].dst;
+    let mut late = flow(3, next, 20_000_000);
+    late.collective = own_collective("late", vec![3, next]);
+    if announced {
+        late.delay = Picos(middle);
+    } else {
+        // On no link of the ring, so its completion is the same in every run.
+        let mut probe = flow(16, 17, 1_000_000);
+        let alone = run(
+            PacketConfig::reference(),
+            &g,
+            &flow_set(vec![probe.clone()]),
+        );
+        probe.delay = Picos(middle - alone.report.flows[0].fct().0);
+        probe.collective = own_collective("probe", vec![16, 17]);
+        fs.flows.push(probe);
+        late.deps = vec![FlowId(fs.flows.len() as u32 - 1)];
+    }
+    fs.flows.push(late);
+    (g, fs)
+}
+
+/// The late flow's FCT error against the reference.
+fn late_flow_error(off: &PacketRun, on: &PacketRun) -> f64 {
+    let last = off.report.flows.len() - 1;
+    let fct = |r: &PacketRun| r.report.flows[last].fct().0;
+    fct(on).abs_diff(fct(off)) as f64 / fct(off) as f64
+}
+
 #[test]
 fn a_flow_intruding_on_a_periodic_ring_ends_the_extrapolation_within_bounds() {
-    // Late in the ring (80% of its reference length), while it is periodic, a 20 MB flow
-    // starts on the path of the ring's chain from rank 3 to rank 4 and shares it for
+    // Released while the ring is periodic, the late flow shares the chain's path for
     // several steps: the ring's next flows are simulated against it until its chains
     // settle again.
-    let (g, mut fs) = long_ring(4_000_000);
+    let (g, fs) = ring_and_late_flow(false);
     let base = PacketConfig::reference();
-    let plain = run(base.clone(), &g, &fs);
-    let mut late = flow(3, 4, 20_000_000);
-    late.delay = Picos(plain.report.end.0 / 5 * 4);
-    late.collective = fs.collectives.len() as u32;
-    fs.collectives.push(CollectiveInfo {
-        name: "late".to_string(),
-        kind: None,
-        ranks: vec![3, 4],
-        bytes: Bytes(1_000_000),
-    });
-    fs.flows.push(late);
     let off = run(base.clone(), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);
     assert!(on.stats.periodic_starts >= 1, "{:?}", on.stats);
@@ -906,10 +949,23 @@ fn a_flow_intruding_on_a_periodic_ring_ends_the_extrapolation_within_bounds() {
     check_bounds(&base, &off, &on, &fs, "intruded periodic ring");
     // The intruder itself is simulated against the ring's packets (all but the virtual
     // flows already in progress when it came).
-    let last = fs.flows.len() - 1;
-    let fct = |r: &PacketRun| r.report.flows[last].finish.0 - r.report.flows[last].start.0;
-    let err = fct(&on).abs_diff(fct(&off)) as f64 / fct(&off) as f64;
+    let err = late_flow_error(&off, &on);
     assert!(err < 0.05, "intruder FCT error {err}");
+}
+
+#[test]
+fn a_ring_with_a_release_scheduled_onto_its_links_waits_for_it_instead_of_going_periodic() {
+    // The late flow's release is known from the start: the ring does not go periodic
+    // before it (the virtual flows in progress would not meet it), and after it the
+    // flow's packets are on the chain's path, so the ring is simulated to the end.
+    let (g, fs) = ring_and_late_flow(true);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_periodic(base.clone()), &g, &fs);
+    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
+    assert_eq!(on.stats.periodic_flows, 0, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "announced intruder");
+    assert!(late_flow_error(&off, &on) < 0.01);
 }
 
 #[test]

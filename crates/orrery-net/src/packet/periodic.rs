@@ -34,10 +34,18 @@
 //!   middle ones: on an 8-rank two-channel ring, switching with a step or two left gave a
 //!   5.3% p99 flow error), and
 //! - it is *isolated*: every flow using the links of those lanes (active, draining or
-//!   memoized) belongs to the collective. Other traffic on its links shaped the completion
-//!   times it learned and could change them when it ends, so the collective waits
-//!   (re-checking after each further round of completions). Releases scheduled onto its
-//!   links later do not hold it back: when they come they are intrusions (below).
+//!   memoized), and every flow whose release onto them is already scheduled, belongs to
+//!   the collective. Other traffic on its links shaped the completion times it learned
+//!   and could change them when it ends, so the collective waits (re-checking after each
+//!   further round of completions). A scheduled release would come as an intruder that
+//!   the virtual flows in progress do not meet (below), and what it misses then can
+//!   outlast one completion time of a lane: on the 350M step at 128 GPUs with `release =
+//!   "dependencies"`, the embedding all-reduce, released onto the links of the last
+//!   gradient reduce-scatter while that was periodic, finished up to 1.07 ms before the
+//!   reference's and the step 1.49% early; waiting for such releases brought the step's
+//!   end to 0.30% (`orrery netsim --no-symmetry` against `--reference`; why the intruder
+//!   ran so much faster was not traced). Releases that are not scheduled yet do not hold
+//!   it back: when they come they are intrusions.
 //!
 //! The live memo episodes holding flows of the collective are settled first: a mirror is
 //! broken (it takes its leader's exact state and is simulated), a recording is marked
@@ -420,9 +428,17 @@ impl Engine<'_> {
                 }
             }
         }
+        // A release of another collective already scheduled onto these links would come
+        // as an intruder that the virtual flows in progress do not meet, and under DCQCN
+        // what a flow meets at its start (the cut after the first marks) lasts far longer
+        // than one completion time of a lane: the collective waits for it instead.
+        let foreign = |g: &u32| p.coll_of[*g as usize] != c;
         let mut isolated = true;
         for (i, &l) in marked.iter().enumerate() {
-            if m.users_of(l) != own[i] || p.link_virtual[l as usize] > 0 {
+            if m.users_of(l) != own[i]
+                || p.link_virtual[l as usize] > 0
+                || m.pending_on(l).iter().any(foreign)
+            {
                 isolated = false;
                 break;
             }
