@@ -881,10 +881,11 @@ fn a_periodic_ring_is_extrapolated_within_bounds() {
 }
 
 /// The ring of [`long_ring`] (on a fabric with a fifth host, idle) and a 20 MB flow from
-/// rank 3 to its successor on the path of the ring's chain between them, released in the middle
-/// of that chain's first flow after 80% of the ring's reference length: by a transfer
-/// inside the fifth host that finishes then (`announced` false: its release is scheduled
-/// only then), or with that delay and no dependency (true: scheduled from the start).
+/// rank 3 to its successor on the path of the ring's chain between them, released in the
+/// middle of that chain's first flow to end after 80% of the ring's reference length: by
+/// a transfer inside the fifth host that finishes then (`announced` false: its release is
+/// scheduled only then), or with that delay and no dependency (true: scheduled from the
+/// start).
 fn ring_and_late_flow(announced: bool) -> (NetGraph, FlowSet) {
     let mut fs = FlowSet::default();
     add_ring(&mut fs, "ring16", &(0..16).collect::<Vec<u32>>(), 4_000_000);
