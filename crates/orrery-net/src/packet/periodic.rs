@@ -38,14 +38,13 @@
 //!   the collective. Other traffic on its links shaped the completion times it learned
 //!   and could change them when it ends, so the collective waits (re-checking after each
 //!   further round of completions). A scheduled release would come as an intruder that
-//!   the virtual flows in progress do not meet (below), and what it misses then can
-//!   outlast one completion time of a lane: on the 350M step at 128 GPUs with `release =
-//!   "dependencies"`, the embedding all-reduce, released onto the links of the last
-//!   gradient reduce-scatter while that was periodic, finished up to 1.07 ms before the
-//!   reference's and the step 1.49% early; waiting for such releases brought the step's
-//!   end to 0.30% (`orrery netsim --no-symmetry` against `--reference`; why the intruder
-//!   ran so much faster was not traced). Releases that are not scheduled yet do not hold
-//!   it back: when they come they are intrusions.
+//!   the virtual flows in progress do not meet (below). On the 350M step at 128 GPUs with
+//!   `release = "dependencies"`, before this rule, the embedding all-reduce's groups
+//!   finished 0.85 to 1.07 ms (of 3.4 ms) before the reference's and the step 1.49%
+//!   early; with it, the step's end is 0.30% off, as with no periodic extrapolation at all
+//!   (`orrery netsim --no-symmetry` against `--reference`). Which collective and which
+//!   release were involved was not traced. Releases that are not scheduled yet do not
+//!   hold it back: when they come they are intrusions.
 //!
 //! The live memo episodes holding flows of the collective are settled first: a mirror is
 //! broken (it takes its leader's exact state and is simulated), a recording is marked
