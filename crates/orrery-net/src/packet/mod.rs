@@ -460,9 +460,10 @@ impl PacketSimulator {
         // module) is searched again strictly, and the run simulated again.
         let mut strict_from = usize::MAX;
         let mut retried_events = 0;
+        // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
+        let mut levels: Vec<symmetry::Quotient> = Vec::new();
         loop {
-            // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
-            let mut levels: Vec<symmetry::Quotient> = Vec::new();
+            // The levels below one set aside still hold; the search goes on from them.
             loop {
                 let exempt = if levels.len() < strict_from {
                     exempt_bytes
@@ -518,7 +519,10 @@ impl PacketSimulator {
                     run.add_retried_events(retried_events);
                     return Ok(run);
                 }
-                None => retried_events += events,
+                None => {
+                    retried_events += events;
+                    levels.truncate(strict_from);
+                }
             }
         }
     }

@@ -164,10 +164,8 @@ pub(super) struct Quotient {
     pub routes: Routes,
     /// Per node, the copies its buffer stands for.
     pub copies: Vec<u64>,
-    /// Exempt flows (simulated each on its own), their bytes, and per exempt flow its
-    /// bytes and the links of its data route (to count them on those links only).
-    pub exempt_flows: u64,
-    pub exempt_bytes: u64,
+    /// Per exempt flow (simulated each on its own), its bytes and the links of its data
+    /// route (to count them on those links only).
     pub exempt_routes: Vec<(u64, Vec<u32>)>,
     /// The flows that wait, directly or not, for an exempt one, in id order: their times
     /// are carried through their dependencies instead of copied (see the module essay).
@@ -786,8 +784,6 @@ fn quotient(
         .map(|i| (flows.flows[i].bytes.0, routes.of(i).0.to_vec()))
         .collect();
     Some(Quotient {
-        exempt_flows: exempt_routes.len() as u64,
-        exempt_bytes: exempt_routes.iter().map(|(b, _)| b).sum(),
         exempt_routes,
         late,
         order,
@@ -882,7 +878,8 @@ impl Quotient {
         report.pfc_pauses = per_link(&report.pfc_pauses);
         report.drops *= b;
         // Exempt flows were simulated once each, not once per copy.
-        let once = (b - 1) * self.exempt_bytes;
+        let exempt_bytes: u64 = self.exempt_routes.iter().map(|(bytes, _)| bytes).sum();
+        let once = (b - 1) * exempt_bytes;
         report.bytes_sent = (report.bytes_sent * b).saturating_sub(once);
         report.bytes_delivered = (report.bytes_delivered * b).saturating_sub(once);
         let s = run.stats;
@@ -905,7 +902,7 @@ impl Quotient {
                 self.reps.len() as u64
             },
             symmetry_skipped_events: symmetry_skipped_events + s.symmetry_skipped_events,
-            symmetry_exempt_flows: self.exempt_flows + s.symmetry_exempt_flows,
+            symmetry_exempt_flows: self.exempt_routes.len() as u64 + s.symmetry_exempt_flows,
             symmetry_late_flows: self.late.len() as u64 + s.symmetry_late_flows,
             ..s
         };
