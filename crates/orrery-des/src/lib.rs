@@ -57,7 +57,7 @@ mod rng;
 
 pub use calendar::CalendarQueue;
 pub use heap::HeapQueue;
-pub use rng::Rng;
+pub use rng::{keyed_unit, Rng};
 
 use orrery_units::Picos;
 

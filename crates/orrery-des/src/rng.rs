@@ -16,6 +16,24 @@ pub(crate) fn splitmix64(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A uniform number in `[0, 1)` that is a fixed function of `seed` and `key`: a
+/// counter-based draw, with no state to advance.
+///
+/// Use it where the draw belongs to an identifiable thing (one packet leaving one queue)
+/// rather than to a position in a sequence, so that what one part of a simulation draws
+/// cannot shift another part's numbers however the events of the two interleave. Each key
+/// word goes through its own SplitMix64 step, chained, so keys differing in any one word
+/// give independent-looking outputs.
+#[inline]
+pub fn keyed_unit(seed: u64, key: [u64; 3]) -> f64 {
+    let mut h = seed;
+    for k in key {
+        let mut state = h ^ k;
+        h = splitmix64(&mut state);
+    }
+    (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
 /// A deterministic pseudo-random number generator: xoshiro256** (Blackman & Vigna, 2018).
 ///
 /// 256 bits of state, period 2^256 − 1, fast, and good enough for every statistical use a

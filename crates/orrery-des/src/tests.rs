@@ -487,3 +487,45 @@ fn fork_is_deterministic_and_streams_differ() {
         }
     }
 }
+
+#[test]
+fn keyed_draws_are_fixed_by_their_key_and_look_uniform() {
+    use crate::keyed_unit;
+    assert_eq!(keyed_unit(7, [1, 2, 3]), keyed_unit(7, [1, 2, 3]));
+    // A change in any one word (or the seed) gives another number.
+    let base = keyed_unit(7, [1, 2, 3]);
+    for other in [
+        keyed_unit(8, [1, 2, 3]),
+        keyed_unit(7, [0, 2, 3]),
+        keyed_unit(7, [1, 3, 3]),
+        keyed_unit(7, [1, 2, 4]),
+        keyed_unit(7, [2, 1, 3]),
+    ] {
+        assert_ne!(base, other);
+    }
+    // Consecutive sequence numbers of one flow on one link (the marking draws of a
+    // packet train): mean near 1/2, each tenth of [0, 1) near a tenth of the draws, and
+    // neighbours uncorrelated.
+    let n = 100_000u64;
+    let draws: Vec<f64> = (0..n).map(|seq| keyed_unit(42, [5, seq, 17])).collect();
+    assert!(draws.iter().all(|&x| (0.0..1.0).contains(&x)));
+    let mean = draws.iter().sum::<f64>() / n as f64;
+    assert!((mean - 0.5).abs() < 0.005, "{mean}");
+    let mut bins = [0u64; 10];
+    for &x in &draws {
+        bins[(x * 10.0) as usize] += 1;
+    }
+    for b in bins {
+        assert!(
+            (b as f64 - n as f64 / 10.0).abs() < 0.05 * n as f64 / 10.0,
+            "{bins:?}"
+        );
+    }
+    let lag1: f64 = draws
+        .windows(2)
+        .map(|w| (w[0] - 0.5) * (w[1] - 0.5))
+        .sum::<f64>()
+        / n as f64;
+    // The covariance of independent uniforms is 0, with a standard error of 1/12/sqrt(n).
+    assert!(lag1.abs() < 5.0 / 12.0 / (n as f64).sqrt(), "{lag1}");
+}

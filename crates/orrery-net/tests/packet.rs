@@ -82,8 +82,10 @@ fn closed_form_one_flow_through_a_bottleneck_is_exact() {
 
 /// Four DCQCN flows start one after another through one 100 Gb/s bottleneck; once the last
 /// has been running for a while they share it equally.
-#[test]
-fn dcqcn_flows_converge_to_a_fair_share_of_a_bottleneck() {
+/// Four DCQCN flows started 200 us apart on one 100 Gb/s bottleneck, simulated with ECN
+/// seed `seed`: the largest deviation of a flow's throughput from the fair share over 6 to
+/// 12 ms (every flow still running), and the total throughput there.
+fn dcqcn_fairness(seed: u64) -> (f64, f64) {
     let n = 4usize;
     let bw = gbps(100.0);
     let g = NetGraph::dumbbell(n, n, bw, bw, us(1)).unwrap();
@@ -98,11 +100,13 @@ fn dcqcn_flows_converge_to_a_fair_share_of_a_bottleneck() {
         interval: us(100),
         ports: Vec::new(),
     };
-    let sim = PacketSimulator::new(PacketConfig::default());
-    let r = sim.run(&g, &fs, &trace).unwrap();
+    let cfg = PacketConfig {
+        seed,
+        ..PacketConfig::default()
+    };
+    let r = PacketSimulator::new(cfg).run(&g, &fs, &trace).unwrap();
     assert!(r.stats.cnps > 0 && r.stats.ecn_marks > 0);
     assert_eq!(r.report.drops, 0);
-    // Window: from 6 ms to 12 ms (every flow still running).
     let (a, b) = (60usize, 120usize);
     let first_finish = r.report.flows.iter().map(|o| o.finish).min().unwrap();
     assert!(
@@ -115,15 +119,38 @@ fn dcqcn_flows_converge_to_a_fair_share_of_a_bottleneck() {
         .collect();
     let total: f64 = tput.iter().sum();
     let fair = total / n as f64;
-    for (i, x) in tput.iter().enumerate() {
-        let dev = (x / fair - 1.0).abs();
+    let worst = tput
+        .iter()
+        .map(|x| (x / fair - 1.0).abs())
+        .fold(0.0, f64::max);
+    (worst, total)
+}
+
+#[test]
+fn dcqcn_flows_converge_to_a_fair_share_of_a_bottleneck() {
+    // How far a flow is from its fair share over a 6 ms window is a random quantity: ECN
+    // marks are drawn. So the bound is on every seed of eight (10%) and on their mean (5%);
+    // over seeds 0 to 11 the worst flow was 1.1% to 7.9% off, 3.9% on average.
+    let bw = gbps(100.0);
+    let mut sum = 0.0;
+    for seed in 0..8 {
+        let (worst, total) = dcqcn_fairness(seed);
         assert!(
-            dev < 0.05,
-            "flow {i}: {x:.3e} B/s vs fair {fair:.3e} ({dev:.3})"
+            worst < 0.10,
+            "seed {seed}: a flow is {worst:.3} off its fair share"
         );
+        // The bottleneck stays busy: goodput near 1000/1082 of the line rate.
+        assert!(
+            total > 0.9 * bw.0 * 1000.0 / 1082.0,
+            "seed {seed}: {total:.3e}"
+        );
+        sum += worst;
     }
-    // The bottleneck stays busy: goodput near 1000/1082 of the line rate.
-    assert!(total > 0.9 * bw.0 * 1000.0 / 1082.0, "{total:.3e}");
+    let mean = sum / 8.0;
+    assert!(
+        mean < 0.05,
+        "the worst flow is {mean:.3} off its fair share on average"
+    );
 }
 
 fn incast(senders: usize, bytes: u64) -> (NetGraph, FlowSet) {
@@ -429,4 +456,39 @@ fn bench_events_per_second_1gib_8_rank_ring() {
         r.report.end.as_millis_f64(),
         busbw / 1e9,
     );
+}
+
+/// A 3-to-1 DCQCN incast inside switch `side` of a four-by-four dumbbell (0: hosts 0-3,
+/// 1: hosts 4-7), `bytes` per flow, released `delay` in.
+fn incast_on_one_side(side: u32, bytes: u64, delay: Picos) -> Vec<FlowSpec> {
+    let base = 4 * side;
+    (0..3)
+        .map(|i| {
+            let mut f = flow(base + i, base + 3, bytes + u64::from(i) * 1_000_000);
+            f.delay = delay;
+            f
+        })
+        .collect()
+}
+
+#[test]
+fn ecn_marks_of_one_incast_do_not_depend_on_traffic_it_never_meets() {
+    // Two incasts, each inside its own switch of a dumbbell: they share no link and no
+    // buffer. Each packet's marking draw is keyed by the packet and its link, so the first
+    // incast's run is the same to the picosecond whether the second runs beside it or not
+    // (with one random stream in event order, the second's draws would shift the first's).
+    let bw = gbps(100.0);
+    let g = NetGraph::dumbbell(4, 4, bw, bw, us(1)).unwrap();
+    let alone = flow_set(incast_on_one_side(0, 6_000_000, Picos::ZERO));
+    let mut both_flows = incast_on_one_side(0, 6_000_000, Picos::ZERO);
+    both_flows.extend(incast_on_one_side(1, 5_000_000, us(37)));
+    let both = flow_set(both_flows);
+    let a = run(PacketConfig::reference(), &g, &alone);
+    let b = run(PacketConfig::reference(), &g, &both);
+    assert!(a.stats.ecn_marks > 0);
+    assert!(
+        b.stats.ecn_marks > a.stats.ecn_marks,
+        "the second incast is marked too"
+    );
+    assert_eq!(a.report.flows[..], b.report.flows[..3]);
 }

@@ -43,8 +43,10 @@
 //! directed links they use (data path and ACK/CNP reverse path). Members are the active
 //! flows and the *draining* ones (finished, packets still in flight), so every packet on a
 //! partition's links belongs to one of its flows. Partitions share nothing but the switch
-//! buffer pools (which a jump leaves as they are) and the ECN random stream, so each decides
-//! steadiness and jumps on its own.
+//! buffer pools (which a jump leaves as they are): ECN marking draws are keyed by packet
+//! and link rather than taken from one stream, so a jump of one partition, which skips its
+//! packets' draws, leaves every other partition's draws as they were. Each partition
+//! decides steadiness and jumps on its own.
 //!
 //! - **Maintained incrementally** ([`super::partition::Partitions`]): a flow that joins
 //!   merges the partitions its links touch, and a flow that leaves triggers a split check

@@ -12,7 +12,7 @@ use crate::flow_model::{connection_numbers, flow_hash};
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
-use orrery_des::{CalendarQueue, EventKey, EventQueue, Rng};
+use orrery_des::{CalendarQueue, EventKey, EventQueue};
 use orrery_units::{Bandwidth, NodeId, Picos};
 use std::collections::VecDeque;
 
@@ -229,6 +229,9 @@ pub(super) struct FlowState {
     pub nack_trigger: u64,
     pub last_cnp: Option<Picos>,
     pub delivered: u64,
+    /// The flow's identity in ECN marking draws: its index in the engine that built it, and
+    /// in a replay the index of the flow it replays, so a replay draws what the flow drew.
+    pub mark_key: u32,
 }
 
 /// What of a flow's state evolves as it runs (everything but its identity, route, size
@@ -289,6 +292,7 @@ impl FlowState {
             nack_trigger: u64::MAX,
             last_cnp: None,
             delivered: 0,
+            mark_key: 0,
         }
     }
 
@@ -343,7 +347,6 @@ pub(super) struct Engine<'a> {
     pub paths: Vec<u32>,
     pub pkts: Vec<Packet>,
     free: Vec<u32>,
-    pub rng: Rng,
     pub unfinished: usize,
     trace: &'a TraceRequest,
     samples: Vec<Sample>,
@@ -669,6 +672,10 @@ impl<'a> Engine<'a> {
         q: CalendarQueue<Ev>,
     ) -> Engine<'a> {
         let (n_links, n_flows) = (ports.len(), flows.len());
+        let mut flows = flows;
+        for (i, fl) in flows.iter_mut().enumerate() {
+            fl.mark_key = i as u32;
+        }
         Engine {
             cfg,
             q,
@@ -692,7 +699,6 @@ impl<'a> Engine<'a> {
             data_packets: 0,
             ff: None,
             live: vec![0; n_flows],
-            rng: Rng::seed_from_u64(cfg.seed),
             ledger: None,
             ledger_cap: LEDGER_MIN_CAP,
             ledger_gen: 0,

@@ -23,14 +23,14 @@
 //! next switch it enters whatever that buffer holds, so no copy is dropped. The source
 //! engine must keep its event ledger.
 //!
-//! What an image does not carry: the random stream of probabilistic ECN marking (the
-//! target draws its own numbers), and buffer bytes that other traffic held in a switch
-//! pool the source shared.
+//! What an image does not carry: buffer bytes that other traffic held in a switch pool the
+//! source shared. (ECN marking draws need nothing carried: they are keyed by flow, packet
+//! and link, and a replay's flows keep the keys of the flows they replay.)
 
 use super::config::PacketConfig;
 use super::engine::{Engine, Ev, FlowDynamics, FlowState, Kind, Packet, Port, NO_LINK};
 use super::TraceRequest;
-use orrery_des::{CalendarQueue, EventQueue, Rng};
+use orrery_des::{CalendarQueue, EventQueue};
 use orrery_units::Picos;
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -316,7 +316,9 @@ impl Engine<'_> {
         }
         let mut e = Engine::assemble(cfg, trace, ports, self.bufs.clone(), states, paths, q);
         e.ledger = Some(Vec::new());
-        e.rng = Rng::seed_from_u64(cfg.seed ^ self.now.0);
+        for (k, &f) in flows.iter().enumerate() {
+            e.flows[k].mark_key = self.flows[f as usize].mark_key;
+        }
         e
     }
 

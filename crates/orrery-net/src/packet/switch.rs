@@ -97,11 +97,20 @@ impl Engine<'_> {
         }
         if self.cfg.dcqcn {
             let prob = ecn.probability(queue);
-            if prob >= 1.0 || (prob > 0.0 && self.rng.next_f64() < prob) {
+            if prob >= 1.0 || (prob > 0.0 && self.mark_draw(l, p) < prob) {
                 self.pkts[p as usize].ecn = true;
                 self.stats.ecn_marks += 1;
             }
         }
+    }
+
+    /// The uniform draw that decides whether data packet `p` is marked as it leaves link
+    /// `l`'s queue: keyed by the packet (flow and sequence number) and the link, not drawn
+    /// from a stream, so no other flow's packets can change it.
+    fn mark_draw(&self, l: u32, p: u32) -> f64 {
+        let pk = &self.pkts[p as usize];
+        let flow = self.flows[pk.flow as usize].mark_key;
+        orrery_des::keyed_unit(self.cfg.seed, [u64::from(flow), pk.seq, u64::from(l)])
     }
 
     /// Bytes of ingress `l`'s use beyond its reserve (its share of the pool).
