@@ -448,6 +448,58 @@ fn partitioning_jumps_a_steady_pair_beside_an_unsettled_dcqcn_incast() {
     assert!(parts.report.events < off.report.events);
 }
 
+/// A short flow and a long one into one host: both are cut by DCQCN while they share the
+/// link, and after the short one finishes the long one climbs back to line rate one
+/// rate-increase period (900 us) at a time, its rate flat in between.
+fn recovery_after_a_short_rival() -> (NetGraph, FlowSet) {
+    let g = NetGraph::single_switch(3, gbps(100.0), us(1)).unwrap();
+    (
+        g,
+        flow_set(vec![flow(0, 2, 4_000_000), flow(1, 2, 60_000_000)]),
+    )
+}
+
+#[test]
+fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
+    let (g, fs) = recovery_after_a_short_rival();
+    let (off, whole, parts, e) = three_ways(PacketConfig::reference(), &g, &fs, "recovery");
+    // Recovering, the long flow is never steady for the whole-network jump (its clocks stay
+    // in local time there) and was not for the partitioned one before it kept its clock.
+    assert_eq!(whole.stats.fast_forwards, 0);
+    // Partitioned, it jumps up to each increase: most of its run is skipped...
+    let fct = off.report.flows[1].finish.0 - off.report.flows[1].start.0;
+    assert!(parts.stats.jumped_time.0 > fct / 2, "{:?}", parts.stats);
+    assert!(parts.report.events < off.report.events / 2);
+    // ...and its increases come when they did in the reference, not a jump later each
+    // (with its clocks frozen through the jumps, the flow finished 71% late).
+    assert!(e.end < 0.002, "{e:?}");
+    // At every trace sample it has delivered at least what it had in the reference (a jump
+    // moves its bytes when it starts, so within a jump it is ahead), and at the samples
+    // between jumps it agrees to within 0.1%.
+    let trace = TraceRequest {
+        interval: us(250),
+        ports: Vec::new(),
+    };
+    let t_off = PacketSimulator::new(PacketConfig::reference())
+        .run(&g, &fs, &trace)
+        .unwrap();
+    let t_on = PacketSimulator::new(with_parts(PacketConfig::reference()))
+        .run(&g, &fs, &trace)
+        .unwrap();
+    assert_eq!(t_on.report, parts.report);
+    let mut agree = 0;
+    for (a, b) in t_off.samples.iter().zip(&t_on.samples) {
+        assert_eq!(a.time, b.time);
+        if a.time >= off.report.flows[1].finish {
+            break;
+        }
+        let (x, y) = (a.delivered[1] as f64, b.delivered[1] as f64);
+        assert!(y >= 0.999 * x, "at {:?}: {y} behind {x}", a.time);
+        agree += usize::from((x - y).abs() < 0.001 * x);
+    }
+    assert!(agree >= 6, "{agree} samples agree");
+}
+
 #[test]
 fn partitioning_keeps_the_single_partition_scenarios_within_bounds() {
     let scenarios: Vec<(&str, PacketConfig, (NetGraph, FlowSet))> = vec![
