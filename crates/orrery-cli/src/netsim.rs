@@ -386,8 +386,8 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "fast-forward: {} jumps over {} of simulated time, ~{} events skipped",
-            p.fast_forwards, p.jumped_time, p.skipped_events
+            "fast-forward: {} jumps ({} up to a recovering flow's rate increase) over {} of simulated time, ~{} events skipped",
+            p.fast_forwards, p.recovering_jumps, p.jumped_time, p.skipped_events
         );
         let _ = writeln!(
             out,

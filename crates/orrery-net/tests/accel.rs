@@ -469,6 +469,8 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     // Partitioned, it jumps up to each increase: most of its run is skipped...
     let fct = off.report.flows[1].finish.0 - off.report.flows[1].start.0;
     assert!(parts.stats.jumped_time.0 > fct / 2, "{:?}", parts.stats);
+    assert!(parts.stats.recovering_jumps > 0);
+    assert!(parts.stats.recovering_jumps <= parts.stats.fast_forwards);
     assert!(parts.report.events < off.report.events / 2);
     // ...and its increases come when they did in the reference, not a jump later each
     // (with its clocks frozen through the jumps, the flow finished 71% late).

@@ -755,6 +755,7 @@ impl Engine<'_> {
         }
         let st = &mut self.stats;
         st.fast_forwards += 1;
+        st.recovering_jumps += u64::from(recovering.contains(&true));
         st.jumped_time = Picos(st.jumped_time.0 + jump.0);
         st.skipped_packets += moved;
         st.skipped_bytes += moved * mtu;

@@ -306,6 +306,9 @@ pub struct PacketStats {
     pub clamped_schedules: u64,
     /// Fast-forward jumps taken (zero unless `accel.fast_forward`).
     pub fast_forwards: u64,
+    /// Of those, the partitioned jumps that held a recovering DCQCN flow and so stopped
+    /// at or before its next rate increase (see the `accel` module).
+    pub recovering_jumps: u64,
     /// Simulated time covered by jumps instead of packet by packet (with partitioning,
     /// summed over partitions, so it can exceed the run's length).
     pub jumped_time: Picos,
