@@ -502,6 +502,44 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     assert!(agree >= 6, "{agree} samples agree");
 }
 
+/// Two-GPU all-reduces of `bytes` between the same GPU of host `h` (pod 0) and host `h + 2`
+/// (pod 1), on every GPU of two hosts of four: eight pairs over two spines, one cable from
+/// each leaf to each, so ECMP puts some pairs' flows on shared cables and leaves others
+/// alone (the embedding all-reduce of a pipeline whose first and last stages are in
+/// different pods).
+fn cross_pod_pairs(bytes: u64) -> (NetGraph, FlowSet) {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 4,
+        hosts_per_pod: 2,
+        spines: 2,
+        ..RailOptimizedSpec::dgx_h100(4)
+    };
+    let g = NetGraph::rail_optimized(&spec).unwrap();
+    let mut fs = FlowSet::default();
+    for a in 0..8u32 {
+        add_ring(&mut fs, &format!("pair {a}"), &[a, a + 8], bytes);
+    }
+    (g, fs)
+}
+
+#[test]
+fn cross_pod_pairs_that_ecmp_partly_collides_stay_within_bounds() {
+    let (g, fs) = cross_pod_pairs(48_000_000);
+    let (off, _, parts, _) = three_ways(PacketConfig::reference(), &g, &fs, "cross-pod pairs");
+    assert!(off.stats.ecn_marks > 0 && off.stats.cnps > 0);
+    assert!(parts.stats.fast_forwards > 0);
+    assert!(parts.report.events < off.report.events);
+    // ECMP did collide: some cable carries more than one GPU sends (48 MB), so flows of
+    // two pairs.
+    let busiest = off.report.link_bytes.iter().max().copied().unwrap_or(0);
+    assert!(busiest > 48_000_000, "{busiest}");
+    // Not every flow jumped: 20 of the 32 flows cost under half their reference events.
+    let jumped = (off.flow_events.iter().zip(&parts.flow_events))
+        .filter(|(a, b)| 2 * **b < **a)
+        .count();
+    assert!(jumped > 0 && jumped < fs.flows.len(), "{jumped}");
+}
+
 #[test]
 fn partitioning_keeps_the_single_partition_scenarios_within_bounds() {
     let scenarios: Vec<(&str, PacketConfig, (NetGraph, FlowSet))> = vec![
