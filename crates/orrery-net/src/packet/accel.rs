@@ -72,13 +72,13 @@
 //! - **The jump** of partition `P` by `J` (the whole-network limit restricted to `P`'s
 //!   flows and to the pending releases whose links touch `P`, and to the next rate
 //!   increase of each recovering flow of `P`, rounded down to whole sample intervals so
-//!   `P` thaws on a sample) moves bytes and sequence numbers exactly as the
-//!   whole-network jump does, then *postpones* `P` by `J` instead of moving a global
-//!   offset: every pending event of `P` (packet arrivals of its flows, port events of its
-//!   links, its flows' timers) is rescheduled `J` later and every time `P`'s flows and ports
-//!   keep (pacing, RTO progress, CNP spacing, DCQCN clocks but a recovering flow's, port
-//!   wake-ups) moves `J` later, so `P` is frozen, queues and all, until `now + J` and then resumes as if no time had
-//!   passed. No other partition's ports or events change. Global time stays the engine's
+//!   `P` thaws on a sample) moves bytes and sequence numbers exactly as the whole-network
+//!   jump does, then *postpones* `P` by `J` instead of moving a global offset: every
+//!   pending event of `P` (packet arrivals of its flows, port events of its links, its
+//!   flows' timers but a recovering flow's rate increase) is rescheduled `J` later and
+//!   every time `P`'s flows and ports keep (pacing, RTO progress, CNP spacing, DCQCN clocks
+//!   but a recovering flow's, port wake-ups) moves `J` later, so `P` is frozen, queues and
+//!   all, until `now + J` and then resumes as if no time had passed. No other partition's ports or events change. Global time stays the engine's
 //!   time (`offset` stays zero), so flow starts and finishes need no translation.
 //! - **Finding `P`'s events**: with partitioning the engine records every flow or link
 //!   event it schedules in a ledger (key, time, event), compacted to the pending ones at

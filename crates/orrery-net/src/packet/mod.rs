@@ -79,7 +79,10 @@
 //! stream in event order it did: on 32 two-GPU all-reduces across pods (ECMP collisions),
 //! fast-forwarding three isolated pairs shifted every other pair's draws and moved their
 //! FCTs by 4.1% on average (43% p99) against the run without it; with keyed draws the
-//! same jumps cost 0.019% (0.59% p99).
+//! same jumps cost 0.019% (0.59% p99). (At four times that size the jumps still cost 1.2%
+//! on average, through timing: a reduce-scatter that jumped hands the all-gather after it
+//! to DCQCN microseconds off, and colliding pairs split their cables differently; see
+//! docs/benchmarks.md.)
 //!
 //! **DCQCN** (reaction point at the sender, [`dcqcn::ReactionPoint`]): the Mellanox
 //! variant as the ns-3 simulators implement it. The first CNP sets alpha to 1 and the

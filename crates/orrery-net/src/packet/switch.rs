@@ -106,7 +106,9 @@ impl Engine<'_> {
 
     /// The uniform draw that decides whether data packet `p` is marked as it leaves link
     /// `l`'s queue: keyed by the packet (flow and sequence number) and the link, not drawn
-    /// from a stream, so no other flow's packets can change it.
+    /// from a stream, so no other flow's packets can change it. A packet sent again after a
+    /// go-back-N rewind draws the same number at the same link; rewinds are rare (none on
+    /// the benchmarks' steps) and the queue it leaves is another one by then.
     fn mark_draw(&self, l: u32, p: u32) -> f64 {
         let pk = &self.pkts[p as usize];
         let flow = self.flows[pk.flow as usize].mark_key;
