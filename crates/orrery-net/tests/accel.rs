@@ -529,7 +529,7 @@ fn cross_pod_pairs_that_ecmp_partly_collides_stay_within_bounds() {
     assert!(off.stats.ecn_marks > 0 && off.stats.cnps > 0);
     assert!(parts.stats.fast_forwards > 0);
     assert!(parts.report.events < off.report.events);
-    // ECMP did collide: some cable carries more than one GPU sends (48 MB), so flows of
+    // ECMP did collide: some cable carries more than one GPU's sends (48 MB), so flows of
     // two pairs.
     let busiest = off.report.link_bytes.iter().max().copied().unwrap_or(0);
     assert!(busiest > 48_000_000, "{busiest}");
