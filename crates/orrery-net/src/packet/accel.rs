@@ -715,7 +715,7 @@ impl Engine<'_> {
             fl.ready_at = Picos(fl.ready_at.0 + jump.0);
             fl.last_progress = Picos(fl.last_progress.0 + jump.0);
             fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
-            if !p.keeps_clock[i] {
+            if !keeps_clock {
                 fl.rp.shift(jump);
             }
             moved += self.advance_flow(ff, i, rate * secs);

@@ -255,7 +255,8 @@ pub(super) struct FlowDynamics {
 }
 
 impl FlowState {
-    /// A flow not released yet, its queue pair at line rate `line` (bytes per second).
+    /// A flow not released yet, its queue pair at line rate `line` (bytes per second),
+    /// drawing its ECN marks under `mark_key`.
     #[allow(clippy::too_many_arguments)]
     pub fn fresh(
         src_port: u32,
@@ -266,6 +267,7 @@ impl FlowState {
         delay: Picos,
         waiting: u32,
         line: f64,
+        mark_key: u32,
     ) -> FlowState {
         FlowState {
             src_port,
@@ -292,7 +294,7 @@ impl FlowState {
             nack_trigger: u64::MAX,
             last_cnp: None,
             delivered: 0,
-            mark_key: 0,
+            mark_key,
         }
     }
 
@@ -582,6 +584,7 @@ impl<'a> Engine<'a> {
                 f.delay,
                 f.deps.len() as u32,
                 line,
+                i as u32,
             ));
         }
         // Dependents in CSR form (a flow listed twice as a dependency is counted twice).
@@ -672,10 +675,6 @@ impl<'a> Engine<'a> {
         q: CalendarQueue<Ev>,
     ) -> Engine<'a> {
         let (n_links, n_flows) = (ports.len(), flows.len());
-        let mut flows = flows;
-        for (i, fl) in flows.iter_mut().enumerate() {
-            fl.mark_key = i as u32;
-        }
         Engine {
             cfg,
             q,

@@ -308,6 +308,7 @@ impl Engine<'_> {
                 fl.delay,
                 0,
                 line,
+                fl.mark_key,
             ));
             if fl.released {
                 let at = Picos(fl.start.0.saturating_sub(self.offset.0));
@@ -316,9 +317,6 @@ impl Engine<'_> {
         }
         let mut e = Engine::assemble(cfg, trace, ports, self.bufs.clone(), states, paths, q);
         e.ledger = Some(Vec::new());
-        for (k, &f) in flows.iter().enumerate() {
-            e.flows[k].mark_key = self.flows[f as usize].mark_key;
-        }
         e
     }
 
