@@ -229,6 +229,9 @@ pub(super) struct FlowState {
     pub nack_trigger: u64,
     pub last_cnp: Option<Picos>,
     pub delivered: u64,
+    /// When the receiver last delivered a packet in order (the fast-forward's rate is the
+    /// slope between two such instants).
+    pub delivered_at: Picos,
     /// The flow's identity in ECN marking draws: its index in the engine that built it, and
     /// in a replay the index of the flow it replays, so a replay draws what the flow drew.
     pub mark_key: u32,
@@ -252,6 +255,7 @@ pub(super) struct FlowDynamics {
     nack_trigger: u64,
     last_cnp: Option<Picos>,
     delivered: u64,
+    delivered_at: Picos,
 }
 
 impl FlowState {
@@ -294,6 +298,7 @@ impl FlowState {
             nack_trigger: u64::MAX,
             last_cnp: None,
             delivered: 0,
+            delivered_at: Picos::ZERO,
             mark_key,
         }
     }
@@ -314,6 +319,7 @@ impl FlowState {
             nack_trigger: self.nack_trigger,
             last_cnp: self.last_cnp,
             delivered: self.delivered,
+            delivered_at: self.delivered_at,
         }
     }
 
@@ -332,6 +338,7 @@ impl FlowState {
         self.nack_trigger = d.nack_trigger;
         self.last_cnp = d.last_cnp;
         self.delivered = d.delivered;
+        self.delivered_at = d.delivered_at;
     }
 }
 

@@ -178,6 +178,7 @@ impl Engine<'_> {
         if pk.seq == fl.rcv_nxt {
             fl.rcv_nxt += 1;
             fl.delivered += u64::from(pk.payload);
+            fl.delivered_at = now;
             self.bytes_delivered += u64::from(pk.payload);
             let next = fl.rcv_nxt;
             if next == fl.npkts {

@@ -183,7 +183,8 @@
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
 //! sending-rate spread and recovery gap under `rate_theta` = 1%) the whole network jumps
 //! to the next release or `tail_margin` (50 us) before the earliest projected completion,
-//! moving each flow's packets forward at its mean rate with every queue, pause and DCQCN
+//! moving each flow's packets forward at its rate (the slope of its deliveries over the
+//! second half of the window) with every queue, pause and DCQCN
 //! state frozen. The jump is a time offset: local time and pending events stay put, the
 //! report shows global time. `PacketStats` counts the jumps, the jumped time and the
 //! skipped packets, bytes and (estimated) events; per-packet counters other than ACKs
