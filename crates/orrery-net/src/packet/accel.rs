@@ -29,7 +29,7 @@
 //! is the period's rate exactly, where a count of packets per sample is off by up to one in
 //! each; the first half is left out because it may still hold the end of a start-up. Alone
 //! at line rate, a 20 MB flow jumped at its count per sample over the whole window (the
-//! fraction of a packet dropped) finished 384 ns late (4.6 frames at 100 Gb/s); at the
+//! fraction of a packet dropped) finished 384 ns late (4.4 frames at 100 Gb/s); at the
 //! slope, rounded to the nearest packet, 38 ns (`tests/accel.rs`). Delivery times are
 //! kept on the flow's own clock: bytes a jump moved are not counted, and a partitioned
 //! jump moves the flow's last delivery time with the rest of its clocks.
