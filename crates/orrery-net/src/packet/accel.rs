@@ -455,11 +455,11 @@ impl Engine<'_> {
         // is taken over the second half of the window: the first half may still hold the
         // last of a start-up (a pair alone at line rate on a cross-pod fabric delivered 4
         // packets fewer in its first 200 us than its steady period gives, and the jump at
-        // that rate made it finish 102 ns late).
+        // that rate made it finish 102 ns late). Bytes per second.
         let rate = ff
             .slope(i, fl, samples)
-            .unwrap_or(mean / a.sample_interval.as_secs_f64()); // bytes per second
-                                                                // Full packets the sender has left before its last one.
+            .unwrap_or(mean / a.sample_interval.as_secs_f64());
+        // Full packets the sender has left before its last one.
         let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
         Some(Steady {
             rate,
