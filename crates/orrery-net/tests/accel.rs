@@ -246,8 +246,9 @@ fn a_jump_at_line_rate_lands_within_one_frame_of_the_reference() {
     // both deliver a packet every fixed period once started, so the jump's rate (the slope
     // between two deliveries in the second half of the window) is that period's, and the
     // flows finish within one frame's serialisation of the reference. Counting packets per
-    // sample over the whole window, the jumps made them 384 ns and 307 ns late (4.4 and 3.5
-    // frames of 86.6 ns at 100 Gb/s).
+    // sample over the whole window, partitioned jumps (`orrery netsim`'s default) made them
+    // 384 ns and 307 ns late (4.4 and 3.5 frames of 86.6 ns at 100 Gb/s), and this test
+    // failed on its first, whole-network case.
     let g = NetGraph::single_switch(2, gbps(100.0), us(1)).unwrap();
     let cfg = PacketConfig::reference();
     let frame = cfg.mtu_payload + cfg.header_bytes + cfg.framing_bytes;

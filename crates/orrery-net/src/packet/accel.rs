@@ -232,8 +232,13 @@ impl FastForward {
 impl FastForward {
     /// Flow `i`'s last in-order delivery (bytes and time) on its own clock.
     fn point(&self, i: usize, fl: &FlowState) -> (u64, Picos) {
-        // Saturating: a broken mirror takes its leader's counters, never its jumps' (it
-        // had none), so this never clips in practice.
+        // A flow's jumps are counted in its own counters, and a broken mirror (which had
+        // none) takes its leader's, so neither subtraction can go below zero; the debug
+        // builds (the tests) check it, and release builds saturate.
+        debug_assert!(
+            fl.delivered >= self.jumped_bytes[i] && fl.delivered_at >= self.jumped_time[i],
+            "flow {i}: delivery point below its jumps"
+        );
         (
             fl.delivered.saturating_sub(self.jumped_bytes[i]),
             Picos(fl.delivered_at.0.saturating_sub(self.jumped_time[i].0)),
