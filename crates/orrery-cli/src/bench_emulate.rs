@@ -196,7 +196,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
     outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
     outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process");
-    outln!("threads of one process measure memory to within some KB (burn keeps one autodiff registry per process): --mpi runs each measurement in a process of its own\n");
+    outln!("threads of one process free some of each other's blocks (burn keeps one autodiff registry per process), which moves their peaks by some KB: --mpi runs each measurement in a process of its own\n");
     fidelity_header();
     for (name, config, world) in fidelity_worlds() {
         let (collection, cost, net) = collected_world(&config, world)?;
@@ -333,8 +333,9 @@ fn json_u64(v: &serde_json::Value, key: &str, what: &str) -> Result<u64> {
 /// --comm mpi`, a process per rank, launched with `mpirun` or `$ORRERY_MPIRUN`); the
 /// emulation (`orrery emulate --train`, rank 0 real) replays the virtual ranks from that
 /// run's own collection, in a fresh process. A real rank that shares its process with other
-/// ranks' threads measures its memory to within some kilobytes (burn's autodiff keeps one
-/// graph registry per process); alone in its process it measures exactly what it holds.
+/// ranks' threads has some of its blocks freed by them, later than it would free them
+/// itself (burn's autodiff keeps one graph registry per process), so its peak moves by a
+/// few kilobytes; alone in its process it measures exactly what it holds.
 pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
     if !cfg!(feature = "mpi") {
         return Err(crate::bad(

@@ -71,10 +71,6 @@ struct State {
     sent: HashMap<usize, u64>,
     received: HashMap<usize, u64>,
     error: Option<String>,
-    /// Bytes the wrapped communicator's calls left this thread holding (its own buffers,
-    /// and messages allocated here but freed by a peer thread, or the reverse): not the
-    /// program's memory, so memory samples leave them out ([`Recorded`] only).
-    comm_bytes: i64,
 }
 
 impl State {
@@ -94,7 +90,7 @@ impl State {
         if !self.recording {
             return Ok(());
         }
-        let sample = memory::sample(self.comm_bytes);
+        let sample = memory::sample();
         memory::reset_thread_peak();
         self.ops.push(RecordedOp::Compute {
             name: format!("segment {}", self.segments),
@@ -230,7 +226,6 @@ impl VirtualPeers {
             sent: HashMap::new(),
             received: HashMap::new(),
             error: None,
-            comm_bytes: 0,
         }));
         (
             VirtualPeers {
@@ -261,6 +256,12 @@ impl VirtualPeersHandle {
     /// The step is over: records its last segment and returns the record. Must be called
     /// on the rank's thread (the memory figures are the calling thread's).
     pub fn finish(&self) -> RankRecord {
+        memory::uncounted(|| self.finish_uncounted())
+    }
+
+    /// [`VirtualPeersHandle::finish`], its allocations (the last segment's record, the
+    /// report) uncounted by the caller.
+    fn finish_uncounted(&self) -> RankRecord {
         let mut s = lock(&self.state);
         // A stopped emulation has nothing more to take; the record is still the rank's.
         let _ = s.segment_ends();
@@ -407,8 +408,8 @@ impl VirtualPeers {
         Split { real_pos, inner }
     }
 
-    /// Runs `f` on the real peers, if there are any. What the call leaves this thread
-    /// holding is the backend's, not the program's: memory samples leave it out.
+    /// Runs `f` on the real peers, if there are any (inside an operation, so what it
+    /// allocates is not counted as the program's).
     fn on_real<T>(
         &mut self,
         f: impl FnOnce(&mut RealPeers) -> Result<T, CommError>,
@@ -416,11 +417,7 @@ impl VirtualPeers {
         let Some(real) = self.real.as_mut() else {
             return Ok(None);
         };
-        let before = memory::thread_live();
-        let out = f(real)?;
-        let retained = memory::thread_live() - before;
-        lock(&self.state).comm_bytes += retained;
-        Ok(Some(out))
+        f(real).map(Some)
     }
 
     /// Runs `f` on the real communicator with `world_rank`'s index there, if that rank is
@@ -445,12 +442,51 @@ impl VirtualPeers {
         f: impl FnOnce(&mut Self) -> Result<T, CommError>,
         op: impl FnOnce(&State, &T) -> RecordedOp,
     ) -> Result<T, CommError> {
-        lock(&self.state).segment_ends_before(bytes_before)?;
-        let out = f(self)?;
+        memory::uncounted(|| {
+            lock(&self.state).segment_ends_before(bytes_before)?;
+            let out = f(self)?;
+            let mut s = lock(&self.state);
+            let op = op(&s, &out);
+            s.op_ends(op);
+            Ok(out)
+        })
+    }
+
+    /// [`Communicator::send_recv_f32`], its allocations uncounted by the caller.
+    fn send_recv_uncounted(
+        &mut self,
+        dest: usize,
+        send: &[f32],
+        src: usize,
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let (sseq, rseq) = {
+            let mut s = lock(&self.state);
+            s.check_peer(dest)?;
+            s.check_peer(src)?;
+            (s.next_sent(dest), s.next_received(src))
+        };
+        let (real_dest, real_src) = match self.real.as_ref() {
+            Some(r) => (r.index(dest), r.index(src)),
+            None => (None, None),
+        };
+        // One segment ends; the send and the receive are recorded back to back, as
+        // [`Recorded`] records them.
+        lock(&self.state).segment_ends()?;
+        match (real_dest, real_src) {
+            (Some(d), Some(r)) => {
+                self.on_real(|p| p.comm.send_recv_f32(d, send, r, recv))?;
+            }
+            (Some(d), None) => {
+                self.on_real(|p| p.comm.send_f32(d, send))?;
+                self.receive(src, Message::Place(rseq), recv)?;
+            }
+            (None, _) => self.receive(src, Message::Place(rseq), recv)?,
+        }
         let mut s = lock(&self.state);
-        let op = op(&s, &out);
-        s.op_ends(op);
-        Ok(out)
+        let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
+        s.ops_end(ops);
+        Ok(())
     }
 
     /// The all-reduce over `members` (group order) of `buf`.
@@ -587,7 +623,8 @@ impl Communicator for VirtualPeers {
 
     fn send_f32(&mut self, dest: usize, buf: &[f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(dest)?;
-        let seq = lock(&self.state).next_sent(dest);
+        // The pair's counters are the communicator's memory, not the program's.
+        let seq = memory::uncounted(|| lock(&self.state).next_sent(dest));
         self.operation(
             None,
             |v| v.with_real_rank(dest, |c, d| c.send_f32(d, buf)),
@@ -625,7 +662,7 @@ impl Communicator for VirtualPeers {
 
     fn recv_f32(&mut self, src: usize, buf: &mut [f32]) -> Result<(), CommError> {
         lock(&self.state).check_peer(src)?;
-        let seq = lock(&self.state).next_received(src);
+        let seq = memory::uncounted(|| lock(&self.state).next_received(src));
         let bytes = 4 * buf.len() as u64;
         self.operation(
             None,
@@ -646,33 +683,7 @@ impl Communicator for VirtualPeers {
         src: usize,
         recv: &mut [f32],
     ) -> Result<(), CommError> {
-        let (sseq, rseq) = {
-            let mut s = lock(&self.state);
-            s.check_peer(dest)?;
-            s.check_peer(src)?;
-            (s.next_sent(dest), s.next_received(src))
-        };
-        let (real_dest, real_src) = match self.real.as_ref() {
-            Some(r) => (r.index(dest), r.index(src)),
-            None => (None, None),
-        };
-        // One segment ends; the send and the receive are recorded back to back, as
-        // [`Recorded`] records them.
-        lock(&self.state).segment_ends()?;
-        match (real_dest, real_src) {
-            (Some(d), Some(r)) => {
-                self.on_real(|p| p.comm.send_recv_f32(d, send, r, recv))?;
-            }
-            (Some(d), None) => {
-                self.on_real(|p| p.comm.send_f32(d, send))?;
-                self.receive(src, Message::Place(rseq), recv)?;
-            }
-            (None, _) => self.receive(src, Message::Place(rseq), recv)?,
-        }
-        let mut s = lock(&self.state);
-        let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
-        s.ops_end(ops);
-        Ok(())
+        memory::uncounted(|| self.send_recv_uncounted(dest, send, src, recv))
     }
 
     fn group_all_reduce_sum_f32(
@@ -897,10 +908,10 @@ fn check_root(root: usize, world: usize) -> Result<(), CommError> {
 
 /// A real communicator that records like [`VirtualPeers`]: every operation is carried out by
 /// the wrapped communicator (real data between real ranks) and recorded with its segment,
-/// so that a run with every rank real can be compared with its emulation. Its memory
-/// samples leave out what the wrapped communicator's calls leave the thread holding (the
-/// backend's buffers, messages allocated by one thread and freed by another), so that both
-/// runs measure the program's own memory.
+/// so that a run with every rank real can be compared with its emulation. What the wrapped
+/// communicator's calls allocate (the backend's buffers, messages one thread allocates and
+/// another frees) is [`memory::uncounted`], as in [`VirtualPeers`], so that both runs
+/// measure the program's own memory.
 pub struct Recorded<C: Communicator> {
     inner: C,
     state: Arc<Mutex<State>>,
@@ -936,28 +947,27 @@ impl<C: Communicator> Recorded<C> {
     }
 
     /// Runs `f` on the inner communicator between the end of a segment and the records
-    /// `ops` makes. What the call leaves this thread holding is the backend's, not the
-    /// program's: memory samples leave it out.
+    /// `ops` makes. What the call allocates (the backend's buffers and messages, the
+    /// records) is not the program's: it is [`memory::uncounted`].
     fn around<T, R: IntoIterator<Item = RecordedOp>>(
         &mut self,
         ops: impl FnOnce(&mut State) -> R,
         f: impl FnOnce(&mut C) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        let clock = {
+        memory::uncounted(|| {
+            let clock = {
+                let mut s = self.state();
+                s.segment_ends()?;
+                s.clock.clone()
+            };
+            let started = clock.now_seconds();
+            let out = f(&mut self.inner)?;
+            let took = Picos::from_secs_f64((clock.now_seconds() - started).max(0.0));
             let mut s = self.state();
-            s.segment_ends()?;
-            s.clock.clone()
-        };
-        let before = memory::thread_live();
-        let started = clock.now_seconds();
-        let out = f(&mut self.inner)?;
-        let took = Picos::from_secs_f64((clock.now_seconds() - started).max(0.0));
-        let retained = memory::thread_live() - before;
-        let mut s = self.state();
-        s.comm_bytes += retained;
-        let ops = ops(&mut s);
-        s.ops_end(ops.into_iter().map(|o| timed(o, took)));
-        Ok(out)
+            let ops = ops(&mut s);
+            s.ops_end(ops.into_iter().map(|o| timed(o, took)));
+            Ok(out)
+        })
     }
 }
 

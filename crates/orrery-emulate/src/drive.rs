@@ -18,9 +18,12 @@
 //! ([`crate::memory`]).
 //! That is exact only while the rank is the one thread of its process using burn: burn's
 //! autodiff keeps one graph registry per process, and a thread that cleans it frees what
-//! other threads allocated. An emulation's single real rank is such a thread; ranks run
-//! side by side in one process (collection with several slots, [`run_all_real`], several
-//! real ranks in one emulation) measure their peaks to within some kilobytes.
+//! other threads allocated. The allocator charges each block to its owner whoever frees it,
+//! but the owner's count then drops when the other thread gets to it, not when the owner
+//! would have. An emulation's single real rank is such a thread (other threads' frees of its
+//! blocks, such as those of tests beside it, no longer lower its count below what it holds);
+//! ranks run side by side in one process (collection with several slots, [`run_all_real`],
+//! several real ranks in one emulation) measure their peaks to within some kilobytes.
 
 use crate::comm::{Recorded, VirtualPeers, VirtualPeersHandle};
 use crate::coordinator::{CoordinatedStep, Coordinator, CoordinatorError, RankReporter};
@@ -439,9 +442,10 @@ pub fn record_real_rank<C: Communicator + 'static>(
 /// (by rank) of the step after `warmup`.
 ///
 /// The threads share one process, and burn's autodiff keeps one graph registry for the
-/// whole process, so a rank's thread now and then frees what another allocated: the peaks
-/// measured here are off by some kilobytes. The memory reference is a run with a process
-/// per rank (`orrery collect --comm mpi`).
+/// whole process, so a rank's thread now and then frees what another allocated. The
+/// allocator charges such a free to the block's owner ([`crate::memory`]), but at the time
+/// the other thread frees it, so the peaks measured here move by some kilobytes. The memory
+/// reference is a run with a process per rank (`orrery collect --comm mpi`).
 pub fn run_all_real(
     config: &TrainConfig,
     ranks: usize,

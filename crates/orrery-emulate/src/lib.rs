@@ -31,9 +31,10 @@
 //! so the program may run as fast as the machine lets it, and the coordinator never holds a
 //! rank that another real rank is waiting for.
 //!
-//! - [`memory::CountingAlloc`] counts the bytes each thread allocates, so that a real rank
-//!   on the CPU reports its measured peak memory (the only unsafe code in orrery: a
-//!   `GlobalAlloc` that forwards to the system allocator).
+//! - [`memory::CountingAlloc`] counts the bytes each thread allocates (a block stays its
+//!   allocating thread's whoever frees it), so that a real rank on the CPU reports its
+//!   measured peak memory (the only unsafe code in orrery: a `GlobalAlloc` that forwards to
+//!   the system allocator, with an owner header in front of each block).
 //!
 //! Real ranks of one emulation exchange real data with each other (over threads). A real
 //! rank's expert all-to-all follows its router's choices of the step, with the virtual
