@@ -452,43 +452,6 @@ impl VirtualPeers {
         })
     }
 
-    /// [`Communicator::send_recv_f32`], its allocations uncounted by the caller.
-    fn send_recv_uncounted(
-        &mut self,
-        dest: usize,
-        send: &[f32],
-        src: usize,
-        recv: &mut [f32],
-    ) -> Result<(), CommError> {
-        let (sseq, rseq) = {
-            let mut s = lock(&self.state);
-            s.check_peer(dest)?;
-            s.check_peer(src)?;
-            (s.next_sent(dest), s.next_received(src))
-        };
-        let (real_dest, real_src) = match self.real.as_ref() {
-            Some(r) => (r.index(dest), r.index(src)),
-            None => (None, None),
-        };
-        // One segment ends; the send and the receive are recorded back to back, as
-        // [`Recorded`] records them.
-        lock(&self.state).segment_ends()?;
-        match (real_dest, real_src) {
-            (Some(d), Some(r)) => {
-                self.on_real(|p| p.comm.send_recv_f32(d, send, r, recv))?;
-            }
-            (Some(d), None) => {
-                self.on_real(|p| p.comm.send_f32(d, send))?;
-                self.receive(src, Message::Place(rseq), recv)?;
-            }
-            (None, _) => self.receive(src, Message::Place(rseq), recv)?,
-        }
-        let mut s = lock(&self.state);
-        let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
-        s.ops_end(ops);
-        Ok(())
-    }
-
     /// The all-reduce over `members` (group order) of `buf`.
     fn reduce(&mut self, members: &[usize], buf: &mut [f32]) -> Result<(), CommError> {
         let split = self.split(members);
@@ -683,7 +646,36 @@ impl Communicator for VirtualPeers {
         src: usize,
         recv: &mut [f32],
     ) -> Result<(), CommError> {
-        memory::uncounted(|| self.send_recv_uncounted(dest, send, src, recv))
+        // The pair's counters and the records are the communicator's memory.
+        memory::uncounted(|| {
+            let (sseq, rseq) = {
+                let mut s = lock(&self.state);
+                s.check_peer(dest)?;
+                s.check_peer(src)?;
+                (s.next_sent(dest), s.next_received(src))
+            };
+            let (real_dest, real_src) = match self.real.as_ref() {
+                Some(r) => (r.index(dest), r.index(src)),
+                None => (None, None),
+            };
+            // One segment ends; the send and the receive are recorded back to back, as
+            // [`Recorded`] records them.
+            lock(&self.state).segment_ends()?;
+            match (real_dest, real_src) {
+                (Some(d), Some(r)) => {
+                    self.on_real(|p| p.comm.send_recv_f32(d, send, r, recv))?;
+                }
+                (Some(d), None) => {
+                    self.on_real(|p| p.comm.send_f32(d, send))?;
+                    self.receive(src, Message::Place(rseq), recv)?;
+                }
+                (None, _) => self.receive(src, Message::Place(rseq), recv)?,
+            }
+            let mut s = lock(&self.state);
+            let ops = send_recv_ops(&s, dest, send.len(), sseq, src, recv.len(), rseq);
+            s.ops_end(ops);
+            Ok(())
+        })
     }
 
     fn group_all_reduce_sum_f32(

@@ -29,8 +29,8 @@
 //! keeps one graph registry for the whole process, so a rank's thread now and then frees
 //! nodes another thread allocated (another rank's, or another test's); counted by the
 //! freeing thread, as this allocator did before, such a free drove a rank's count below
-//! what it held, and once a rank measured a peak of 0 B. A thread's figures are its own
-//! blocks, alive, whoever frees them.
+//! what it held, and once a rank measured a peak of 0 B. A thread's figures are the bytes
+//! of the blocks it allocated that nobody has freed yet.
 //!
 //! What a communicator allocates is not the program's memory: the emulation's and the
 //! recording's communicators run every call in [`uncounted`], so the messages and records
@@ -97,10 +97,12 @@ fn my_slot() -> Option<(u64, &'static OwnerSlot)> {
             let slot = &SLOTS[(id % OWNER_SLOTS as u64) as usize];
             // The slot's earlier owner, if any, has ended (or runs among more threads than
             // there are slots, and loses its counts): its blocks' frees find another owner
-            // here and go uncounted.
+            // here and go uncounted. The owner changes first, so that such a free stops
+            // matching before the counts restart; one that matched just before can still
+            // land on the new counts, a race only a slot's reuse opens.
+            slot.owner.store(id, Ordering::Relaxed);
             slot.live.store(0, Ordering::Relaxed);
             slot.peak.store(0, Ordering::Relaxed);
-            slot.owner.store(id, Ordering::Relaxed);
             t.set(id);
         }
         t.get()
