@@ -36,7 +36,10 @@
 //! recording's communicators run every call in [`uncounted`], so the messages and records
 //! they make belong to no thread (a message allocated by one rank's thread and freed by
 //! its receiver's counts for neither). A block that was counted stays counted when it is
-//! resized there (a program's buffer a broadcast grows is the program's).
+//! resized there (a program's buffer a broadcast grows is the program's). What a call
+//! returns newly allocated is not counted either: only `all_gather_bytes` does, which the
+//! trainer uses for checkpoints and for single scalars, and every other call fills buffers
+//! the program allocated itself.
 //!
 //! Owners are kept in a table of [`OWNER_SLOTS`] counters, a thread taking slot `id %
 //! OWNER_SLOTS` on its first allocation (ids count up from 1, never reused). A free whose
