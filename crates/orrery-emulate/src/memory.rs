@@ -271,10 +271,12 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let (Some((offset, full)), Some(new_full)) = (
-            with_header(layout),
-            new_size.checked_add(layout.align().max(8)),
-        ) else {
+        // The new size with its header must itself be a valid layout (no overflow of
+        // `isize` once rounded to the alignment), as `System.realloc` requires.
+        let new_layout = Layout::from_size_align(new_size, layout.align()).ok();
+        let (Some((offset, full)), Some((_, new_full))) =
+            (with_header(layout), new_layout.and_then(with_header))
+        else {
             return std::ptr::null_mut();
         };
         // SAFETY: as in `dealloc`; `System.realloc` keeps the first bytes of the block, so
@@ -282,7 +284,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         // keeps the block (a block is its first allocator's).
         unsafe {
             let owner = header(ptr).read();
-            let base = System.realloc(ptr.sub(offset), full, new_full);
+            let base = System.realloc(ptr.sub(offset), full, new_full.size());
             if base.is_null() {
                 return base;
             }
