@@ -68,7 +68,8 @@ fn a_block_freed_by_another_thread_leaves_its_owners_count() {
         });
         done_rx.recv().unwrap();
         freer.join().unwrap();
-        // The owner's does.
+        // The owner's does. What may be left is what this thread allocated for the channel
+        // and the spawned thread's handle (under the 4 KiB allowed).
         assert!(
             (thread_live() - base).abs() < 1 << 12,
             "{}",
