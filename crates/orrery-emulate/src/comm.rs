@@ -256,23 +256,20 @@ impl VirtualPeersHandle {
     /// The step is over: records its last segment and returns the record. Must be called
     /// on the rank's thread (the memory figures are the calling thread's).
     pub fn finish(&self) -> RankRecord {
-        memory::uncounted(|| self.finish_uncounted())
-    }
-
-    /// [`VirtualPeersHandle::finish`], its allocations (the last segment's record, the
-    /// report) uncounted by the caller.
-    fn finish_uncounted(&self) -> RankRecord {
-        let mut s = lock(&self.state);
-        // A stopped emulation has nothing more to take; the record is still the rank's.
-        let _ = s.segment_ends();
-        s.recording = false;
-        if let Some(r) = &s.reporter {
-            let _ = r.done();
-        }
-        RankRecord {
-            rank: s.rank as u32,
-            ops: std::mem::take(&mut s.ops),
-        }
+        // The last segment's record and the report are the communicator's memory.
+        memory::uncounted(|| {
+            let mut s = lock(&self.state);
+            // A stopped emulation has nothing more to take; the record is still the rank's.
+            let _ = s.segment_ends();
+            s.recording = false;
+            if let Some(r) = &s.reporter {
+                let _ = r.done();
+            }
+            RankRecord {
+                rank: s.rank as u32,
+                ops: std::mem::take(&mut s.ops),
+            }
+        })
     }
 
     /// Why reporting failed, if it did (the coordinator stopped).

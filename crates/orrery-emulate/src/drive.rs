@@ -20,9 +20,9 @@
 //! autodiff keeps one graph registry per process, and a thread that cleans it frees what
 //! other threads allocated. The allocator charges each block to its owner whoever frees it,
 //! but the owner's count then drops when the other thread gets to it, not when the owner
-//! would have. An emulation's single real rank is such a thread (other threads' frees of its
-//! blocks, such as those of tests beside it, no longer lower its count below what it holds);
-//! ranks run side by side in one process (collection with several slots, [`run_all_real`],
+//! would have. An emulation's single real rank is such a thread (its own frees of blocks
+//! other threads allocated, such as those of tests beside it, no longer lower its count
+//! below what it holds); ranks run side by side in one process (collection with several slots, [`run_all_real`],
 //! several real ranks in one emulation) measure their peaks to within some kilobytes.
 
 use crate::comm::{Recorded, VirtualPeers, VirtualPeersHandle};

@@ -136,21 +136,26 @@ pub fn uncounted<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// The owner a block allocated now gets.
-fn new_owner() -> u64 {
+/// The owner a block allocated now gets, with its slot (`None`: no thread's).
+fn new_owner() -> Option<(u64, &'static OwnerSlot)> {
     if UNCOUNTED.with(Cell::get) > 0 {
-        return NO_OWNER;
+        return None;
     }
-    my_slot().map_or(NO_OWNER, |(id, _)| id)
+    my_slot()
 }
 
 /// Adds `delta` bytes to `owner`'s count (nothing for a block of no thread's).
 fn charge(owner: u64, delta: i64) {
     if let Some(slot) = owned_slot(owner) {
-        let now = slot.live.fetch_add(delta, Ordering::Relaxed) + delta;
-        if delta > 0 && now > slot.peak.load(Ordering::Relaxed) {
-            slot.peak.fetch_max(now, Ordering::Relaxed);
-        }
+        charge_slot(slot, delta);
+    }
+}
+
+/// Adds `delta` bytes to the count in `slot`, and raises its peak.
+fn charge_slot(slot: &OwnerSlot, delta: i64) {
+    let now = slot.live.fetch_add(delta, Ordering::Relaxed) + delta;
+    if delta > 0 && now > slot.peak.load(Ordering::Relaxed) {
+        slot.peak.fetch_max(now, Ordering::Relaxed);
     }
 }
 
@@ -321,8 +326,10 @@ unsafe fn finish_alloc(base: *mut u8, offset: usize, size: usize) -> *mut u8 {
     // header is the 8 bytes before that, inside the block.
     unsafe {
         let ptr = base.add(offset);
-        header(ptr).write(owner);
-        charge(owner, size as i64);
+        header(ptr).write(owner.map_or(NO_OWNER, |(id, _)| id));
+        if let Some((_, slot)) = owner {
+            charge_slot(slot, size as i64);
+        }
         ptr
     }
 }

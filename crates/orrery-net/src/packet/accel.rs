@@ -245,9 +245,19 @@ impl FastForward {
         )
     }
 
-    /// Records flow `i`'s delivery point in ring slot `slot`.
-    fn record_point(&mut self, i: usize, slot: usize, fl: &FlowState) {
-        self.point_ring[slot] = self.point(i, fl);
+    /// Records flow `i`'s sample number `sample` (the whole network's count, or the flow's
+    /// own in a partition): its bytes delivered since the last one, its sending rate, its
+    /// delivery point, and when its rate decreases last changed.
+    fn record_sample(&mut self, i: usize, sample: u64, fl: &FlowState) {
+        let at = i * self.window + (sample % self.window as u64) as usize;
+        self.ring[at] = fl.delivered - self.last_delivered[i];
+        self.rate_ring[at] = fl.rp.rate;
+        self.point_ring[at] = self.point(i, fl);
+        self.last_delivered[i] = fl.delivered;
+        if fl.rp.decreases != self.last_dec[i] {
+            self.last_dec[i] = fl.rp.decreases;
+            self.last_dec_sample[i] = sample;
+        }
     }
 
     /// Flow `i`'s delivered rate over the second half of its window (it has taken
@@ -334,18 +344,9 @@ impl Engine<'_> {
         }
         if !ff.active.is_empty() {
             let w = ff.window;
-            let slot = (ff.samples % w as u64) as usize;
             for k in 0..ff.active.len() {
                 let i = ff.active[k] as usize;
-                let fl = &self.flows[i];
-                ff.ring[i * w + slot] = fl.delivered - ff.last_delivered[i];
-                ff.rate_ring[i * w + slot] = fl.rp.rate;
-                ff.record_point(i, i * w + slot, fl);
-                ff.last_delivered[i] = fl.delivered;
-                if fl.rp.decreases != ff.last_dec[i] {
-                    ff.last_dec[i] = fl.rp.decreases;
-                    ff.last_dec_sample[i] = ff.samples;
-                }
+                ff.record_sample(i, ff.samples, &self.flows[i]);
             }
             ff.samples += 1;
             ff.since_change += 1;
@@ -614,16 +615,7 @@ impl Engine<'_> {
                         ready = false; // draining
                         continue;
                     }
-                    let fl = &self.flows[i];
-                    let slot = (p.nsamp[i] % w as u64) as usize;
-                    ff.ring[i * w + slot] = fl.delivered - ff.last_delivered[i];
-                    ff.rate_ring[i * w + slot] = fl.rp.rate;
-                    ff.record_point(i, i * w + slot, fl);
-                    ff.last_delivered[i] = fl.delivered;
-                    if fl.rp.decreases != ff.last_dec[i] {
-                        ff.last_dec[i] = fl.rp.decreases;
-                        ff.last_dec_sample[i] = p.nsamp[i];
-                    }
+                    ff.record_sample(i, p.nsamp[i], &self.flows[i]);
                     p.nsamp[i] += 1;
                     p.fresh[i] += 1;
                     ready &= p.fresh[i] > w as u64;
