@@ -14,6 +14,10 @@ use orrery_units::Picos;
 /// from zero and cannot reach this in any run (2^64 schedules).
 const NONE_U32: u32 = u32::MAX;
 const FREE_SEQ: u64 = u64::MAX;
+/// `next_free` of an occupied slot whose event is *dormant*: its place in the order is
+/// fixed (time and sequence number) but no priority structure holds its key yet. An
+/// occupied slot is on no free list, so its `next_free` is otherwise always `NONE_U32`.
+const DORMANT: u32 = u32::MAX - 1;
 
 /// The key the priority structures order: time first, then scheduling order. `slot` only
 /// locates the payload; `seq` is unique, so it never takes part in a comparison that decides.
@@ -119,6 +123,23 @@ impl<E> Arena<E> {
         payload
     }
 
+    /// The sequence number of the pending event `key` names.
+    pub(crate) fn seq_of(&self, key: EventKey) -> Option<u64> {
+        self.contains(key)
+            .then(|| self.slots[key.slot as usize].seq)
+    }
+
+    /// Whether `key` names a pending event that is dormant.
+    pub(crate) fn is_dormant(&self, key: EventKey) -> bool {
+        self.contains(key) && self.slots[key.slot as usize].next_free == DORMANT
+    }
+
+    /// Marks the pending event `key` dormant or not.
+    pub(crate) fn set_dormant(&mut self, key: EventKey, dormant: bool) {
+        debug_assert!(self.contains(key));
+        self.slots[key.slot as usize].next_free = if dormant { DORMANT } else { NONE_U32 };
+    }
+
     /// Takes the payload named by a live internal key.
     pub(crate) fn take_current(&mut self, k: &QKey) -> E {
         debug_assert!(self.is_current(k));
@@ -144,6 +165,7 @@ impl<E> Arena<E> {
         let s = &mut self.slots[key.slot as usize];
         s.seq = seq;
         s.generation = s.generation.wrapping_add(1);
+        s.next_free = NONE_U32;
         Some(EventKey {
             slot: key.slot,
             generation: s.generation,

@@ -57,6 +57,10 @@ pub struct CalendarQueue<E> {
     arena: Arena<E>,
     next_seq: u64,
     now: Picos,
+    /// Sequence number of the last popped event (`None` before the first pop).
+    now_seq: Option<u64>,
+    /// Pending events that are dormant (in the arena, in no bucket).
+    dormant: usize,
     clamped: u64,
 }
 
@@ -89,6 +93,8 @@ impl<E> CalendarQueue<E> {
             arena: Arena::with_capacity(0),
             next_seq: 0,
             now: Picos::ZERO,
+            now_seq: None,
+            dormant: 0,
             clamped: 0,
         }
     }
@@ -121,8 +127,12 @@ impl<E> CalendarQueue<E> {
     /// Moves a pending event to `at` (clamped to `now()`); see [`HeapQueue::reschedule`].
     ///
     /// [`HeapQueue::reschedule`]: crate::HeapQueue::reschedule
+    /// A dormant event becomes an ordinary one at `at`.
     pub fn reschedule(&mut self, key: EventKey, at: Picos) -> Option<EventKey> {
         let seq = self.next_seq;
+        if self.arena.is_dormant(key) {
+            self.dormant -= 1;
+        }
         let new_key = self.arena.renew(key, seq)?;
         self.next_seq += 1;
         let time = self.clamp(at);
@@ -133,6 +143,70 @@ impl<E> CalendarQueue<E> {
         });
         self.maybe_compact();
         Some(new_key)
+    }
+
+    /// Schedules a *dormant* event: it takes its place in the order now, at `at` with the next sequence number, exactly as [`EventQueue::schedule`]
+    /// would give it (`at` must not be before `now()`: it is not clamped, since the
+    /// caller keeps `at` to wake it with), but it is filed nowhere and never pops until [`wake`] files it
+    /// under that same place. It counts as pending for [`contains`], not for
+    /// [`EventQueue::len`]. Waking it costs what scheduling it would have; never waking
+    /// it (cancelling it once its time has passed) costs neither a filing nor a pop.
+    ///
+    /// This is for an event that will most likely turn out to do nothing when it pops (a port freeing
+    /// with nothing queued) but must keep its tie-breaking place in case something comes
+    /// to depend on it before its time.
+    ///
+    /// [`wake`]: CalendarQueue::wake
+    /// [`contains`]: CalendarQueue::contains
+    pub fn schedule_dormant(&mut self, at: Picos, event: E) -> EventKey {
+        debug_assert!(
+            at >= self.now,
+            "a dormant event before now() cannot keep its place"
+        );
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let key = self.arena.insert(seq, event);
+        self.arena.set_dormant(key, true);
+        self.dormant += 1;
+        key
+    }
+
+    /// Files the dormant event `key` at `at`, which must be the time it was scheduled
+    /// for, so it pops where it would have had it been scheduled
+    /// normally. Returns false (and does nothing) if `key` names no dormant event. Waking
+    /// an event whose place has already passed ([`has_passed`]) is a caller's bug: it
+    /// pops at once, out of order.
+    ///
+    /// [`has_passed`]: CalendarQueue::has_passed
+    pub fn wake(&mut self, key: EventKey, at: Picos) -> bool {
+        if !self.arena.is_dormant(key) {
+            return false;
+        }
+        debug_assert!(
+            !self.has_passed(key, at),
+            "waking an event whose place has passed"
+        );
+        let Some(seq) = self.arena.seq_of(key) else {
+            return false;
+        };
+        self.arena.set_dormant(key, false);
+        self.dormant -= 1;
+        self.file(QKey {
+            time: at,
+            seq,
+            slot: key.slot,
+        });
+        true
+    }
+
+    /// Whether the pending event `key`, at time `at`, comes before the last popped event
+    /// in the (time, sequence) order: had it been filed, it would have popped already.
+    /// False for a key that names no pending event.
+    pub fn has_passed(&self, key: EventKey, at: Picos) -> bool {
+        let (Some(seq), Some(now_seq)) = (self.arena.seq_of(key), self.now_seq) else {
+            return false;
+        };
+        (at, seq) < (self.now, now_seq)
     }
 
     fn clamp(&mut self, at: Picos) -> Picos {
@@ -214,7 +288,7 @@ impl<E> CalendarQueue<E> {
     }
 
     fn maybe_compact(&mut self) {
-        let live = self.arena.live();
+        let live = self.arena.live() - self.dormant;
         let stale = self.in_ring + self.overflow.len() - live;
         if stale > live + self.buckets.len() + COMPACT_SLACK {
             let arena = &self.arena;
@@ -251,8 +325,14 @@ impl<E> EventQueue<E> for CalendarQueue<E> {
     }
 
     fn cancel(&mut self, key: EventKey) -> bool {
+        let dormant = self.arena.is_dormant(key);
         if self.arena.remove(key).is_none() {
             return false;
+        }
+        if dormant {
+            // It was in no bucket, so it leaves no stale key to compact.
+            self.dormant -= 1;
+            return true;
         }
         self.maybe_compact();
         true
@@ -264,6 +344,7 @@ impl<E> EventQueue<E> for CalendarQueue<E> {
                 self.in_ring -= 1;
                 if self.arena.is_current(&k) {
                     self.now = k.time;
+                    self.now_seq = Some(k.seq);
                     return Some((k.time, self.arena.take_current(&k)));
                 }
                 continue;
@@ -291,6 +372,6 @@ impl<E> EventQueue<E> for CalendarQueue<E> {
     }
 
     fn len(&self) -> usize {
-        self.arena.live()
+        self.arena.live() - self.dormant
     }
 }

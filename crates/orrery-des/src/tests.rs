@@ -529,3 +529,139 @@ fn keyed_draws_are_fixed_by_their_key_and_look_uniform() {
     // The covariance of independent uniforms is 0, with a standard error of 1/12/sqrt(n).
     assert!(lag1.abs() < 5.0 / 12.0 / (n as f64).sqrt(), "{lag1}");
 }
+
+/// The calendar layouts of [`queues`], for the calendar-only API.
+fn calendars() -> Vec<(&'static str, CalendarQueue<u32>)> {
+    vec![
+        ("calendar-default", CalendarQueue::new()),
+        ("calendar-1x1", CalendarQueue::with_layout(Picos(1), 1)),
+        ("calendar-8x3", CalendarQueue::with_layout(Picos(3), 8)),
+        ("calendar-4x100", CalendarQueue::with_layout(Picos(100), 4)),
+    ]
+}
+
+#[test]
+fn a_dormant_event_is_pending_but_never_pops_until_woken() {
+    for (name, mut q) in calendars() {
+        q.schedule(Picos(10), 1);
+        let d = q.schedule_dormant(Picos(10), 2);
+        q.schedule(Picos(10), 3);
+        assert!(q.contains(d), "{name}");
+        assert_eq!(q.len(), 2, "{name}: a dormant event is not counted");
+        assert!(
+            !q.wake(
+                EventKey {
+                    slot: 99,
+                    generation: 0
+                },
+                Picos(10)
+            ),
+            "{name}"
+        );
+        assert_eq!(q.pop(), Some((Picos(10), 1)), "{name}");
+        assert!(!q.has_passed(d, Picos(10)), "{name}: its place is after 1");
+        // Woken after 1 popped, it still pops between 1 and 3, its place in the order.
+        assert!(q.wake(d, Picos(10)), "{name}");
+        assert!(!q.wake(d, Picos(10)), "{name}: woken once");
+        assert_eq!(q.len(), 2, "{name}");
+        assert_eq!(drain(&mut q), vec![(10, 2), (10, 3)], "{name}");
+        // One never woken: it stays pending (and uncounted) until cancelled.
+        let e = q.schedule_dormant(Picos(20), 4);
+        q.schedule(Picos(30), 5);
+        assert_eq!(q.pop(), Some((Picos(30), 5)), "{name}");
+        assert!(
+            q.has_passed(e, Picos(20)),
+            "{name}: 5 popped after its place"
+        );
+        assert_eq!(q.len(), 0, "{name}");
+        assert!(q.cancel(e), "{name}");
+        assert!(!q.contains(e), "{name}");
+        assert_eq!(q.pop(), None, "{name}");
+        // A rescheduled dormant event becomes an ordinary one.
+        let f = q.schedule_dormant(Picos(40), 6);
+        let f2 = q.reschedule(f, Picos(50)).expect("pending");
+        assert!(!q.wake(f2, Picos(50)), "{name}: no longer dormant");
+        assert_eq!(q.len(), 1, "{name}");
+        assert_eq!(q.pop(), Some((Picos(50), 6)), "{name}");
+    }
+}
+
+/// A random hold workload run twice: once with every event scheduled as usual, and once
+/// with a third of them dormant, each woken at some random later step before its place
+/// passes or cancelled when it does. Apart from the dormant events never woken (which the
+/// plain run pops and the other cancels), both pop the same events in the same order, and
+/// the dormant run's `len` is the plain run's less the dormant events not yet woken.
+#[test]
+fn dormant_events_woken_in_time_pop_where_they_would_have() {
+    for (name, _) in calendars() {
+        for seed in 0..20u64 {
+            let (mut plain, mut lazy) = (
+                calendars().into_iter().find(|c| c.0 == name).unwrap().1,
+                calendars().into_iter().find(|c| c.0 == name).unwrap().1,
+            );
+            let mut rng = Rng::seed_from_u64(seed);
+            // id -> (key in plain, key in lazy, time, dormant and not yet woken)
+            let mut keys: Vec<(EventKey, EventKey, Picos, bool)> = Vec::new();
+            let schedule = |plain: &mut CalendarQueue<u32>,
+                            lazy: &mut CalendarQueue<u32>,
+                            keys: &mut Vec<(EventKey, EventKey, Picos, bool)>,
+                            rng: &mut Rng,
+                            now: u64| {
+                let id = keys.len() as u32;
+                // Small delays, zero included, so ties are common.
+                let at = Picos(now + rng.gen_range(0, 40));
+                let kp = plain.schedule(at, id);
+                let dormant = rng.bernoulli(0.35);
+                let kl = if dormant {
+                    lazy.schedule_dormant(at, id)
+                } else {
+                    lazy.schedule(at, id)
+                };
+                keys.push((kp, kl, at, dormant));
+            };
+            for _ in 0..50 {
+                schedule(&mut plain, &mut lazy, &mut keys, &mut rng, 0);
+            }
+            let mut popped = 0;
+            while let Some((t, id)) = plain.pop() {
+                let (_, kl, at, dormant) = keys[id as usize];
+                if dormant {
+                    // Never woken: its place has come, so the lazy run drops it.
+                    assert!(!lazy.has_passed(kl, at), "{name} seed {seed}");
+                    assert!(lazy.cancel(kl), "{name} seed {seed}");
+                    keys[id as usize].3 = false;
+                } else {
+                    assert_eq!(lazy.pop(), Some((t, id)), "{name} seed {seed}");
+                }
+                popped += 1;
+                if popped < 2_000 {
+                    for _ in 0..rng.gen_range(0, 3) {
+                        schedule(&mut plain, &mut lazy, &mut keys, &mut rng, t.0);
+                    }
+                }
+                // Wake some dormant events (their places are all still ahead), and now and
+                // then move one (in both runs), which makes it ordinary.
+                #[allow(clippy::needless_range_loop)]
+                for id in 0..keys.len() {
+                    let (kp, kl, at, dormant) = keys[id];
+                    if !dormant {
+                        continue;
+                    }
+                    assert!(!lazy.has_passed(kl, at), "{name} seed {seed}");
+                    if rng.bernoulli(0.05) {
+                        assert!(lazy.wake(kl, at), "{name} seed {seed}");
+                        keys[id].3 = false;
+                    } else if rng.bernoulli(0.01) {
+                        let to = Picos(t.0 + rng.gen_range(0, 40));
+                        let kp = plain.reschedule(kp, to).unwrap();
+                        let kl = lazy.reschedule(kl, to).unwrap();
+                        keys[id] = (kp, kl, to, false);
+                    }
+                }
+                let asleep = keys.iter().filter(|k| k.3).count();
+                assert_eq!(lazy.len(), plain.len() - asleep, "{name} seed {seed}");
+            }
+            assert_eq!(lazy.pop(), None, "{name} seed {seed}");
+        }
+    }
+}

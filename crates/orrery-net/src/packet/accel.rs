@@ -336,6 +336,8 @@ impl Engine<'_> {
         let Some(mut ff) = self.ff.take() else {
             return;
         };
+        // Jumps move and the ledger's compaction drops pending port events.
+        self.settle_dormant_frees();
         ff.pending = false;
         if ff.parts.is_some() {
             self.ff_sample_parts(&mut ff);

@@ -145,6 +145,13 @@ pub(super) struct Port {
     pub in_copy_hdrm: u64,
     /// A pause is in force (sent, not yet resumed).
     pub pause_sent: bool,
+    /// A switch port's free that is *dormant* (`PacketConfig::lazy_port_frees`): the port
+    /// had nothing queued when its current frame started, so its `PortFree` (time, key)
+    /// holds its place in the event order without being filed. See
+    /// [`Engine::settle_dormant_free`].
+    pub dormant_free: Option<(Picos, EventKey)>,
+    /// The port is on [`Engine::dormant_ports`].
+    pub dormant_listed: bool,
 }
 
 impl Port {
@@ -171,6 +178,8 @@ impl Port {
             in_copy_hdrm: 0,
             headroom: self.headroom,
             pause_sent: false,
+            dormant_free: None,
+            dormant_listed: false,
         }
     }
 }
@@ -396,6 +405,9 @@ pub(super) struct Engine<'a> {
     pub memo: Option<Memo<'a>>,
     /// Periodic extrapolation state (`accel.periodic` with `accel.memoize`).
     pub periodic: Option<Periodic>,
+    /// The ports that have held a dormant free since the last
+    /// [`Engine::settle_dormant_frees`] (each once, `Port::dormant_listed`).
+    pub(super) dormant_ports: Vec<u32>,
     // Report counters.
     pub link_bytes: Vec<u64>,
     pub pfc_pauses: Vec<u64>,
@@ -552,6 +564,8 @@ impl<'a> Engine<'a> {
                     0
                 },
                 pause_sent: false,
+                dormant_free: None,
+                dormant_listed: false,
             });
         }
         let mut bufs = vec![SwitchBuf::default(); n_nodes];
@@ -711,6 +725,7 @@ impl<'a> Engine<'a> {
             ledger_index: Default::default(),
             memo: None,
             periodic: None,
+            dormant_ports: Vec::new(),
             link_bytes: vec![0; n_links],
             pfc_pauses: vec![0; n_links],
             drops: 0,
@@ -871,6 +886,12 @@ impl<'a> Engine<'a> {
     /// samples), recording it in the ledger with partitioning so a jump can move it.
     pub fn sched(&mut self, at: Picos, ev: Ev) -> EventKey {
         let key = self.q.schedule(at, ev);
+        self.ledger_push(key, at, ev);
+        key
+    }
+
+    /// Records a scheduled event in the ledger, if there is one.
+    fn ledger_push(&mut self, key: EventKey, at: Picos, ev: Ev) {
         if let Some(l) = self.ledger.as_mut() {
             // Fast-forward samples compact the ledger; without them (mirrors alone) it is
             // compacted when it has doubled, amortised O(1) per event.
@@ -882,7 +903,6 @@ impl<'a> Engine<'a> {
             }
             l.push((key, at, ev));
         }
-        key
     }
 
     /// Stores a packet in the arena.
@@ -936,17 +956,87 @@ impl<'a> Engine<'a> {
         if is_data {
             self.link_bytes[l as usize] += u64::from(payload);
         }
-        self.sched(done, Ev::PortFree(l));
+        // A free still dormant here belongs to a frame this port was sent on top of (a
+        // mirror's copied busy flag, the only way a port transmits before its own free):
+        // it is due, or passed, as it would have been.
+        if let Some((at, key)) = port.dormant_free.take() {
+            if self.q.has_passed(key, at) {
+                self.q.cancel(key);
+            } else {
+                self.q.wake(key, at);
+            }
+        }
+        let port = &mut self.ports[l as usize];
+        if self.cfg.lazy_port_frees
+            && port.from_switch
+            && port.ctrl.is_empty()
+            && port.data.is_empty()
+        {
+            // Nothing is queued behind this frame: unless something arrives for the port
+            // before it ends, its free will find nothing to send.
+            let key = self.q.schedule_dormant(done, Ev::PortFree(l));
+            port.dormant_free = Some((done, key));
+            if !port.dormant_listed {
+                port.dormant_listed = true;
+                self.dormant_ports.push(l);
+            }
+            self.ledger_push(key, done, Ev::PortFree(l));
+        } else {
+            self.sched(done, Ev::PortFree(l));
+        }
         self.sched(arrive, Ev::Arrive(p));
+    }
+
+    /// Settles port `l`'s dormant free, if it has one, at the event being handled: if its
+    /// place in the order has passed, it would have popped by now and found nothing to send
+    /// (anything queued since would have woken it), so it is dropped and the port is idle;
+    /// otherwise, if something is queued, it is filed under its place. Returns whether
+    /// the port is busy.
+    fn settle_dormant_free(&mut self, l: u32) -> bool {
+        let port = &mut self.ports[l as usize];
+        if let Some((at, key)) = port.dormant_free {
+            if self.q.has_passed(key, at) {
+                self.q.cancel(key);
+                port.dormant_free = None;
+                port.busy = false;
+            } else if !port.ctrl.is_empty() || !port.data.is_empty() {
+                self.q.wake(key, at);
+                port.dormant_free = None;
+            }
+        }
+        port.busy
+    }
+
+    /// Settles every dormant free: those whose place has passed are dropped (their ports
+    /// idle), the others are filed under their places. Afterwards the queue, the ledger and
+    /// every port's `busy` are exactly what they would be had no free been dormant, which
+    /// is what the acceleration mechanisms that read or move pending port events (jumps,
+    /// mirrors' captures and images) assume: they call this first.
+    pub(super) fn settle_dormant_frees(&mut self) {
+        let mut ports = std::mem::take(&mut self.dormant_ports);
+        for &l in &ports {
+            let port = &mut self.ports[l as usize];
+            port.dormant_listed = false;
+            if let Some((at, key)) = port.dormant_free.take() {
+                if self.q.has_passed(key, at) {
+                    self.q.cancel(key);
+                    port.busy = false;
+                } else {
+                    self.q.wake(key, at);
+                }
+            }
+        }
+        ports.clear();
+        self.dormant_ports = ports;
     }
 
     /// Sends the next frame on link `l` if its port is idle: control first, then data
     /// unless paused.
     pub fn try_send(&mut self, l: u32) {
-        let port = &mut self.ports[l as usize];
-        if port.busy {
+        if self.ports[l as usize].busy && self.settle_dormant_free(l) {
             return;
         }
+        let port = &mut self.ports[l as usize];
         if let Some(p) = port.ctrl.pop_front() {
             self.transmit(l, p);
             return;

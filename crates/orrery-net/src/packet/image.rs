@@ -68,6 +68,8 @@ impl Engine<'_> {
         pairs: &[(u32, u32)],
         phi: &dyn Fn(u32) -> Option<u32>,
     ) -> StateImage {
+        // A capture reads ports' busy flags and copies their pending frees.
+        self.settle_dormant_frees();
         let map = |l: u32| if l == NO_LINK { Some(NO_LINK) } else { phi(l) };
         let flow_map: HashMap<u32, u32> = pairs.iter().copied().collect();
         let mut img = StateImage::default();
@@ -185,6 +187,9 @@ impl Engine<'_> {
     /// credited as a hit's are (bytes, links, ACKs); packets in flight or queued are
     /// accounted as their copies are made. Returns the packets credited.
     pub(super) fn apply_image(&mut self, img: StateImage) -> u64 {
+        // An image adds busy flags and frees to the target's ports, which must be their
+        // own first (a free dormant on a target port is settled before one is added).
+        self.settle_dormant_frees();
         let mut credited = 0;
         for (g, state, delivered) in img.flows.iter().cloned() {
             self.credit_packets(g, delivered);
