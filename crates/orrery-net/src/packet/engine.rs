@@ -960,11 +960,7 @@ impl<'a> Engine<'a> {
         // mirror's copied busy flag, the only way a port transmits before its own free):
         // it is due, or passed, as it would have been.
         if let Some((at, key)) = port.dormant_free.take() {
-            if self.q.has_passed(key, at) {
-                self.q.cancel(key);
-            } else {
-                self.q.wake(key, at);
-            }
+            self.drop_or_file(at, key);
         }
         let port = &mut self.ports[l as usize];
         if self.cfg.lazy_port_frees
@@ -1007,6 +1003,18 @@ impl<'a> Engine<'a> {
         port.busy
     }
 
+    /// Drops the dormant free `key` (at `at`) if its place has passed, which it returns,
+    /// or files it under its place.
+    fn drop_or_file(&mut self, at: Picos, key: EventKey) -> bool {
+        let passed = self.q.has_passed(key, at);
+        if passed {
+            self.q.cancel(key);
+        } else {
+            self.q.wake(key, at);
+        }
+        passed
+    }
+
     /// Settles every dormant free: those whose place has passed are dropped (their ports
     /// idle), the others are filed under their places. Afterwards the queue, the ledger and
     /// every port's `busy` are exactly what they would be had no free been dormant, which
@@ -1018,11 +1026,8 @@ impl<'a> Engine<'a> {
             let port = &mut self.ports[l as usize];
             port.dormant_listed = false;
             if let Some((at, key)) = port.dormant_free.take() {
-                if self.q.has_passed(key, at) {
-                    self.q.cancel(key);
-                    port.busy = false;
-                } else {
-                    self.q.wake(key, at);
+                if self.drop_or_file(at, key) {
+                    self.ports[l as usize].busy = false;
                 }
             }
         }
