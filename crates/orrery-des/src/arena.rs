@@ -28,6 +28,13 @@ pub(crate) struct QKey {
     pub(crate) slot: u32,
 }
 
+impl QKey {
+    /// The key's place in the order as one number: time in the high half, `seq` in the low.
+    pub(crate) fn order(&self) -> u128 {
+        (u128::from(self.time.0) << 64) | u128::from(self.seq)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Slot<E> {
     /// Sequence number of the occupant, or `FREE_SEQ`.

@@ -7,7 +7,7 @@
 //! `ack_every`-th packet and the last one, NACKs a gap, and sends CNPs for ECN-marked
 //! packets at most once per `cnp_interval` per flow.
 
-use super::engine::{ser, Engine, Ev, Kind, Packet};
+use super::engine::{Engine, Ev, Kind, Packet};
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -109,7 +109,7 @@ impl Engine<'_> {
         self.data_packets += 1;
         let frame = payload + cfg.header_bytes;
         let rate = if cfg.dcqcn { fl.rp.rate } else { fl.rp.line };
-        let gap = ser(u64::from(frame) + u64::from(cfg.framing_bytes), rate);
+        let gap = fl.pacing_gap(u64::from(frame) + u64::from(cfg.framing_bytes), rate);
         fl.ready_at = Picos(now.0 + gap.0);
         let arm_rto = !fl.rto_pending;
         fl.rto_pending = true;
