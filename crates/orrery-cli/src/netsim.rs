@@ -66,10 +66,10 @@ pub struct NetsimArgs {
     /// Packet model: the packet-by-packet reference, every acceleration off.
     #[arg(long)]
     reference: bool,
-    /// Packet model: leave a switch port's free dormant when nothing is queued behind its
-    /// frame (`lazy_port_frees = true`; same results, fewer events; see the field's docs).
+    /// Packet model: schedule every port's free, even one that will find nothing to send
+    /// (`lazy_port_frees = false`; the same results with more events; see the field's docs).
     #[arg(long)]
-    lazy_port_frees: bool,
+    eager_port_frees: bool,
     /// Packet model: load memoized episodes from this file if it exists (a corrupt or
     /// foreign file is reported and ignored) and save the cache back to it afterwards.
     #[arg(long, value_name = "FILE")]
@@ -572,7 +572,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 )));
             }
             config.seed = scenario.seed;
-            config.lazy_port_frees |= args.lazy_port_frees;
+            config.lazy_port_frees &= !args.eager_port_frees;
             let a = &mut config.accel;
             a.fast_forward &= !(args.no_fast_forward || args.reference);
             a.partitioning &= !(args.no_partitioning || args.reference);

@@ -336,8 +336,6 @@ impl Engine<'_> {
         let Some(mut ff) = self.ff.take() else {
             return;
         };
-        // Jumps move and the ledger's compaction drops pending port events.
-        self.settle_dormant_frees();
         ff.pending = false;
         if ff.parts.is_some() {
             self.ff_sample_parts(&mut ff);
@@ -356,7 +354,7 @@ impl Engine<'_> {
                 self.try_jump(&mut ff);
             }
             // Other events besides this one and a trace sample: the run is not over.
-            if self.unfinished > 0 && self.q.len() > self.trace_pending() {
+            if self.unfinished > 0 && self.pending_beyond(self.trace_pending()) {
                 ff.pending = true;
                 let at = Picos(self.now.0.saturating_add(self.cfg.accel.sample_interval.0));
                 self.q.schedule(at, Ev::FfSample);
@@ -510,6 +508,8 @@ impl Engine<'_> {
         if limit < a.min_jump.0 || limit == u64::MAX {
             return;
         }
+        // The jump moves flows' packets and clocks: it starts from the eager state.
+        self.settle_dormant_frees();
         let jump = Picos(limit);
         let secs = jump.as_secs_f64();
         let mut moved = 0u64;
@@ -627,7 +627,7 @@ impl Engine<'_> {
                 }
             }
             ff.samples += 1;
-            if self.unfinished > 0 && self.q.len() > self.trace_pending() {
+            if self.unfinished > 0 && self.pending_beyond(self.trace_pending()) {
                 ff.pending = true;
                 let at = Picos(self.now.0.saturating_add(self.cfg.accel.sample_interval.0));
                 self.q.schedule(at, Ev::FfSample);
@@ -766,6 +766,8 @@ impl Engine<'_> {
         if limit < a.min_jump.0 || limit == 0 {
             return;
         }
+        // The jump postpones the partition's pending port events, dormant frees included.
+        self.settle_dormant_frees();
         let jump = Picos(limit);
         let secs = jump.as_secs_f64();
         let mut moved = 0u64;

@@ -187,11 +187,12 @@ pub struct PacketConfig {
     /// free *dormant*: the free keeps its place in the event order but is filed only if
     /// something is queued for the port before it, and is dropped unseen otherwise.
     /// Exact: a run gives the same flows, bytes, pauses and drops either way (the tests
-    /// compare them), only fewer events are handled and counted. Default false for now:
-    /// on the GPT 350M step at 128 GPUs it took 1.8% of the reference's events and 10% of
-    /// the accelerated run's away, but no faster wall time has been measured yet (docs/
-    /// benchmarks.md). Host ports always schedule their frees, since whether a queue pair
-    /// can send when a host port frees depends on pacing the port does not track.
+    /// compare them), only fewer events are handled and counted. Default true, in the
+    /// reference too, since it changes no answer: under callgrind it took 3.0% to 3.2% of
+    /// the instructions of the small ring's reference and accelerated runs away, and 0.5%
+    /// of the GPT 350M step's at 128 GPUs (docs/benchmarks.md). Host ports always schedule
+    /// their frees, since whether a queue pair can send when a host port frees depends on
+    /// pacing the port does not track.
     pub lazy_port_frees: bool,
     /// Acceleration (partitioning, steady-state fast-forwarding, memoization). On by
     /// default; [`PacketConfig::reference`] is the packet-by-packet reference with all of
@@ -382,7 +383,7 @@ impl Default for PacketConfig {
             dcqcn: true,
             dcqcn_params: DcqcnParams::default(),
             seed: 0,
-            lazy_port_frees: false,
+            lazy_port_frees: true,
             accel: AccelConfig::default(),
         }
     }

@@ -914,7 +914,7 @@ impl<'a> Engine<'a> {
         };
         self.samples.push(s);
         // Keep sampling while anything else can still happen.
-        if self.unfinished > 0 && self.q.len() > self.ff_pending() {
+        if self.unfinished > 0 && self.pending_beyond(self.ff_pending()) {
             let at = Picos(self.now.0.saturating_add(self.trace.interval.0));
             self.q.schedule(at, Ev::Sample);
             self.trace_pending = true;
@@ -1051,18 +1051,44 @@ impl<'a> Engine<'a> {
         passed
     }
 
+    /// Whether more than `others` events are pending, counting a dormant free whose place
+    /// has not passed, which an eager run would hold in its queue (the samples ask whether
+    /// anything but their own events is left).
+    pub(super) fn pending_beyond(&self, others: usize) -> bool {
+        self.q.len() > others
+            || self.dormant_ports.iter().any(|&l| {
+                self.ports[l as usize]
+                    .dormant_free
+                    .is_some_and(|(at, key)| !self.q.has_passed(key, at))
+            })
+    }
+
     /// Settles every dormant free: those whose place has passed are dropped (their ports
     /// idle), the others are filed under their places. Afterwards the queue, the ledger and
     /// every port's `busy` are exactly what they would be had no free been dormant, which
     /// is what the acceleration mechanisms that read or move pending port events (jumps,
     /// mirrors' captures and images) assume: they call this first.
     pub(super) fn settle_dormant_frees(&mut self) {
+        self.settle_dormant_frees_before(Picos::ZERO);
+    }
+
+    /// [`Engine::settle_dormant_frees`] after a loop that processed every event before
+    /// `limit` (a replay's [`Engine::run_until`]): a dormant free before `limit` would have
+    /// popped in it, and found nothing to send (anything queued would have woken it), so it
+    /// is dropped like one whose place has passed, though the loop's last event came before it.
+    pub(super) fn settle_dormant_frees_before(&mut self, limit: Picos) {
         let mut ports = std::mem::take(&mut self.dormant_ports);
         for &l in &ports {
             let port = &mut self.ports[l as usize];
             port.dormant_listed = false;
             if let Some((at, key)) = port.dormant_free.take() {
-                if self.drop_or_file(at, key) {
+                let idle = if at < limit {
+                    self.q.cancel(key);
+                    true
+                } else {
+                    self.drop_or_file(at, key)
+                };
+                if idle {
                     self.ports[l as usize].busy = false;
                 }
             }

@@ -336,6 +336,7 @@ impl Engine<'_> {
                 self.events += 1;
             }
         }
+        self.settle_dormant_frees_before(limit);
     }
 
     /// The ledger positions a capture of `flows` (sources) and `links` (sources) must
