@@ -47,6 +47,7 @@ pub mod scenario;
 pub mod sim;
 pub mod sim_network;
 pub mod topology;
+pub mod word_hash;
 
 pub use analytical::AnalyticalNetwork;
 pub use sim_network::{SimNetwork, SimTotals};

@@ -59,6 +59,7 @@ use orrery_graph::materialize::{materialize, Concrete};
 use orrery_graph::{GroupRole, OpKind};
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowError, FlowSet};
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, TopologyError};
+use orrery_net::word_hash::{WordMap, WordSet};
 use orrery_net::{
     Algorithm, AlgorithmChoice, AnalyticalNetwork, CollectiveKind, CollectiveRequest,
     GroupPlacement, NetworkModel,
@@ -66,7 +67,6 @@ use orrery_net::{
 use orrery_spec::{Job, TopologyKind};
 use orrery_units::{FlowId, Picos, RankId};
 use serde::Serialize;
-use std::collections::{HashMap, HashSet};
 
 /// Which kinds of communication to include.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -311,9 +311,9 @@ pub fn job_traffic_with(
     let step = Picos::from_nanos(crate::NIC_LATENCY_NS);
 
     let mut instances: Vec<Instance> = Vec::new();
-    let mut collective_of: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut collective_of: WordMap<(u32, u32), usize> = WordMap::default();
     // Receives that waited for their data, by (receiver, sender, tag): their op index.
-    let mut waiting_recvs: HashMap<(u32, u32, u64), u32> = HashMap::new();
+    let mut waiting_recvs: WordMap<(u32, u32, u64), u32> = WordMap::default();
     for r in 0..layout.world_size() {
         let rank = RankId(r);
         let rg = materialize(&out.graphs, rank);
@@ -326,7 +326,7 @@ pub fn job_traffic_with(
         let mut gate: Vec<Option<u32>> = vec![None; ops.len()];
         let mut marker = vec![false; ops.len()];
         let mut last_on_stream: [Option<u32>; 6] = [None; 6];
-        let mut seq_on_group = HashMap::new();
+        let mut seq_on_group = WordMap::default();
         for (i, (op, resolved)) in ops.iter().zip(&rg.resolved).enumerate() {
             let stream_pred = if op.kind.occupies_stream() {
                 last_on_stream[op.stream.index()].replace(i as u32)
@@ -434,13 +434,13 @@ pub fn job_traffic_with(
         order.sort_by_key(|&x| starts[x]);
     }
     // The last flows of each rank's simulated op, once expanded: what its dependents wait for.
-    let mut last_flows: HashMap<(u32, u32), Vec<FlowId>> = HashMap::new();
+    let mut last_flows: WordMap<(u32, u32), Vec<FlowId>> = WordMap::default();
     // What a rank's op that the replay started at `start` waits for: its gate's last flows
     // at the rank, and the time from the gate's end to `start`.
     let gated = |rank: u32,
                  m: &Member,
                  start: Picos,
-                 last_flows: &HashMap<(u32, u32), Vec<FlowId>>|
+                 last_flows: &WordMap<(u32, u32), Vec<FlowId>>|
      -> Option<(Vec<FlowId>, Picos)> {
         if release == Release::Replay {
             return None;
@@ -534,15 +534,15 @@ pub fn job_traffic_with(
 /// For every rank the flows of `range` touch: those that touch it (as source or
 /// destination) and that no other flow of the range touching it depends on. When they have
 /// finished, the collective is done at that rank.
-fn last_flows_by_rank(set: &FlowSet, range: std::ops::Range<usize>) -> HashMap<u32, Vec<FlowId>> {
-    let mut waited_on: HashSet<(FlowId, u32)> = HashSet::new();
+fn last_flows_by_rank(set: &FlowSet, range: std::ops::Range<usize>) -> WordMap<u32, Vec<FlowId>> {
+    let mut waited_on: WordSet<(FlowId, u32)> = WordSet::default();
     for f in &set.flows[range.clone()] {
         for &d in &f.deps {
             waited_on.insert((d, f.src));
             waited_on.insert((d, f.dst));
         }
     }
-    let mut last: HashMap<u32, Vec<FlowId>> = HashMap::new();
+    let mut last: WordMap<u32, Vec<FlowId>> = WordMap::default();
     for i in range {
         let id = FlowId::from_index(i);
         let f = &set.flows[i];

@@ -142,8 +142,9 @@ use super::{PacketRun, PacketStats, TraceRequest};
 use crate::flows::{dependency_order, FlowSet, FlowSpec};
 use crate::sim::FlowOutcome;
 use crate::topology::NetGraph;
+use crate::word_hash::{WordMap, WordSet};
 use orrery_units::{FlowId, LinkId, Picos};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 const NONE: u32 = u32::MAX;
 
@@ -293,9 +294,9 @@ struct FlowKeys {
     /// Per flow, whether it is exempt from the check (empty: none is).
     exempt: Vec<bool>,
     /// Up labels of the run (to reject a candidate early).
-    up: std::collections::HashSet<u64>,
+    up: WordSet<u64>,
     /// Flows by down label, in id order.
-    by_down: HashMap<u64, Vec<u32>>,
+    by_down: WordMap<u64, Vec<u32>>,
     /// Dependents of every flow, in CSR form.
     dependents_at: Vec<u32>,
     dependents: Vec<u32>,
@@ -333,7 +334,7 @@ impl FlowKeys {
         let mut keys = FlowKeys {
             exempt,
             up: Default::default(),
-            by_down: HashMap::new(),
+            by_down: WordMap::default(),
             dependents_at: count,
             dependents,
         };
@@ -489,7 +490,7 @@ fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Opti
             .filter(|&v| layers.layer[v as usize] == d)
             .collect();
         let class_key = |kind, below: &[u32]| (kind, below.to_vec());
-        let mut classes: HashMap<_, Vec<u32>> = HashMap::new();
+        let mut classes: WordMap<_, Vec<u32>> = WordMap::default();
         for &v in &at {
             let kind = graph.kind(orrery_units::NodeId(v));
             classes
@@ -529,7 +530,7 @@ fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Opti
 /// The link permutation the node permutation induces (the `i`-th link from `a` to `b` goes
 /// to the `i`-th from `a'` to `b'`, with the same bandwidth and delay), or `None`.
 fn link_image(graph: &NetGraph, nodes: &[u32]) -> Option<Vec<u32>> {
-    let mut between: HashMap<(u32, u32), Vec<u32>> = HashMap::new();
+    let mut between: WordMap<(u32, u32), Vec<u32>> = WordMap::default();
     for (i, l) in graph.links().iter().enumerate() {
         between
             .entry((l.from.0, l.to.0))
@@ -560,7 +561,7 @@ fn flow_image(flows: &FlowSet, keys: &FlowKeys, endpoint_image: &[u32]) -> Optio
     let n = flows.flows.len();
     let up = keys.up_labels(flows, endpoint_image, true)?;
     let down = keys.down_labels(&up);
-    let mut used: HashMap<u64, usize> = HashMap::new();
+    let mut used: WordMap<u64, usize> = WordMap::default();
     let mut image = vec![NONE; n];
     for (i, &l) in down.iter().enumerate() {
         if keys.is_exempt(i) {
@@ -640,7 +641,7 @@ fn orbit_reps<K: Ord>(
 /// an orbit waits only for orbits that finished before it started.
 fn quotient_order(flows: &FlowSet, flow_rep: &[u32], reps: &[u32]) -> Option<Vec<u32>> {
     // `reps` ascend, so a position's order is its flow's.
-    let mut position = HashMap::with_capacity(reps.len());
+    let mut position = WordMap::with_capacity_and_hasher(reps.len(), Default::default());
     for (k, &r) in reps.iter().enumerate() {
         position.insert(r, k);
     }
