@@ -183,16 +183,15 @@ pub struct PacketConfig {
     pub dcqcn_params: DcqcnParams,
     /// Seed of the random numbers (ECN marking decisions). Default 0.
     pub seed: u64,
-    /// Whether a switch port that starts a frame with nothing queued behind it leaves its
-    /// free *dormant*: the free keeps its place in the event order but is filed only if
-    /// something is queued for the port before it, and is dropped unseen otherwise.
-    /// Exact: a run gives the same flows, bytes, pauses and drops either way (the tests
-    /// compare them), only fewer events are handled and counted. Default true, in the
-    /// reference too, since it changes no answer: under callgrind it took 3.0% to 3.2% of
-    /// the instructions of the small ring's reference and accelerated runs away, and 0.5%
-    /// of the GPT 350M step's at 128 GPUs (docs/benchmarks.md). Host ports always schedule
-    /// their frees, since whether a queue pair can send when a host port frees depends on
-    /// pacing the port does not track.
+    /// Whether a port that starts a frame with nothing queued behind it (and, at a host,
+    /// no queue pair with a packet left to send, paced or not) leaves its free *dormant*:
+    /// the free keeps its place in the event order but is filed only if the port is given
+    /// work before it (a frame queued, a queue pair started or sent back by a NACK or a
+    /// timeout), and is dropped unseen otherwise. Exact: a run gives the same flows, bytes,
+    /// pauses and drops either way (the tests compare them, lossy runs included), only
+    /// fewer events are handled and counted. Default true, in the reference too, since it
+    /// changes no answer (docs/benchmarks.md has what it saves). A host port whose queue
+    /// pairs are only paced still schedules its free, which sets the port's wake-up.
     pub lazy_port_frees: bool,
     /// Acceleration (partitioning, steady-state fast-forwarding, memoization). On by
     /// default; [`PacketConfig::reference`] is the packet-by-packet reference with all of

@@ -145,10 +145,10 @@ pub(super) struct Port {
     pub in_copy_hdrm: u64,
     /// A pause is in force (sent, not yet resumed).
     pub pause_sent: bool,
-    /// A switch port's free that is *dormant* (`PacketConfig::lazy_port_frees`): the port
-    /// had nothing queued when its current frame started, so its `PortFree` (time, key)
-    /// holds its place in the event order without being filed. See
-    /// [`Engine::settle_dormant_free`].
+    /// A port's free that is *dormant* (`PacketConfig::lazy_port_frees`): the port had
+    /// nothing queued when its current frame started (and, at a host, no queue pair had a
+    /// packet left to send), so its `PortFree` (time, key) holds its place in the event
+    /// order without being filed. See [`Engine::settle_dormant_free`].
     pub dormant_free: Option<(Picos, EventKey)>,
     /// The port is on [`Engine::dormant_ports`].
     pub dormant_listed: bool,
@@ -998,15 +998,12 @@ impl<'a> Engine<'a> {
         if let Some((at, key)) = port.dormant_free.take() {
             self.drop_or_file(at, key);
         }
-        let port = &mut self.ports[l as usize];
-        if self.cfg.lazy_port_frees
-            && port.from_switch
-            && port.ctrl.is_empty()
-            && port.data.is_empty()
-        {
-            // Nothing is queued behind this frame: unless something arrives for the port
-            // before it ends, its free will find nothing to send.
+        if self.cfg.lazy_port_frees && !self.port_has_work(l) {
+            // Nothing is queued behind this frame (and, at a host, no queue pair has a
+            // packet left to send, paced or not): unless something is queued or a queue
+            // pair gets packets back before the frame ends, its free will do nothing.
             let key = self.q.schedule_dormant(done, Ev::PortFree(l));
+            let port = &mut self.ports[l as usize];
             port.dormant_free = Some((done, key));
             if !port.dormant_listed {
                 port.dormant_listed = true;
@@ -1019,11 +1016,29 @@ impl<'a> Engine<'a> {
         self.sched(arrive, Ev::Arrive(p));
     }
 
+    /// Whether a free of port `l` now would do anything: send a queued frame or, at a host
+    /// port, pick a queue pair with packets left to send (or, if all of them are paced,
+    /// schedule the port's wake-up). A queue pair gets packets back only through
+    /// [`Engine::try_send`] of its port (its start, a NACK's or a timeout's go-back), and
+    /// a frame is queued only the same way, so a dormant free is settled whenever this can
+    /// turn true. Acceleration moves flows only forward, after settling every dormant free.
+    fn port_has_work(&self, l: u32) -> bool {
+        let port = &self.ports[l as usize];
+        if !port.ctrl.is_empty() || !port.data.is_empty() {
+            return true;
+        }
+        !port.from_switch
+            && port.qps.iter().any(|&f| {
+                let fl = &self.flows[f as usize];
+                !fl.dead && fl.snd_nxt < fl.npkts
+            })
+    }
+
     /// Settles port `l`'s dormant free, if it has one, at the event being handled: if its
     /// place in the order has passed, it would have popped by now and found nothing to send
-    /// (anything queued since would have woken it), so it is dropped and the port is idle;
-    /// otherwise, if something is queued, it is filed under its place. Returns whether
-    /// the port is busy.
+    /// (any work given to the port since would have woken it), so it is dropped and the
+    /// port is idle; otherwise, if the port has work ([`Engine::port_has_work`]), it is
+    /// filed under its place. Returns whether the port is busy.
     fn settle_dormant_free(&mut self, l: u32) -> bool {
         let port = &mut self.ports[l as usize];
         if let Some((at, key)) = port.dormant_free {
@@ -1031,12 +1046,12 @@ impl<'a> Engine<'a> {
                 self.q.cancel(key);
                 port.dormant_free = None;
                 port.busy = false;
-            } else if !port.ctrl.is_empty() || !port.data.is_empty() {
+            } else if self.port_has_work(l) {
                 self.q.wake(key, at);
-                port.dormant_free = None;
+                self.ports[l as usize].dormant_free = None;
             }
         }
-        port.busy
+        self.ports[l as usize].busy
     }
 
     /// Drops the dormant free `key` (at `at`) if its place has passed, which it returns,
