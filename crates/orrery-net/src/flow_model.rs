@@ -156,8 +156,7 @@ pub fn flow_hash(src: u32, dst: u32, index: usize) -> u64 {
 /// collective on the same paths every time: its contention is the same, as on a real
 /// fabric, and the packet model's memoization can recognise it.
 pub fn connection_numbers(flows: &FlowSet) -> Vec<usize> {
-    let mut seen: std::collections::HashMap<(u32, u32, u32), usize> =
-        std::collections::HashMap::new();
+    let mut seen: crate::word_hash::WordMap<(u32, u32, u32), usize> = Default::default();
     flows
         .flows
         .iter()

@@ -324,40 +324,58 @@ impl NetGraph {
         let mut at = src;
         let mut hop = 0u64;
         while at != dst {
-            let here = dist[at.index()];
-            // Endpoints do not forward: a neighbouring endpoint other than `dst` may have a
-            // distance that fits (it is one NVLink hop from `dst`), but it is no next hop.
-            let mut next: Vec<LinkId> = self.out_links[at.index()]
-                .iter()
-                .copied()
-                .filter(|&l| {
-                    let to = self.links[l.index()].to;
-                    dist[to.index()] == here.wrapping_sub(1)
-                        && (to == dst || self.kinds[to.index()] != NodeKind::Endpoint)
-                })
-                .collect();
-            // Among equal-cost next hops, the NVLink domain wins: GPUs of one host that
-            // also share a leaf (fat-trees) talk over NVLink, never through their NICs.
-            if next.len() > 1
-                && next
-                    .iter()
-                    .any(|&l| self.kinds[self.links[l.index()].to.index()] == NodeKind::NvSwitch)
-            {
-                next.retain(|&l| {
-                    self.kinds[self.links[l.index()].to.index()] == NodeKind::NvSwitch
-                });
-            }
-            if next.is_empty() {
+            let Some(l) = self.next_hop(at, dst, flow_hash, hop, dist) else {
                 return Err(no_route);
-            }
-            let pick = (mix(flow_hash ^ hop.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-                % next.len() as u64) as usize;
-            let l = next[pick];
+            };
             path.push(l);
             at = self.links[l.index()].to;
             hop += 1;
         }
         Ok(path)
+    }
+
+    /// The link a flow with `flow_hash` takes out of node `at` at hop `hop` of its ECMP
+    /// shortest path to `dst` (`dist` as in [`NetGraph::route_with`]), or `None` if no link
+    /// leads closer. It counts the candidates in one pass and takes the picked one in a
+    /// second, instead of collecting them (routing every flow of a large job allocated a
+    /// vector per hop).
+    fn next_hop(
+        &self,
+        at: NodeId,
+        dst: NodeId,
+        flow_hash: u64,
+        hop: u64,
+        dist: &[u32],
+    ) -> Option<LinkId> {
+        let here = dist[at.index()];
+        // Endpoints do not forward: a neighbouring endpoint other than `dst` may have a
+        // distance that fits (it is one NVLink hop from `dst`), but it is no next hop.
+        let candidate = |l: LinkId| {
+            let to = self.links[l.index()].to;
+            dist[to.index()] == here.wrapping_sub(1)
+                && (to == dst || self.kinds[to.index()] != NodeKind::Endpoint)
+        };
+        let to_nvswitch =
+            |l: LinkId| self.kinds[self.links[l.index()].to.index()] == NodeKind::NvSwitch;
+        let links = &self.out_links[at.index()];
+        let (mut n, mut nv) = (0u64, 0u64);
+        for &l in links.iter().filter(|&&l| candidate(l)) {
+            n += 1;
+            nv += u64::from(to_nvswitch(l));
+        }
+        // Among equal-cost next hops, the NVLink domain wins: GPUs of one host that also
+        // share a leaf (fat-trees) talk over NVLink, never through their NICs.
+        let nvlink_only = n > 1 && nv > 0;
+        let count = if nvlink_only { nv } else { n };
+        if count == 0 {
+            return None;
+        }
+        let pick = mix(flow_hash ^ hop.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % count;
+        links
+            .iter()
+            .copied()
+            .filter(|&l| candidate(l) && (!nvlink_only || to_nvswitch(l)))
+            .nth(pick as usize)
     }
 
     /// The ECMP shortest path from endpoint `src` to endpoint `dst` for `flow_hash`.
@@ -921,6 +939,73 @@ mod tests {
         assert_eq!(p.len(), 2);
         assert_eq!(g.link(p[0]).from, g.endpoint(0).unwrap());
         assert_eq!(g.link(p[1]).to, g.endpoint(3).unwrap());
+    }
+
+    /// The next hop as it was first written, collecting the candidates into a vector:
+    /// the slow path of [`NetGraph::next_hop`].
+    fn next_hop_by_collecting(
+        g: &NetGraph,
+        at: NodeId,
+        dst: NodeId,
+        flow_hash: u64,
+        hop: u64,
+        dist: &[u32],
+    ) -> Option<LinkId> {
+        let here = dist[at.index()];
+        let to = |l: LinkId| g.links[l.index()].to;
+        let mut next: Vec<LinkId> = g.out_links[at.index()]
+            .iter()
+            .copied()
+            .filter(|&l| {
+                dist[to(l).index()] == here.wrapping_sub(1)
+                    && (to(l) == dst || g.kinds[to(l).index()] != NodeKind::Endpoint)
+            })
+            .collect();
+        if next.len() > 1
+            && next
+                .iter()
+                .any(|&l| g.kinds[to(l).index()] == NodeKind::NvSwitch)
+        {
+            next.retain(|&l| g.kinds[to(l).index()] == NodeKind::NvSwitch);
+        }
+        let pick =
+            mix(flow_hash ^ hop.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % next.len().max(1) as u64;
+        next.get(pick as usize).copied()
+    }
+
+    #[test]
+    fn every_next_hop_is_the_one_collecting_the_candidates_picks() {
+        let rail = RailOptimizedSpec {
+            hosts_per_pod: 2,
+            spines: 3,
+            ..RailOptimizedSpec::dgx_h100(4)
+        };
+        let graphs = [
+            NetGraph::rail_optimized(&rail).unwrap(),
+            NetGraph::fat_tree(&FatTreeSpec::two_tier(4)).unwrap(),
+            NetGraph::fat_tree(&FatTreeSpec::three_tier(8)).unwrap(),
+        ];
+        let mut hops = 0;
+        for g in &graphs {
+            let n = g.num_endpoints();
+            for d in (0..n).step_by(3) {
+                let dst = g.endpoint(d).unwrap();
+                let dist = g.distances_to(dst);
+                for s in 0..n {
+                    for hash in [0, 1, 7, 0xdead_beef, u64::MAX] {
+                        let (mut at, mut hop) = (g.endpoint(s).unwrap(), 0);
+                        while at != dst {
+                            let fast = g.next_hop(at, dst, hash, hop, &dist);
+                            assert_eq!(fast, next_hop_by_collecting(g, at, dst, hash, hop, &dist));
+                            at = g.link(fast.unwrap()).to;
+                            hop += 1;
+                            hops += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(hops > 10_000, "{hops}");
     }
 
     #[test]

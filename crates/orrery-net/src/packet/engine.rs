@@ -12,6 +12,7 @@ use crate::flow_model::{connection_numbers, flow_hash};
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
+use crate::word_hash::WordMap;
 use orrery_des::{CalendarQueue, EventKey, EventQueue};
 use orrery_units::{Bandwidth, NodeId, Picos};
 use std::collections::VecDeque;
@@ -488,12 +489,20 @@ impl Routes {
     pub fn compute(graph: &NetGraph, flows: &FlowSet) -> Result<Routes, SimError> {
         let mut dist_cache: Vec<Option<Vec<u32>>> = vec![None; graph.num_nodes()];
         let mut routes = Routes::default();
+        // A route is a pure function of its ends and hash, and a communicator's k-th
+        // connection between two ranks has the same hash in every collective of a job, so
+        // flows that repeat one share its links in `paths` (nothing writes them in place).
+        let mut known: WordMap<(u32, u32, u64), (u32, u32)> = WordMap::default();
         let mut push = |routes: &mut Routes, s: NodeId, d: NodeId, hash: u64| {
+            if let Some(&span) = known.get(&(s.0, d.0, hash)) {
+                return Ok(span);
+            }
             let dist = dist_cache[d.index()].get_or_insert_with(|| graph.distances_to(d));
             let route = graph.route_with(s, d, hash, dist)?;
-            let start = routes.paths.len() as u32;
+            let span = (routes.paths.len() as u32, route.len() as u32);
             routes.paths.extend(route.iter().map(|l| l.0));
-            Ok::<_, SimError>((start, route.len() as u32))
+            known.insert((s.0, d.0, hash), span);
+            Ok::<_, SimError>(span)
         };
         let connection = connection_numbers(flows);
         for (i, f) in flows.flows.iter().enumerate() {
@@ -1184,5 +1193,56 @@ impl<'a> Engine<'a> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::flows::{collective_flows, FlowAlgorithm};
+    use crate::topology::RailOptimizedSpec;
+    use crate::CollectiveKind;
+    use orrery_units::Bytes;
+
+    /// Routes shared between flows that repeat a connection are each flow's own route:
+    /// the slow path routes every flow by itself.
+    #[test]
+    fn shared_routes_are_every_flows_own() {
+        let spec = RailOptimizedSpec {
+            gpus_per_host: 4,
+            hosts_per_pod: 2,
+            spines: 3,
+            ..RailOptimizedSpec::dgx_h100(4)
+        };
+        let g = NetGraph::rail_optimized(&spec).unwrap();
+        let mut fs = FlowSet::default();
+        let ranks: Vec<u32> = (0..16).collect();
+        for (name, channels) in [("a", 2), ("b", 2), ("c", 4)] {
+            let ring = FlowAlgorithm::Ring { channels };
+            let (kind, bytes) = (CollectiveKind::AllReduce, Bytes(1 << 20));
+            let step = Picos::from_nanos(2000);
+            collective_flows(&mut fs, name, kind, ring, &ranks, bytes, 4, step).unwrap();
+        }
+        let routes = Routes::compute(&g, &fs).unwrap();
+        let connection = connection_numbers(&fs);
+        let (mut laid_out, mut distinct) = (0, std::collections::BTreeMap::new());
+        for (i, f) in fs.flows.iter().enumerate() {
+            let (fwd, rev) = routes.of(i);
+            let own = |s: u32, d: u32| -> Vec<u32> {
+                let hash = flow_hash(s, d, connection[i]);
+                let route = g.route(s as usize, d as usize, hash).unwrap();
+                route.iter().map(|l| l.0).collect()
+            };
+            assert_eq!(fwd, own(f.src, f.dst), "flow {i}");
+            assert_eq!(rev, own(f.dst, f.src), "flow {i}");
+            laid_out += fwd.len() + rev.len();
+            distinct.insert((f.src, f.dst, connection[i]), fwd.len());
+            distinct.insert((f.dst, f.src, connection[i]), rev.len());
+        }
+        // Each distinct connection's route is laid out once, and the collectives repeat
+        // theirs (the ring of four channels shares two with the others).
+        assert_eq!(routes.paths.len(), distinct.values().sum::<usize>());
+        assert!(routes.paths.len() < laid_out);
     }
 }
