@@ -246,8 +246,9 @@ impl<E> CalendarQueue<E> {
         }
     }
 
-    /// Makes the current bucket non-empty if any key remains anywhere: slides the window one
-    /// bucket, or jumps it to the earliest overflow key when the ring is empty. Returns false
+    /// Makes the current bucket non-empty if any key remains anywhere: slides the window to
+    /// the next bucket holding keys, or jumps it to the earliest overflow key when the ring
+    /// is empty. Returns false
     /// when the queue holds no keys at all.
     fn advance(&mut self) -> bool {
         debug_assert!(self.buckets[self.cur].is_empty());
@@ -259,10 +260,19 @@ impl<E> CalendarQueue<E> {
             };
             self.cur_start = top.time.0;
         } else {
-            // Slide. The old current bucket is empty and becomes the last bucket of the
-            // window; overflow keys that now fall in the window move in below.
-            self.cur = (self.cur + 1) & self.mask;
-            self.cur_start += self.width;
+            // Slide to the next bucket holding keys (there is one: the ring holds keys and
+            // the current bucket none), testing each for emptiness only: after the packet
+            // model's fast-forward jumps the ring is sparse, and filtering and sorting
+            // every empty bucket on the way cost more than the events. The old current
+            // bucket and the empty ones after it become the last buckets of the window;
+            // overflow keys that now fall in the window move in below, behind the new
+            // current bucket, since every overflow key is later than the whole old window.
+            let mut d = 1;
+            while self.buckets[(self.cur + d) & self.mask].is_empty() {
+                d += 1;
+            }
+            self.cur = (self.cur + d) & self.mask;
+            self.cur_start += d as u64 * self.width;
         }
         let end = self.window_end();
         while let Some(Reverse(k)) = self.overflow.peek() {

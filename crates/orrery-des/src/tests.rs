@@ -38,7 +38,8 @@ impl_extra!(HeapQueue);
 impl_extra!(CalendarQueue);
 
 /// Every queue configuration under test: the heap, the default calendar, and calendars whose
-/// layouts force each path (everything in overflow, one bucket, tiny buckets).
+/// layouts force each path (everything in overflow, one bucket, tiny buckets, slides over
+/// runs of empty buckets in a larger ring).
 fn queues() -> Vec<(&'static str, Box<dyn Extra<u32>>)> {
     vec![
         ("heap", Box::new(HeapQueue::new())),
@@ -54,6 +55,11 @@ fn queues() -> Vec<(&'static str, Box<dyn Extra<u32>>)> {
         (
             "calendar-4x100",
             Box::new(CalendarQueue::with_layout(Picos(100), 4)),
+        ),
+        // Slides over long runs of empty buckets.
+        (
+            "calendar-256x5",
+            Box::new(CalendarQueue::with_layout(Picos(5), 256)),
         ),
     ]
 }
@@ -537,6 +543,7 @@ fn calendars() -> Vec<(&'static str, CalendarQueue<u32>)> {
         ("calendar-1x1", CalendarQueue::with_layout(Picos(1), 1)),
         ("calendar-8x3", CalendarQueue::with_layout(Picos(3), 8)),
         ("calendar-4x100", CalendarQueue::with_layout(Picos(100), 4)),
+        ("calendar-256x5", CalendarQueue::with_layout(Picos(5), 256)),
     ]
 }
 
