@@ -244,6 +244,14 @@ pub(super) fn find(
                     endpoint_image: &endpoint_image,
                     copies,
                 };
+                // The flow that broke the last candidate usually breaks this one too (the
+                // tree of a gradient norm breaks every shift of hosts), and whether its image
+                // has a counterpart at all is one lookup, where finding that out from the
+                // labels takes a pass over most of the flows.
+                if keys.counterpart_missing(flows, &endpoint_image) {
+                    debug_assert!(quotient(graph, flows, routes, keys, &layers, &shift).is_none());
+                    return None;
+                }
                 quotient(graph, flows, routes, keys, &layers, &shift)
             })
     };
@@ -295,11 +303,31 @@ struct FlowKeys {
     exempt: Vec<bool>,
     /// Up labels of the run (to reject a candidate early).
     up: WordSet<u64>,
+    /// Every checked flow's [`base_label`]: a flow whose image has none of these has no
+    /// counterpart, whatever the dependencies.
+    base: WordSet<u64>,
+    /// The flow whose up label last rejected a candidate (see
+    /// [`FlowKeys::counterpart_missing`]).
+    last_reject: std::cell::Cell<Option<u32>>,
     /// Flows by down label, in id order.
     by_down: WordMap<u64, Vec<u32>>,
     /// Dependents of every flow, in CSR form.
     dependents_at: Vec<u32>,
     dependents: Vec<u32>,
+}
+
+/// A flow's endpoints (renamed by `endpoint_image`), bytes and delay, hashed: what its
+/// image must have in common with it, dependencies aside. `None` if an endpoint is out of
+/// range.
+fn base_label(f: &FlowSpec, endpoint_image: &[u32]) -> Option<u64> {
+    let src = *endpoint_image.get(f.src as usize)?;
+    let dst = *endpoint_image.get(f.dst as usize)?;
+    Some(hash_label([
+        u64::from(src),
+        u64::from(dst),
+        f.bytes.0,
+        f.delay.0,
+    ]))
 }
 
 fn hash_label(words: impl IntoIterator<Item = u64>) -> u64 {
@@ -334,6 +362,8 @@ impl FlowKeys {
         let mut keys = FlowKeys {
             exempt,
             up: Default::default(),
+            base: Default::default(),
+            last_reject: std::cell::Cell::new(None),
             by_down: WordMap::default(),
             dependents_at: count,
             dependents,
@@ -352,7 +382,26 @@ impl FlowKeys {
                 keys.by_down.entry(l).or_default().push(i as u32);
             }
         }
+        keys.base = flows
+            .flows
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| !keys.is_exempt(i))
+            .filter_map(|(_, f)| base_label(f, &identity))
+            .collect();
         keys
+    }
+
+    /// Whether the flow that last rejected a candidate in [`FlowKeys::up_labels`] maps,
+    /// under `endpoint_image`, to no flow with the same endpoints, bytes and delay: then
+    /// no image of the flows exists (equal flows hash alike, so a label missing from
+    /// `base` is a counterpart missing; a label present proves nothing).
+    fn counterpart_missing(&self, flows: &FlowSet, endpoint_image: &[u32]) -> bool {
+        let Some(f) = self.last_reject.get() else {
+            return false;
+        };
+        base_label(&flows.flows[f as usize], endpoint_image)
+            .is_some_and(|l| !self.base.contains(&l))
     }
 
     fn is_exempt(&self, flow: usize) -> bool {
@@ -393,6 +442,7 @@ impl FlowKeys {
                 .chain(below.iter().copied()),
             );
             if check && !self.up.contains(&l) {
+                self.last_reject.set(Some(i as u32));
                 return None;
             }
             up.push(l);
