@@ -248,8 +248,7 @@ impl<E> CalendarQueue<E> {
 
     /// Makes the current bucket non-empty if any key remains anywhere: slides the window to
     /// the next bucket holding keys, or jumps it to the earliest overflow key when the ring
-    /// is empty. Returns false
-    /// when the queue holds no keys at all.
+    /// is empty. Returns false when the queue holds no keys at all.
     fn advance(&mut self) -> bool {
         debug_assert!(self.buckets[self.cur].is_empty());
         if self.in_ring == 0 {

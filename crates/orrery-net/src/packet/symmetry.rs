@@ -397,11 +397,14 @@ impl FlowKeys {
     /// no image of the flows exists (equal flows hash alike, so a label missing from
     /// `base` is a counterpart missing; a label present proves nothing).
     fn counterpart_missing(&self, flows: &FlowSet, endpoint_image: &[u32]) -> bool {
-        let Some(f) = self.last_reject.get() else {
+        let Some(f) = self
+            .last_reject
+            .get()
+            .and_then(|f| flows.flows.get(f as usize))
+        else {
             return false;
         };
-        base_label(&flows.flows[f as usize], endpoint_image)
-            .is_some_and(|l| !self.base.contains(&l))
+        base_label(f, endpoint_image).is_some_and(|l| !self.base.contains(&l))
     }
 
     fn is_exempt(&self, flow: usize) -> bool {
