@@ -294,7 +294,8 @@ struct Shift<'a> {
 
 /// Structural labels of the flows, from which an image is found: a flow's *up* label
 /// hashes its endpoints, bytes, delay and its dependencies' up labels; its *down* label
-/// hashes its up label and its dependents' down labels. Flows alike in everything but
+/// hashes its up label and its dependents' down labels (each as a multiset, see
+/// [`mix_label`]). Flows alike in everything but
 /// their identity (a ring's first steps on two channels between the same two GPUs) differ
 /// in what depends on them, so the down label tells them apart. Exempt flows have no
 /// labels and count as no one's dependency or dependent.
@@ -336,8 +337,20 @@ fn base_label(f: &FlowSpec, endpoint_image: &[u32]) -> Option<u64> {
     ]))
 }
 
-/// Sorts `v`. Most flows wait for one flow or none, and on the search's hot paths the call
-/// into the sort for those costs more than the rest of their label, so it is skipped.
+/// A label scrambled so that a sum of scrambled labels stands for their multiset: the
+/// labels of a flow's dependencies (and dependents) are combined by that sum, which needs
+/// no sort. Two different multisets share a sum only by a 64-bit accident, and a label
+/// only proposes an image, which is then checked exactly.
+fn mix_label(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Sorts `v`. Most flows wait for one flow or none, and for those the call into the sort
+/// costs more than the comparison it prepares, so it is skipped.
 fn sort_short<T: Ord>(v: &mut [T]) {
     if v.len() > 1 {
         v.sort_unstable();
@@ -375,10 +388,12 @@ impl FlowKeys {
         }
         let mut keys = FlowKeys {
             exempt,
-            up: Default::default(),
-            base: Default::default(),
+            // Sized for every flow up front: growing a table of tens of thousands of
+            // labels rehashes it a dozen times.
+            up: WordSet::with_capacity_and_hasher(n, Default::default()),
+            base: WordSet::with_capacity_and_hasher(n, Default::default()),
             last_reject: std::cell::Cell::new(None),
-            down_group: WordMap::default(),
+            down_group: WordMap::with_capacity_and_hasher(n, Default::default()),
             group_at: Vec::new(),
             group_flows: Vec::new(),
             dependents_at: count,
@@ -387,12 +402,13 @@ impl FlowKeys {
         let identity: Vec<u32> = (0..endpoints as u32).collect();
         let up = keys.up_labels(flows, &identity, false).unwrap_or_default();
         let down = keys.down_labels(&up);
-        keys.up = up
+        let checked_up: Vec<u64> = up
             .iter()
             .enumerate()
             .filter(|&(i, _)| !keys.is_exempt(i))
             .map(|(_, &l)| l)
             .collect();
+        keys.up.extend(checked_up);
         // Groups are numbered by first appearance; a first pass counts them, a second files
         // each flow behind the flows before it in its group.
         let mut group_of = vec![NONE; n];
@@ -423,13 +439,14 @@ impl FlowKeys {
             }
         }
         keys.group_at = group_at;
-        keys.base = flows
+        let checked_base: Vec<u64> = flows
             .flows
             .iter()
             .enumerate()
             .filter(|&(i, _)| !keys.is_exempt(i))
             .filter_map(|(_, f)| base_label(f, &identity))
             .collect();
+        keys.base.extend(checked_base);
         keys
     }
 
@@ -456,35 +473,30 @@ impl FlowKeys {
     /// as a label is not one of the run's own.
     fn up_labels(&self, flows: &FlowSet, endpoint_image: &[u32], check: bool) -> Option<Vec<u64>> {
         let mut up = Vec::with_capacity(flows.flows.len());
-        let mut below = Vec::new();
         for (i, f) in flows.flows.iter().enumerate() {
             if self.is_exempt(i) {
                 up.push(0);
                 continue;
             }
-            below.clear();
-            below.extend(
-                f.deps
-                    .iter()
-                    .filter(|d| !self.is_exempt(d.index()))
-                    .map(|d| up[d.index()]),
-            );
-            sort_short(below.as_mut_slice());
+            let (count, below) = f
+                .deps
+                .iter()
+                .filter(|d| !self.is_exempt(d.index()))
+                .fold((0u64, 0u64), |(n, sum), d| {
+                    (n + 1, sum.wrapping_add(mix_label(up[d.index()])))
+                });
             let (src, dst) = (
                 *endpoint_image.get(f.src as usize)?,
                 *endpoint_image.get(f.dst as usize)?,
             );
-            let l = hash_label(
-                [
-                    u64::from(src),
-                    u64::from(dst),
-                    f.bytes.0,
-                    f.delay.0,
-                    below.len() as u64,
-                ]
-                .into_iter()
-                .chain(below.iter().copied()),
-            );
+            let l = hash_label([
+                u64::from(src),
+                u64::from(dst),
+                f.bytes.0,
+                f.delay.0,
+                count,
+                below,
+            ]);
             if check && !self.up.contains(&l) {
                 self.last_reject.set(Some(i as u32));
                 return None;
@@ -496,7 +508,6 @@ impl FlowKeys {
 
     fn down_labels(&self, up: &[u64]) -> Vec<u64> {
         let mut down = vec![0u64; up.len()];
-        let mut above = Vec::new();
         for i in (0..up.len()).rev() {
             if self.is_exempt(i) {
                 continue;
@@ -505,19 +516,13 @@ impl FlowKeys {
                 self.dependents_at[i] as usize,
                 self.dependents_at[i + 1] as usize,
             );
-            above.clear();
-            above.extend(
-                self.dependents[a..b]
-                    .iter()
-                    .filter(|&&g| !self.is_exempt(g as usize))
-                    .map(|&g| down[g as usize]),
-            );
-            sort_short(above.as_mut_slice());
-            down[i] = hash_label(
-                [up[i], above.len() as u64]
-                    .into_iter()
-                    .chain(above.iter().copied()),
-            );
+            let (count, above) = self.dependents[a..b]
+                .iter()
+                .filter(|&&g| !self.is_exempt(g as usize))
+                .fold((0u64, 0u64), |(n, sum), &g| {
+                    (n + 1, sum.wrapping_add(mix_label(down[g as usize])))
+                });
+            down[i] = hash_label([up[i], count, above]);
         }
         down
     }
