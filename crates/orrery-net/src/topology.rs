@@ -313,6 +313,21 @@ impl NetGraph {
         flow_hash: u64,
         dist: &[u32],
     ) -> Result<Vec<LinkId>, TopologyError> {
+        self.route_and_choice(src, dst, flow_hash, dist)
+            .map(|(path, _)| path)
+    }
+
+    /// [`NetGraph::route_with`], and whether the hash chose anything on the way: `false`
+    /// when every hop had a single next hop, so that every hash takes this same route
+    /// (callers that route many connections between the same two nodes keep such a route
+    /// for all of them).
+    pub fn route_and_choice(
+        &self,
+        src: NodeId,
+        dst: NodeId,
+        flow_hash: u64,
+        dist: &[u32],
+    ) -> Result<(Vec<LinkId>, bool), TopologyError> {
         let no_route = TopologyError::NoRoute {
             from: src.0,
             to: dst.0,
@@ -321,17 +336,19 @@ impl NetGraph {
             return Err(no_route);
         }
         let mut path = Vec::new();
+        let mut chose = false;
         let mut at = src;
         let mut hop = 0u64;
         while at != dst {
-            let Some(l) = self.next_hop(at, dst, flow_hash, hop, dist) else {
+            let Some((l, choices)) = self.next_hop_of(at, dst, flow_hash, hop, dist) else {
                 return Err(no_route);
             };
+            chose |= choices > 1;
             path.push(l);
             at = self.links[l.index()].to;
             hop += 1;
         }
-        Ok(path)
+        Ok((path, chose))
     }
 
     /// The link a flow with `flow_hash` takes out of node `at` at hop `hop` of its ECMP
@@ -339,6 +356,7 @@ impl NetGraph {
     /// leads closer. It counts the candidates in one pass and takes the picked one in a
     /// second, instead of collecting them (routing every flow of a large job allocated a
     /// vector per hop).
+    #[cfg(test)]
     fn next_hop(
         &self,
         at: NodeId,
@@ -347,6 +365,19 @@ impl NetGraph {
         hop: u64,
         dist: &[u32],
     ) -> Option<LinkId> {
+        self.next_hop_of(at, dst, flow_hash, hop, dist)
+            .map(|(l, _)| l)
+    }
+
+    /// [`NetGraph::next_hop`], with the number of equal next hops it picked among.
+    fn next_hop_of(
+        &self,
+        at: NodeId,
+        dst: NodeId,
+        flow_hash: u64,
+        hop: u64,
+        dist: &[u32],
+    ) -> Option<(LinkId, u64)> {
         let here = dist[at.index()];
         // Endpoints do not forward: a neighbouring endpoint other than `dst` may have a
         // distance that fits (it is one NVLink hop from `dst`), but it is no next hop.
@@ -376,6 +407,7 @@ impl NetGraph {
             .copied()
             .filter(|&l| candidate(l) && (!nvlink_only || to_nvswitch(l)))
             .nth(pick as usize)
+            .map(|l| (l, count))
     }
 
     /// The ECMP shortest path from endpoint `src` to endpoint `dst` for `flow_hash`.
@@ -1006,6 +1038,52 @@ mod tests {
             }
         }
         assert!(hops > 10_000, "{hops}");
+    }
+
+    /// Routes on which the hash chose nothing are shared by every connection between their
+    /// ends (`Routes::compute`), so that must hold for every hash; and a route that did
+    /// choose must be one that other hashes change.
+    #[test]
+    fn a_route_the_hash_chose_nothing_on_is_every_hashs() {
+        let rail = RailOptimizedSpec {
+            hosts_per_pod: 2,
+            spines: 3,
+            ..RailOptimizedSpec::dgx_h100(4)
+        };
+        let graphs = [
+            NetGraph::rail_optimized(&rail).unwrap(),
+            NetGraph::fat_tree(&FatTreeSpec::two_tier(4)).unwrap(),
+            NetGraph::fat_tree(&FatTreeSpec::three_tier(8)).unwrap(),
+        ];
+        let (mut fixed, mut chosen) = (0, 0);
+        for g in &graphs {
+            let n = g.num_endpoints();
+            for d in (0..n).step_by(5) {
+                let dst = g.endpoint(d).unwrap();
+                let dist = g.distances_to(dst);
+                for s in (0..n).filter(|&s| s != d) {
+                    let src = g.endpoint(s).unwrap();
+                    let (route, chose) = g.route_and_choice(src, dst, 0, &dist).unwrap();
+                    let others: Vec<Vec<LinkId>> = (1..64u64)
+                        .map(|h| {
+                            g.route_with(src, dst, h.wrapping_mul(0x9e37_79b9), &dist)
+                                .unwrap()
+                        })
+                        .collect();
+                    if chose {
+                        chosen += 1;
+                        assert!(others.iter().any(|r| *r != route), "{s} -> {d}");
+                    } else {
+                        fixed += 1;
+                        assert!(others.iter().all(|r| *r == route), "{s} -> {d}");
+                    }
+                }
+            }
+        }
+        assert!(
+            fixed > 100 && chosen > 100,
+            "{fixed} fixed, {chosen} chosen"
+        );
     }
 
     #[test]
