@@ -142,7 +142,7 @@ use super::{PacketRun, PacketStats, TraceRequest};
 use crate::flows::{dependency_order, FlowSet, FlowSpec};
 use crate::sim::FlowOutcome;
 use crate::topology::NetGraph;
-use crate::word_hash::{WordMap, WordSet};
+use crate::word_hash::WordMap;
 use orrery_units::{FlowId, LinkId, Picos};
 use std::collections::VecDeque;
 
@@ -303,10 +303,10 @@ struct FlowKeys {
     /// Per flow, whether it is exempt from the check (empty: none is).
     exempt: Vec<bool>,
     /// Up labels of the run (to reject a candidate early).
-    up: WordSet<u64>,
+    up: LabelFilter,
     /// Every checked flow's [`base_label`]: a flow whose image has none of these has no
     /// counterpart, whatever the dependencies.
-    base: WordSet<u64>,
+    base: LabelFilter,
     /// The flow whose up label last rejected a candidate (see
     /// [`FlowKeys::counterpart_missing`]).
     last_reject: std::cell::Cell<Option<u32>>,
@@ -335,6 +335,47 @@ fn base_label(f: &FlowSpec, endpoint_image: &[u32]) -> Option<u64> {
         f.bytes.0,
         f.delay.0,
     ]))
+}
+
+/// A set of labels that can only say "no" for sure: a bit array with two bits per label
+/// (a Bloom filter), about two bytes per label, where a hash set of them would be ten
+/// times that and miss the cache on every lookup of a large run. The search only asks it
+/// to rule candidates out early: a label it wrongly claims leaves the candidate to the
+/// down labels and the exact check, which rule it out all the same (the same answer, a
+/// little later), and a label it denies is certainly absent.
+struct LabelFilter {
+    bits: Vec<u64>,
+    /// Bit-index mask (the array holds a power of two of bits).
+    mask: u64,
+}
+
+impl LabelFilter {
+    /// A filter for up to `n` labels: 16 bits per label, so that about one absent label in
+    /// seventy passes.
+    fn new(n: usize) -> LabelFilter {
+        let bits = (n.max(4) * 16).next_power_of_two();
+        LabelFilter {
+            bits: vec![0; bits / 64],
+            mask: bits as u64 - 1,
+        }
+    }
+
+    /// The two bits of `label`, from its two halves (labels are already well mixed).
+    fn bits_of(&self, label: u64) -> [u64; 2] {
+        [label & self.mask, (label >> 32) & self.mask]
+    }
+
+    fn insert(&mut self, label: u64) {
+        for b in self.bits_of(label) {
+            self.bits[(b / 64) as usize] |= 1 << (b % 64);
+        }
+    }
+
+    fn may_contain(&self, label: u64) -> bool {
+        self.bits_of(label)
+            .iter()
+            .all(|&b| self.bits[(b / 64) as usize] & (1 << (b % 64)) != 0)
+    }
 }
 
 /// A label scrambled so that a sum of scrambled labels stands for their multiset: the
@@ -388,11 +429,11 @@ impl FlowKeys {
         }
         let mut keys = FlowKeys {
             exempt,
+            up: LabelFilter::new(n),
+            base: LabelFilter::new(n),
+            last_reject: std::cell::Cell::new(None),
             // Sized for every flow up front: growing a table of tens of thousands of
             // labels rehashes it a dozen times.
-            up: WordSet::with_capacity_and_hasher(n, Default::default()),
-            base: WordSet::with_capacity_and_hasher(n, Default::default()),
-            last_reject: std::cell::Cell::new(None),
             down_group: WordMap::with_capacity_and_hasher(n, Default::default()),
             group_at: Vec::new(),
             group_flows: Vec::new(),
@@ -402,13 +443,11 @@ impl FlowKeys {
         let identity: Vec<u32> = (0..endpoints as u32).collect();
         let up = keys.up_labels(flows, &identity, false).unwrap_or_default();
         let down = keys.down_labels(&up);
-        let checked_up: Vec<u64> = up
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| !keys.is_exempt(i))
-            .map(|(_, &l)| l)
-            .collect();
-        keys.up.extend(checked_up);
+        for (i, &l) in up.iter().enumerate() {
+            if !keys.is_exempt(i) {
+                keys.up.insert(l);
+            }
+        }
         // Groups are numbered by first appearance; a first pass counts them, a second files
         // each flow behind the flows before it in its group.
         let mut group_of = vec![NONE; n];
@@ -439,14 +478,11 @@ impl FlowKeys {
             }
         }
         keys.group_at = group_at;
-        let checked_base: Vec<u64> = flows
-            .flows
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| !keys.is_exempt(i))
-            .filter_map(|(_, f)| base_label(f, &identity))
-            .collect();
-        keys.base.extend(checked_base);
+        for (i, f) in flows.flows.iter().enumerate() {
+            if let Some(l) = base_label(f, &identity).filter(|_| !keys.is_exempt(i)) {
+                keys.base.insert(l);
+            }
+        }
         keys
     }
 
@@ -462,7 +498,7 @@ impl FlowKeys {
         else {
             return false;
         };
-        base_label(f, endpoint_image).is_some_and(|l| !self.base.contains(&l))
+        base_label(f, endpoint_image).is_some_and(|l| !self.base.may_contain(l))
     }
 
     fn is_exempt(&self, flow: usize) -> bool {
@@ -497,7 +533,7 @@ impl FlowKeys {
                 count,
                 below,
             ]);
-            if check && !self.up.contains(&l) {
+            if check && !self.up.may_contain(l) {
                 self.last_reject.set(Some(i as u32));
                 return None;
             }
@@ -1161,6 +1197,27 @@ mod tests {
                     .unwrap()
             );
         }
+    }
+
+    /// The label filter may claim an absent label, never deny a present one, and claims
+    /// few: the search's early rejections rest on the first, its speed on the second.
+    #[test]
+    fn the_label_filter_denies_only_absent_labels() {
+        let mut filter = LabelFilter::new(10_000);
+        let present: Vec<u64> = (0..10_000u64).map(|i| hash_label([i, 1])).collect();
+        for &l in &present {
+            filter.insert(l);
+        }
+        assert!(present.iter().all(|&l| filter.may_contain(l)));
+        let claimed = (0..100_000u64)
+            .filter(|&i| filter.may_contain(hash_label([i, 2])))
+            .count();
+        // Two bits of 16 per label: about 1.4% of absent labels pass.
+        assert!(
+            claimed < 3_000,
+            "{claimed} of 100,000 absent labels claimed"
+        );
+        assert!(!LabelFilter::new(0).may_contain(hash_label([5])));
     }
 
     proptest::proptest! {
