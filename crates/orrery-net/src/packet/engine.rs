@@ -527,6 +527,7 @@ impl Routes {
     }
 
     /// Flow `f`'s data route and reverse route.
+    #[inline]
     pub fn of(&self, f: usize) -> (&[u32], &[u32]) {
         let at = |(a, n): (u32, u32)| &self.paths[a as usize..(a + n) as usize];
         (at(self.fwd[f]), at(self.rev[f]))
