@@ -355,21 +355,8 @@ impl NetGraph {
     /// shortest path to `dst` (`dist` as in [`NetGraph::route_with`]), or `None` if no link
     /// leads closer. It counts the candidates in one pass and takes the picked one in a
     /// second, instead of collecting them (routing every flow of a large job allocated a
-    /// vector per hop).
-    #[cfg(test)]
-    fn next_hop(
-        &self,
-        at: NodeId,
-        dst: NodeId,
-        flow_hash: u64,
-        hop: u64,
-        dist: &[u32],
-    ) -> Option<LinkId> {
-        self.next_hop_of(at, dst, flow_hash, hop, dist)
-            .map(|(l, _)| l)
-    }
-
-    /// [`NetGraph::next_hop`], with the number of equal next hops it picked among.
+    /// vector per hop). With the link comes the number of equal next hops it was picked
+    /// among.
     fn next_hop_of(
         &self,
         at: NodeId,
@@ -974,7 +961,7 @@ mod tests {
     }
 
     /// The next hop as it was first written, collecting the candidates into a vector:
-    /// the slow path of [`NetGraph::next_hop`].
+    /// the slow path of [`NetGraph::next_hop_of`].
     fn next_hop_by_collecting(
         g: &NetGraph,
         at: NodeId,
@@ -1005,18 +992,24 @@ mod tests {
         next.get(pick as usize).copied()
     }
 
-    #[test]
-    fn every_next_hop_is_the_one_collecting_the_candidates_picks() {
+    /// Small fabrics with equal-cost choices: a rail-optimised one of two pods over three
+    /// spines, and a two- and a three-tier fat-tree.
+    fn ecmp_fabrics() -> [NetGraph; 3] {
         let rail = RailOptimizedSpec {
             hosts_per_pod: 2,
             spines: 3,
             ..RailOptimizedSpec::dgx_h100(4)
         };
-        let graphs = [
+        [
             NetGraph::rail_optimized(&rail).unwrap(),
             NetGraph::fat_tree(&FatTreeSpec::two_tier(4)).unwrap(),
             NetGraph::fat_tree(&FatTreeSpec::three_tier(8)).unwrap(),
-        ];
+        ]
+    }
+
+    #[test]
+    fn every_next_hop_is_the_one_collecting_the_candidates_picks() {
+        let graphs = ecmp_fabrics();
         let mut hops = 0;
         for g in &graphs {
             let n = g.num_endpoints();
@@ -1027,7 +1020,7 @@ mod tests {
                     for hash in [0, 1, 7, 0xdead_beef, u64::MAX] {
                         let (mut at, mut hop) = (g.endpoint(s).unwrap(), 0);
                         while at != dst {
-                            let fast = g.next_hop(at, dst, hash, hop, &dist);
+                            let fast = g.next_hop_of(at, dst, hash, hop, &dist).map(|(l, _)| l);
                             assert_eq!(fast, next_hop_by_collecting(g, at, dst, hash, hop, &dist));
                             at = g.link(fast.unwrap()).to;
                             hop += 1;
@@ -1045,16 +1038,7 @@ mod tests {
     /// choose must be one that other hashes change.
     #[test]
     fn a_route_the_hash_chose_nothing_on_is_every_hashs() {
-        let rail = RailOptimizedSpec {
-            hosts_per_pod: 2,
-            spines: 3,
-            ..RailOptimizedSpec::dgx_h100(4)
-        };
-        let graphs = [
-            NetGraph::rail_optimized(&rail).unwrap(),
-            NetGraph::fat_tree(&FatTreeSpec::two_tier(4)).unwrap(),
-            NetGraph::fat_tree(&FatTreeSpec::three_tier(8)).unwrap(),
-        ];
+        let graphs = ecmp_fabrics();
         let (mut fixed, mut chosen) = (0, 0);
         for g in &graphs {
             let n = g.num_endpoints();
