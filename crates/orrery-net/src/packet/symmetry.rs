@@ -338,7 +338,7 @@ fn base_label(f: &FlowSpec, endpoint_image: &[u32]) -> Option<u64> {
 }
 
 /// A set of labels that can only say "no" for sure: a bit array with two bits per label
-/// (a Bloom filter), about two bytes per label, where a hash set of them would be ten
+/// (a Bloom filter), two to four bytes per label, where a hash set of them would be ten
 /// times that and miss the cache on every lookup of a large run. The search only asks it
 /// to rule candidates out early: a label it wrongly claims leaves the candidate to the
 /// down labels and the exact check, which rule it out all the same (the same answer, a
@@ -350,8 +350,8 @@ struct LabelFilter {
 }
 
 impl LabelFilter {
-    /// A filter for up to `n` labels: 16 bits per label, so that about one absent label in
-    /// seventy passes.
+    /// A filter for up to `n` labels: at least 16 bits per label (a power of two in all),
+    /// so that at most about one absent label in seventy passes.
     fn new(n: usize) -> LabelFilter {
         let bits = (n.max(4) * 16).next_power_of_two();
         LabelFilter {
