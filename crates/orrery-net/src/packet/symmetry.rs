@@ -141,7 +141,7 @@ use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
 use crate::flows::{dependency_order, FlowSet, FlowSpec};
 use crate::sim::FlowOutcome;
-use crate::topology::NetGraph;
+use crate::topology::{mix, NetGraph};
 use crate::word_hash::WordMap;
 use orrery_units::{FlowId, LinkId, Picos};
 use std::collections::VecDeque;
@@ -294,8 +294,10 @@ struct Shift<'a> {
 
 /// Structural labels of the flows, from which an image is found: a flow's *up* label
 /// hashes its endpoints, bytes, delay and its dependencies' up labels; its *down* label
-/// hashes its up label and its dependents' down labels (each as a multiset, see
-/// [`mix_label`]). Flows alike in everything but
+/// hashes its up label and its dependents' down labels. Each of those lists counts as a
+/// multiset, the wrapping sum of its labels scrambled by [`mix`], which needs no sort: two
+/// multisets share a sum only by a 64-bit accident, and a label only proposes an image,
+/// which is then checked exactly. Flows alike in everything but
 /// their identity (a ring's first steps on two channels between the same two GPUs) differ
 /// in what depends on them, so the down label tells them apart. Exempt flows have no
 /// labels and count as no one's dependency or dependent.
@@ -376,18 +378,6 @@ impl LabelFilter {
             .iter()
             .all(|&b| self.bits[(b / 64) as usize] & (1 << (b % 64)) != 0)
     }
-}
-
-/// A label scrambled so that a sum of scrambled labels stands for their multiset: the
-/// labels of a flow's dependencies (and dependents) are combined by that sum, which needs
-/// no sort. Two different multisets share a sum only by a 64-bit accident, and a label
-/// only proposes an image, which is then checked exactly.
-fn mix_label(mut x: u64) -> u64 {
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// Sorts `v`. Most flows wait for one flow or none, and for those the call into the sort
@@ -519,7 +509,7 @@ impl FlowKeys {
                 .iter()
                 .filter(|d| !self.is_exempt(d.index()))
                 .fold((0u64, 0u64), |(n, sum), d| {
-                    (n + 1, sum.wrapping_add(mix_label(up[d.index()])))
+                    (n + 1, sum.wrapping_add(mix(up[d.index()])))
                 });
             let (src, dst) = (
                 *endpoint_image.get(f.src as usize)?,
@@ -556,7 +546,7 @@ impl FlowKeys {
                 .iter()
                 .filter(|&&g| !self.is_exempt(g as usize))
                 .fold((0u64, 0u64), |(n, sum), &g| {
-                    (n + 1, sum.wrapping_add(mix_label(down[g as usize])))
+                    (n + 1, sum.wrapping_add(mix(down[g as usize])))
                 });
             down[i] = hash_label([up[i], count, above]);
         }
