@@ -581,6 +581,24 @@ fn hosts_in_order(ranks: &[u32], endpoints_per_host: usize) -> Vec<Vec<usize>> {
     hosts.into_iter().map(|h| h.1).collect()
 }
 
+/// After a step in which member `i` of `members` sent `sent[i]`, each member's next send
+/// waits for its own send and for what it received, `sent[from(i)]`. The front's vectors
+/// are refilled in place: a ring takes a step per member, and allocating a new front (and
+/// a vector of the step's sends) every step made the 64 MiB ring over 128 GPUs take 200M
+/// instructions to build instead of 117M.
+fn settle_front(
+    front: &mut [Vec<FlowId>],
+    members: &[usize],
+    sent: &[FlowId],
+    from: impl Fn(usize) -> usize,
+) {
+    for (i, &member) in members.iter().enumerate() {
+        let waits = &mut front[member];
+        waits.clear();
+        waits.extend([sent[i], sent[from(i)]]);
+    }
+}
+
 /// Which half of a ring all-reduce a ring pass is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RingPhase {
@@ -630,20 +648,19 @@ impl Builder<'_> {
         if m < 2 {
             return;
         }
+        self.set.flows.reserve(m * (m - 1));
+        let mut sent = Vec::with_capacity(m);
         for t in 0..m - 1 {
-            let sent: Vec<FlowId> = (0..m)
-                .map(|i| {
-                    let chunk = match phase {
-                        RingPhase::ReduceScatter => (i + 2 * m - 1 - t) % m,
-                        RingPhase::AllGather => (i + m - t) % m,
-                    };
-                    let deps = front[members[i]].clone();
-                    self.push(members[i], members[(i + 1) % m], chunks[chunk], deps)
-                })
-                .collect();
+            sent.clear();
             for i in 0..m {
-                front[members[i]] = vec![sent[i], sent[(i + m - 1) % m]];
+                let chunk = match phase {
+                    RingPhase::ReduceScatter => (i + 2 * m - 1 - t) % m,
+                    RingPhase::AllGather => (i + m - t) % m,
+                };
+                let deps = front[members[i]].clone();
+                sent.push(self.push(members[i], members[(i + 1) % m], chunks[chunk], deps));
             }
+            settle_front(front, members, &sent, |i| (i + m - 1) % m);
         }
     }
 
@@ -815,9 +832,7 @@ impl Builder<'_> {
                     self.push(members[i], members[i ^ d], bytes, deps)
                 })
                 .collect();
-            for i in 0..m {
-                front[members[i]] = vec![sent[i], sent[i ^ d]];
-            }
+            settle_front(front, members, &sent, |i| i ^ d);
             d /= 2;
         }
     }
@@ -836,9 +851,7 @@ impl Builder<'_> {
                     self.push(members[i], members[i ^ d], bytes, deps)
                 })
                 .collect();
-            for i in 0..m {
-                front[members[i]] = vec![sent[i], sent[i ^ d]];
-            }
+            settle_front(front, members, &sent, |i| i ^ d);
             d *= 2;
         }
     }
