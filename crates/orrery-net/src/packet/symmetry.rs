@@ -478,8 +478,8 @@ impl FlowKeys {
 
     /// Whether the flow that last rejected a candidate in [`FlowKeys::up_labels`] maps,
     /// under `endpoint_image`, to no flow with the same endpoints, bytes and delay: then
-    /// no image of the flows exists (equal flows hash alike, so a label missing from
-    /// `base` is a counterpart missing; a label present proves nothing).
+    /// no image of the flows exists (equal flows hash alike, so a label that `base` denies
+    /// is a counterpart missing; one it may contain proves nothing).
     fn counterpart_missing(&self, flows: &FlowSet, endpoint_image: &[u32]) -> bool {
         let Some(f) = self
             .last_reject
@@ -496,7 +496,8 @@ impl FlowKeys {
     }
 
     /// Up labels with endpoints renamed by `endpoint_image`; with `check`, `None` as soon
-    /// as a label is not one of the run's own.
+    /// as a label is certainly not one of the run's own (the filter lets a few absent ones
+    /// pass, which the down labels or the exact check then rule out).
     fn up_labels(&self, flows: &FlowSet, endpoint_image: &[u32], check: bool) -> Option<Vec<u64>> {
         let mut up = Vec::with_capacity(flows.flows.len());
         for (i, f) in flows.flows.iter().enumerate() {
