@@ -196,7 +196,7 @@ mod tests {
             src: 0,
             dst: 1,
             bytes: orrery_units::Bytes(1),
-            deps: Vec::new(),
+            deps: Default::default(),
             delay: Picos::ZERO,
             collective: c,
         };

@@ -808,7 +808,7 @@ fn intruded_all_to_all() -> (NetGraph, FlowSet) {
     let (g, mut fs) = repeated_all_to_all(8, 4_000_000, us(30));
     let round = 56; // flows per round
     let mut intruder = flow(0, 7, 1_000_000);
-    intruder.deps = vec![FlowId((5 * round) as u32)];
+    intruder.deps = vec![FlowId((5 * round) as u32)].into();
     intruder.delay = us(20);
     fs.flows.push(intruder);
     (g, fs)
@@ -882,7 +882,7 @@ fn intruder_during_the_first_step(fs: &mut FlowSet, src: u32, dst: u32) {
     short.delay = us(5);
     fs.flows.push(short);
     let mut intruder = flow(src, dst, 2_000_000);
-    intruder.deps = vec![FlowId(trigger as u32)];
+    intruder.deps = vec![FlowId(trigger as u32)].into();
     intruder.delay = us(35);
     fs.flows.push(intruder);
 }
@@ -1053,7 +1053,7 @@ fn ring_and_late_flow(announced: bool) -> (NetGraph, FlowSet) {
         probe.delay = Picos(middle - alone.report.flows[0].fct().0);
         probe.collective = own_collective("probe", vec![16, 17]);
         fs.flows.push(probe);
-        late.deps = vec![FlowId(fs.flows.len() as u32 - 1)];
+        late.deps = vec![FlowId(fs.flows.len() as u32 - 1)].into();
     }
     fs.flows.push(late);
     (g, fs)
@@ -1210,7 +1210,7 @@ fn chained_after_a_live_episode() -> (NetGraph, FlowSet) {
     for k in 0..3u32 {
         fs.collectives.push(info(&format!("k{k}"), vec![0, 8]));
         let mut f = flow(0, 8, 1_000_000);
-        f.deps = vec![FlowId(prev)];
+        f.deps = vec![FlowId(prev)].into();
         f.delay = us(10);
         f.collective = k + 1;
         prev = fs.flows.len() as u32;

@@ -306,10 +306,10 @@ fn uncongested_flows_agree_with_the_fluid_expectation() {
 fn dependencies_and_delays_order_releases() {
     let g = NetGraph::single_switch(3, gbps(100.0), us(1)).unwrap();
     let mut b = flow(1, 2, 10_000);
-    b.deps = vec![FlowId(0)];
+    b.deps = vec![FlowId(0)].into();
     b.delay = us(3);
     let mut c = flow(2, 0, 0); // empty: finishes at its release
-    c.deps = vec![FlowId(0), FlowId(1)];
+    c.deps = vec![FlowId(0), FlowId(1)].into();
     let mut a = flow(0, 1, 50_000);
     a.delay = us(2);
     let r = run(PacketConfig::default(), &g, &flow_set(vec![a, b, c]));
@@ -435,7 +435,8 @@ fn bench_events_per_second_1gib_8_rank_ring() {
                 f.deps = vec![
                     FlowId::from_index(prev + (r + n - 1) % n),
                     FlowId::from_index(prev + r),
-                ];
+                ]
+                .into();
             }
             flows.push(f);
         }

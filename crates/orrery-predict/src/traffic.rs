@@ -57,7 +57,7 @@ use crate::replay::ReplayMode;
 use crate::{fabric_for, predict_with, PredictError};
 use orrery_graph::materialize::{materialize, Concrete};
 use orrery_graph::{GroupRole, OpKind};
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowError, FlowSet};
+use orrery_net::flows::{collective_flows, Deps, FlowAlgorithm, FlowError, FlowSet};
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, TopologyError};
 use orrery_net::word_hash::{WordMap, WordSet};
 use orrery_net::{
@@ -486,14 +486,14 @@ pub fn job_traffic_with(
                         continue;
                     }
                     if let Some((deps, gap)) = &together {
-                        f.deps = deps.clone();
+                        f.deps = Deps::from_slice(deps);
                         f.delay += *gap;
                         continue;
                     }
                     let member = ranks.binary_search(&f.src).ok().and_then(|k| members[k]);
                     match member.and_then(|m| gated(f.src, &m, start, &last_flows)) {
                         Some((deps, gap)) => {
-                            f.deps = deps;
+                            f.deps = Deps::from_slice(&deps);
                             f.delay += gap;
                         }
                         None => f.delay += start,
@@ -517,7 +517,7 @@ pub fn job_traffic_with(
                 let id = set.push_p2p(name, *src, *dst, *bytes, start);
                 if let Some((deps, gap)) = gated(*src, member, start, &last_flows) {
                     let f = &mut set.flows[id.index()];
-                    f.deps = deps;
+                    f.deps = Deps::from_slice(&deps);
                     f.delay = gap;
                 }
                 last_flows.insert((*src, member.op), vec![id]);

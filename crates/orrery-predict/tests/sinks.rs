@@ -286,7 +286,7 @@ fn synthetic() -> PredictOutput {
             kind,
             stream,
             phase: Phase::Forward,
-            deps: Vec::new(),
+            deps: Default::default(),
             name: g.intern(name),
             microbatch: mb,
         }

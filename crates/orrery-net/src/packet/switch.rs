@@ -246,7 +246,7 @@ mod tests {
                 src: 0,
                 dst: 1,
                 bytes: Bytes(1 << 20),
-                deps: Vec::new(),
+                deps: Default::default(),
                 delay: Picos::ZERO,
                 collective: 0,
             }],

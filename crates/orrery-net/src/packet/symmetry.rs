@@ -139,7 +139,7 @@
 
 use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
-use crate::flows::{dependency_order, FlowSet, FlowSpec};
+use crate::flows::{dependency_order, Deps, FlowSet, FlowSpec};
 use crate::sim::FlowOutcome;
 use crate::topology::{mix, NetGraph};
 use crate::word_hash::WordMap;
@@ -891,7 +891,7 @@ fn quotient(
             }
         }
         let f = &flows.flows[r as usize];
-        let mut deps: Vec<FlowId> = f
+        let mut deps: Deps = f
             .deps
             .iter()
             .map(|d| FlowId(flow_index[d.index()]))
@@ -1287,7 +1287,7 @@ mod tests {
             src,
             dst,
             bytes: Bytes(2),
-            deps: Vec::new(),
+            deps: Default::default(),
             delay: Picos::ZERO,
             collective: 0,
         };

@@ -21,7 +21,7 @@ pub fn flow(src: u32, dst: u32, bytes: u64) -> FlowSpec {
         src,
         dst,
         bytes: Bytes(bytes),
-        deps: Vec::new(),
+        deps: Default::default(),
         delay: Picos::ZERO,
         collective: 0,
     }
