@@ -436,19 +436,22 @@ pub fn job_traffic_with(
     // The last flows of each rank's simulated op, once expanded: what its dependents wait for.
     let mut last_flows: WordMap<(u32, u32), Vec<FlowId>> = WordMap::default();
     // What a rank's op that the replay started at `start` waits for: its gate's last flows
-    // at the rank, and the time from the gate's end to `start`.
-    let gated = |rank: u32,
-                 m: &Member,
-                 start: Picos,
-                 last_flows: &WordMap<(u32, u32), Vec<FlowId>>|
-     -> Option<(Vec<FlowId>, Picos)> {
+    // at the rank (borrowed: each caller copies them into what it builds), and the time
+    // from the gate's end to `start`.
+    fn gated<'a>(
+        release: Release,
+        rank: u32,
+        m: &Member,
+        start: Picos,
+        last_flows: &'a WordMap<(u32, u32), Vec<FlowId>>,
+    ) -> Option<(&'a [FlowId], Picos)> {
         if release == Release::Replay {
             return None;
         }
         let (g, end) = m.gate?;
         let deps = last_flows.get(&(rank, g))?;
-        Some((deps.clone(), Picos(start.0.saturating_sub(end.0))))
-    };
+        Some((deps, Picos(start.0.saturating_sub(end.0))))
+    }
     let mut set = FlowSet::default();
     for x in order {
         let start = instances[x].start();
@@ -467,11 +470,13 @@ pub fn job_traffic_with(
                 // The rendezvous: every member's gate, and the replay's gap after the one
                 // that ended last there (the smallest gap, all being measured to `start`).
                 let together = if release == Release::Rendezvous {
-                    let mut deps: Vec<FlowId> = Vec::new();
+                    let mut deps = Deps::new();
                     let mut gap: Option<Picos> = None;
                     for (&rank, m) in ranks.iter().zip(members) {
-                        if let Some((d, g)) = m.and_then(|m| gated(rank, &m, start, &last_flows)) {
-                            deps.extend(d);
+                        if let Some((d, g)) =
+                            m.and_then(|m| gated(release, rank, &m, start, &last_flows))
+                        {
+                            deps.extend_from_slice(d);
                             gap = Some(gap.map_or(g, |x| x.min(g)));
                         }
                     }
@@ -486,14 +491,14 @@ pub fn job_traffic_with(
                         continue;
                     }
                     if let Some((deps, gap)) = &together {
-                        f.deps = Deps::from_slice(deps);
+                        f.deps = deps.clone();
                         f.delay += *gap;
                         continue;
                     }
                     let member = ranks.binary_search(&f.src).ok().and_then(|k| members[k]);
-                    match member.and_then(|m| gated(f.src, &m, start, &last_flows)) {
+                    match member.and_then(|m| gated(release, f.src, &m, start, &last_flows)) {
                         Some((deps, gap)) => {
-                            f.deps = Deps::from_slice(&deps);
+                            f.deps = Deps::from_slice(deps);
                             f.delay += gap;
                         }
                         None => f.delay += start,
@@ -515,9 +520,9 @@ pub fn job_traffic_with(
                 member,
             } => {
                 let id = set.push_p2p(name, *src, *dst, *bytes, start);
-                if let Some((deps, gap)) = gated(*src, member, start, &last_flows) {
+                if let Some((deps, gap)) = gated(release, *src, member, start, &last_flows) {
                     let f = &mut set.flows[id.index()];
-                    f.deps = Deps::from_slice(&deps);
+                    f.deps = Deps::from_slice(deps);
                     f.delay = gap;
                 }
                 last_flows.insert((*src, member.op), vec![id]);
