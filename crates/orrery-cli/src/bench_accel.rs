@@ -198,17 +198,32 @@ fn gpt_13b_step(gpus: u32, release: Release) -> Result<Scenario> {
     )
 }
 
-fn moe_step(release: Release) -> Result<Scenario> {
+fn moe_step(gpus: u32, pxn: bool, release: Release) -> Result<Scenario> {
+    if !gpus.is_multiple_of(64) {
+        return Err(crate::bad(format!(
+            "--moe-gpus: {gpus} is not a multiple of 64 (tp 2 x pp 4 per replica, expert \
+             groups of 8 replicas)"
+        )));
+    }
     let text =
         orrery_spec::preset_job_text("mixtral-8x7b-h100x64").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let dp = gpus / 8;
     job_step(
-        "Mixtral 8x7B, 8 layers (EP a2a + PP)",
+        if pxn {
+            "Mixtral 8x7B, 8 layers (EP a2a + PP)"
+        } else {
+            "Mixtral 8x7B, 8 layers, no PXN"
+        },
         text,
-        // Eight of the 32 layers and 64 sequences keep the reference run affordable; the
-        // all-to-all pattern per layer and micro-batch is the model's.
+        // Eight of the 32 layers and 8 sequences per replica (64 at 64 GPUs) keep the
+        // reference run affordable; the all-to-all pattern per layer and micro-batch is
+        // the model's.
         &[
             "model.layers=8".to_string(),
-            "training.global_batch=64".to_string(),
+            format!("cluster.nodes={}", gpus / 8),
+            format!("parallel.dp={dp}"),
+            format!("training.global_batch={}", 8 * dp),
+            format!("cluster.pxn={pxn}"),
         ],
         &["ep", "pp"],
         release,
@@ -230,14 +245,15 @@ fn timed_on(config: PacketConfig, s: &Scenario, flows: &FlowSet) -> Result<(Pack
 
 /// What `orrery bench --accel` runs: `ring_mib` sizes the ring all-reduce (0: none); 350M
 /// GPT steps run at each of `gpt_gpus` and 13B ones at each of `gpt_13b_gpus` (0s
-/// skipped); the MoE step runs if `with_moe`; the reference runs only up to
+/// skipped), MoE ones at each of `moe_gpus` (with NCCL's PXN if `pxn`); the reference runs only up to
 /// `reference_max_gpus`; `json` prints the rows as JSON instead of a table.
 pub struct AccelBench {
     pub ring_mib: u64,
     pub cross_pod_mib: u64,
     pub gpt_gpus: Vec<u32>,
     pub gpt_13b_gpus: Vec<u32>,
-    pub with_moe: bool,
+    pub moe_gpus: Vec<u32>,
+    pub pxn: bool,
     pub reference_max_gpus: u32,
     /// When the job steps' flows are released.
     pub release: Release,
@@ -333,8 +349,8 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     for &g in b.gpt_13b_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_13b_step(g, b.release)?);
     }
-    if b.with_moe {
-        scenarios.push(moe_step(b.release)?);
+    for &g in b.moe_gpus.iter().filter(|&&g| g > 0) {
+        scenarios.push(moe_step(g, b.pxn, b.release)?);
     }
     if !b.json {
         outln!(

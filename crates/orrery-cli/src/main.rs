@@ -111,9 +111,18 @@ enum Command {
         /// (2026-12-01).
         #[arg(long = "gpt13b-gpus", value_delimiter = ',', default_values_t = [0])]
         gpt_13b_gpus: Vec<u32>,
-        /// With --accel: leave out the MoE step.
+        /// With --accel: leave out the MoE steps.
         #[arg(long)]
         no_moe: bool,
+        /// With --accel: GPU counts of the MoE (Mixtral 8x7B, 8 layers) step scenarios,
+        /// multiples of 64 (tp 2 x pp 4 per replica, expert groups of 8 replicas; 0: none).
+        #[arg(long, value_delimiter = ',', default_values_t = [64])]
+        moe_gpus: Vec<u32>,
+        /// With --accel: the MoE steps' all-to-alls cross rails through the spines instead
+        /// of being relayed onto the destination's rail over NVLink (`cluster.pxn = false`,
+        /// NCCL_PXN_DISABLE=1).
+        #[arg(long)]
+        no_pxn: bool,
         /// With --accel: when the job steps' flows are released: `rendezvous` (after what
         /// each rank's op waits for, as simulated, a collective starting on all its members
         /// when the last is ready), `dependencies` (each member on its own) or `replay` (at
@@ -315,6 +324,8 @@ fn run(cli: Cli) -> Result<()> {
             gpt_13b_gpus,
             reference_max_gpus,
             no_moe,
+            moe_gpus,
+            no_pxn,
             release,
             train,
             ..
@@ -325,7 +336,8 @@ fn run(cli: Cli) -> Result<()> {
             label_spread,
             gpt_gpus,
             gpt_13b_gpus,
-            with_moe: !no_moe,
+            moe_gpus: if no_moe { Vec::new() } else { moe_gpus },
+            pxn: !no_pxn,
             reference_max_gpus,
             release: orrery_predict::traffic::Release::from_name(&release).unwrap_or_default(),
             json: train.json,
@@ -376,11 +388,19 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     let out = match args.network.as_str() {
         "flow" => {
             let sim = orrery_net::flow_model::FlowLevelSimulator::default();
-            simulated(&job, orrery_net::SimNetwork::new(sim, fabric), mode)?
+            simulated(
+                &job,
+                orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn),
+                mode,
+            )?
         }
         "packet" => {
             let sim = orrery_net::packet::PacketSimulator::default();
-            simulated(&job, orrery_net::SimNetwork::new(sim, fabric), mode)?
+            simulated(
+                &job,
+                orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn),
+                mode,
+            )?
         }
         _ => {
             let net = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto);

@@ -43,6 +43,11 @@ pub enum FlowAlgorithm {
     HalvingDoubling,
     /// Every rank sends to every other rank directly (all-to-all).
     Direct,
+    /// All-to-all as NCCL runs it on a rail-optimised fabric (PXN, on by default since
+    /// NCCL 2.12): a message between GPUs of different hosts and different rails is relayed
+    /// over NVLink by the group's member on the source's host that sits on the
+    /// destination's rail, so the fabric carries it on one rail and no spine.
+    DirectPxn,
     /// Inside each host, then across hosts among one rank per host, then inside again.
     Hierarchical,
 }
@@ -218,6 +223,22 @@ pub const MAX_COLLECTIVE_FLOWS: u64 = 1 << 24;
 ///   return [`FlowError::Unsupported`].
 /// - [`FlowAlgorithm::Direct`]: all-to-all only; every rank sends block `j` (`S / n`) to
 ///   rank `j`, `n(n-1)` flows, no dependencies.
+/// - [`FlowAlgorithm::DirectPxn`]: all-to-all only; as `Direct`, except that a block from
+///   rank `i` to rank `j` on another host and another rail (local index, `endpoint %
+///   endpoints_per_host`) goes through the *relay* `p`: the member on `i`'s host at `j`'s
+///   local index, if the group has one (NCCL relays only through ranks of the
+///   communicator; without one the block goes directly). It is two flows, `i -> p` over
+///   NVLink and `p -> j` on `j`'s rail, released together with no dependency between
+///   them: NCCL's relay forwards chunk by chunk as they arrive, so the rail flow trails
+///   its NVLink feed by one chunk, not by the whole block. That chunk is what this
+///   approximates away: the rail flow may send a byte before its NVLink flow has carried
+///   it, which is right to within a chunk's NVLink time (128 KiB at 450 GB/s: 0.3 us)
+///   wherever the relay's NVLink share outpaces its NIC share, as on DGX-class hosts. The
+///   collective still ends when every flow has, so a slow feed shows in its end. Flows
+///   name only their two ends, so whatever reads a rank's flows as its part of the
+///   collective (the job traffic's per-rank gates) counts a relayed block as the relay's
+///   and the destination's, where NCCL's source waits for it too; the collective's end
+///   and a rendezvous, which wait for every member, do not depend on that.
 /// - [`FlowAlgorithm::Hierarchical`]: all-reduce, all-gather, reduce-scatter, on groups
 ///   with the same number `L` of ranks on each of their `H` hosts (otherwise
 ///   [`FlowError::Unsupported`]). Hosts are ordered by first appearance in `ranks`, and a
@@ -280,6 +301,7 @@ pub fn collective_flows(
                 n128 * 64
             }
             (FlowAlgorithm::Direct, K::AllToAll) => steps_ring,
+            (FlowAlgorithm::DirectPxn, K::AllToAll) => 2 * steps_ring,
             (FlowAlgorithm::Hierarchical, K::AllReduce | K::AllGather | K::ReduceScatter) => {
                 if host_groups(ranks, endpoints_per_host).is_none() {
                     return Err(unsupported);
@@ -362,6 +384,26 @@ pub fn collective_flows(
                 for (j, &block) in blocks.iter().enumerate() {
                     if i != j {
                         b.push(i, j, block, Deps::new());
+                    }
+                }
+            }
+        }
+        (FlowAlgorithm::DirectPxn, _) => {
+            let blocks = split(s, n);
+            let relays = PxnRelays::new(ranks, endpoints_per_host);
+            for i in 0..n {
+                for (j, &block) in blocks.iter().enumerate() {
+                    if i == j {
+                        continue;
+                    }
+                    match relays.relay(i, j) {
+                        Some(p) => {
+                            b.push(i, p, block, Deps::new());
+                            b.push(p, j, block, Deps::new());
+                        }
+                        None => {
+                            b.push(i, j, block, Deps::new());
+                        }
                     }
                 }
             }
@@ -548,6 +590,47 @@ fn channel_order(ranks: &[u32], endpoints_per_host: usize, channel: usize) -> Ve
 
 fn ring_channels(channels: u32, s: u64, n: usize) -> u64 {
     u64::from(channels).min((s / n as u64).max(1))
+}
+
+/// Where [`FlowAlgorithm::DirectPxn`] relays: members by (host, local index).
+struct PxnRelays {
+    per_host: u32,
+    /// (host, local index, position), sorted, for binary search.
+    by_place: Vec<(u32, u32, usize)>,
+    ranks: Vec<u32>,
+}
+
+impl PxnRelays {
+    fn new(ranks: &[u32], endpoints_per_host: usize) -> PxnRelays {
+        let per_host = u32::try_from(endpoints_per_host.max(1)).unwrap_or(u32::MAX);
+        let mut by_place: Vec<(u32, u32, usize)> = ranks
+            .iter()
+            .enumerate()
+            .map(|(pos, &r)| (r / per_host, r % per_host, pos))
+            .collect();
+        by_place.sort_unstable();
+        PxnRelays {
+            per_host,
+            by_place,
+            ranks: ranks.to_vec(),
+        }
+    }
+
+    /// The relay position for a block from position `i` to position `j`: the member on
+    /// `i`'s host at `j`'s local index, when `i` and `j` differ in both host and rail.
+    fn relay(&self, i: usize, j: usize) -> Option<usize> {
+        let (src, dst) = (self.ranks[i], self.ranks[j]);
+        let (src_host, dst_host) = (src / self.per_host, dst / self.per_host);
+        let dst_rail = dst % self.per_host;
+        if src_host == dst_host || src % self.per_host == dst_rail {
+            return None;
+        }
+        let at = self
+            .by_place
+            .binary_search_by(|&(h, l, _)| (h, l).cmp(&(src_host, dst_rail)))
+            .ok()?;
+        Some(self.by_place[at].2)
+    }
 }
 
 /// Pipeline chunks for `bytes`: one per [`PIPELINE_CHUNK`], between 1 and

@@ -19,7 +19,7 @@
 //!
 //! [[collectives]]                 # collectives expanded into flows
 //! kind = "all_reduce"
-//! algorithm = "ring"              # ring | double_binary_tree | host_tree | halving_doubling | direct | hierarchical
+//! algorithm = "ring"              # ring | double_binary_tree | host_tree | halving_doubling | direct | direct_pxn | hierarchical
 //! channels = 8
 //! ranks = { first = 0, count = 8 } # or an explicit list: ranks = [0, 1, 2, 3]
 //! bytes = 1073741824
@@ -365,6 +365,7 @@ fn algorithm(name: &str, channels: u32) -> Option<FlowAlgorithm> {
         "host_tree" => FlowAlgorithm::HostTree,
         "halving_doubling" => FlowAlgorithm::HalvingDoubling,
         "direct" => FlowAlgorithm::Direct,
+        "direct_pxn" => FlowAlgorithm::DirectPxn,
         "hierarchical" => FlowAlgorithm::Hierarchical,
         _ => return None,
     })
@@ -426,7 +427,7 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
         let alg_name = c.algorithm.clone().unwrap_or_else(|| "ring".to_string());
         let alg = algorithm(&alg_name, c.channels.unwrap_or(1));
         if alg.is_none() {
-            p.push(path("algorithm"), format!("unknown algorithm `{alg_name}`; known: ring, double_binary_tree, host_tree, halving_doubling, direct, hierarchical"));
+            p.push(path("algorithm"), format!("unknown algorithm `{alg_name}`; known: ring, double_binary_tree, host_tree, halving_doubling, direct, direct_pxn, hierarchical"));
         }
         let ranks: Option<Vec<u64>> = match &c.ranks {
             None => {

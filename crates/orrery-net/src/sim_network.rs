@@ -3,7 +3,8 @@
 //! [`SimNetwork`] answers "how long does this collective take on this placement?" by
 //! building a rail-optimised topology with just the hosts the group occupies, expanding the
 //! collective into flows (NCCL-like ring with one channel per GPU of the busiest host, direct
-//! all-to-all) and running a [`FlowSimulator`] (flow-level or packet-level) on it. Answers
+//! all-to-all relayed to the destination's rail as NCCL's PXN does, unless
+//! [`SimNetwork::with_pxn`] turns that off) and running a [`FlowSimulator`] (flow-level or packet-level) on it. Answers
 //! are cached by (kind, bytes, placement): a training step repeats a handful of shapes.
 //!
 //! Links are built at their *achievable* bandwidth (datasheet times the fabric's efficiency),
@@ -36,6 +37,8 @@ pub struct SimNetwork<S: FlowSimulator> {
     p2p_cache: RefCell<HashMap<(Bytes, bool), Picos>>,
     failures: RefCell<Vec<String>>,
     totals: RefCell<SimTotals>,
+    /// All-to-alls relayed to the destination's rail ([`FlowAlgorithm::DirectPxn`]).
+    pxn: bool,
 }
 
 /// What a [`SimNetwork`] simulated over its life: one simulation per distinct collective
@@ -56,7 +59,15 @@ impl<S: FlowSimulator> SimNetwork<S> {
             p2p_cache: RefCell::new(HashMap::new()),
             failures: RefCell::new(Vec::new()),
             totals: RefCell::new(SimTotals::default()),
+            pxn: true,
         }
+    }
+
+    /// Whether all-to-alls are relayed over NVLink to the destination's rail, as NCCL's
+    /// PXN does (the default) or cross rails through the spines (`false`).
+    pub fn with_pxn(mut self, pxn: bool) -> SimNetwork<S> {
+        self.pxn = pxn;
+        self
     }
 
     /// Distinct collective shapes simulated so far.
@@ -154,6 +165,7 @@ impl<S: FlowSimulator> NetworkModel for SimNetwork<S> {
         let gpus = self.fabric.gpus_per_node.max(1) as usize;
         let ranks = placed_ranks(placement, gpus);
         let flow_alg = match request.kind {
+            CollectiveKind::AllToAll if self.pxn => FlowAlgorithm::DirectPxn,
             CollectiveKind::AllToAll => FlowAlgorithm::Direct,
             _ => FlowAlgorithm::Ring {
                 channels: placement.max_per_node.max(1),

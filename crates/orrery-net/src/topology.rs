@@ -436,10 +436,11 @@ pub const MAX_PARALLEL_UPLINKS: usize = 64;
 /// - same rail, different pods: leaf -> spine -> leaf (4 links), ECMP over the spines and
 ///   over parallel cables;
 /// - different rails, any hosts: leaf -> spine -> leaf (4 links) as well. Real NCCL with
-///   PXN would instead move the data over NVLink to the GPU on the destination's rail and
-///   send from there; endpoints never forward in this model, so a collective that wants
-///   rail-aligned traffic must pair ranks on the same rail (ring orders that step host to
-///   host at the same local index, or the hierarchical algorithm, do).
+///   PXN instead moves the data over NVLink to the GPU on the destination's rail and
+///   sends from there; endpoints never forward in this model, so a collective that wants
+///   rail-aligned traffic pairs ranks on the same rail (ring orders that step host to
+///   host at the same local index, the hierarchical algorithm) or relays through such a
+///   rank in flows of its own ([`crate::flows::FlowAlgorithm::DirectPxn`]).
 ///
 /// Leaf-spine capacity: a leaf has `hosts_per_pod` NIC-facing ports of `nic`; its uplink
 /// capacity towards each spine is `C = hosts_per_pod * nic / spine_oversubscription /

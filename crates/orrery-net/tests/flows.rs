@@ -697,3 +697,110 @@ fn dependency_order_puts_dependencies_first_and_breaks_ties_by_id() {
     let cycle = |i: usize| vec![(i + 1) % 3];
     assert_eq!(dependency_order(3, cycle, false), None);
 }
+
+#[test]
+fn pxn_all_to_all_on_two_hosts_of_two_relays_cross_rail_blocks() {
+    // Hosts {0, 1} and {2, 3}, two GPUs (rails) each. 0 -> 3 crosses host and rail, so it
+    // goes 0 -> 1 over NVLink and 1 -> 3 on rail 1; 0 -> 2 is on rail 0 already.
+    let ranks = seq(4);
+    let (set, r) = build(K::AllToAll, A::DirectPxn, &ranks, 400, 2);
+    assert_well_formed(&set, &r, &ranks, K::AllToAll);
+    expect![[r#"
+        f0  0->1 100B after []
+        f1  0->2 100B after []
+        f2  0->1 100B after []
+        f3  1->3 100B after []
+        f4  1->0 100B after []
+        f5  1->0 100B after []
+        f6  0->2 100B after []
+        f7  1->3 100B after []
+        f8  2->0 100B after []
+        f9  2->3 100B after []
+        f10 3->1 100B after []
+        f11 2->3 100B after []
+        f12 3->2 100B after []
+        f13 2->0 100B after []
+        f14 3->1 100B after []
+        f15 3->2 100B after []
+    "#]]
+    .assert_eq(&render(&set, r));
+}
+
+/// Bytes each endpoint receives from each host, over flows that end there.
+fn received_from_hosts(set: &FlowSet, range: Range<usize>, eph: u32) -> Vec<(u32, u32, u64)> {
+    let mut got = std::collections::BTreeMap::new();
+    for f in &set.flows[range] {
+        if f.src / eph != f.dst / eph {
+            *got.entry((f.dst, f.src / eph)).or_insert(0) += f.bytes.0;
+        }
+    }
+    got.into_iter().map(|((d, h), b)| (d, h, b)).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// PXN moves exactly the blocks `Direct` moves between hosts, each on its destination's
+    /// rail wherever the group has a relay there (and directly only where it has none),
+    /// with one extra NVLink flow per relayed block; on one host, or with one GPU per host,
+    /// it is `Direct`.
+    #[test]
+    fn pxn_all_to_all_carries_direct_blocks_on_their_rails(
+        picks in proptest::collection::btree_set(0u32..24, 1..12),
+        eph in prop_oneof![Just(1u32), Just(2), Just(4), Just(8)],
+        s in 0u64..100_000,
+    ) {
+        let ranks: Vec<u32> = picks.into_iter().collect();
+        let (direct, rd) = build(K::AllToAll, A::Direct, &ranks, s, eph as usize);
+        let (pxn, rp) = build(K::AllToAll, A::DirectPxn, &ranks, s, eph as usize);
+        assert_well_formed(&pxn, &rp, &ranks, K::AllToAll);
+        prop_assert!(pxn.flows[rp.clone()].iter().all(|f| f.deps.is_empty()));
+        let relay_exists = |src: u32, dst: u32| {
+            ranks.iter().any(|&p| p / eph == src / eph && p % eph == dst % eph)
+        };
+        let mut relayed = 0;
+        for f in &direct.flows[rd.clone()] {
+            if f.src / eph != f.dst / eph && f.src % eph != f.dst % eph && relay_exists(f.src, f.dst) {
+                relayed += 1;
+            }
+        }
+        prop_assert_eq!(rp.len(), rd.len() + relayed);
+        for f in &pxn.flows[rp.clone()] {
+            if f.src / eph != f.dst / eph && f.src % eph != f.dst % eph {
+                prop_assert!(!relay_exists(f.src, f.dst), "{} -> {} crosses rails", f.src, f.dst);
+            }
+        }
+        prop_assert_eq!(
+            received_from_hosts(&pxn, rp.clone(), eph),
+            received_from_hosts(&direct, rd.clone(), eph)
+        );
+        if eph == 1 || ranks.iter().all(|&r| r / eph == ranks[0] / eph) {
+            prop_assert_eq!(&pxn.flows[rp], &direct.flows[rd]);
+        }
+    }
+}
+
+#[test]
+fn pxn_keeps_an_expert_all_to_all_off_the_spines() {
+    use orrery_net::topology::{NetGraph, NodeKind, RailOptimizedSpec};
+    // An expert-parallel group as Megatron places it with TP 2: the even GPUs of two
+    // hosts. Direct, 24 of its 32 blocks between hosts cross rails through a spine.
+    let graph = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(2)).unwrap();
+    let ranks: Vec<u32> = [0, 2, 4, 6, 8, 10, 12, 14].into();
+    let spine_flows = |alg| {
+        let (set, r) = build(K::AllToAll, alg, &ranks, 8 << 20, 8);
+        set.flows[r]
+            .iter()
+            .filter(|f| {
+                let route = graph.route(f.src as usize, f.dst as usize, 0).unwrap();
+                route.iter().any(|&l| {
+                    let link = graph.link(l);
+                    graph.kind(link.from) == NodeKind::Spine
+                        || graph.kind(link.to) == NodeKind::Spine
+                })
+            })
+            .count()
+    };
+    assert_eq!(spine_flows(A::Direct), 24);
+    assert_eq!(spine_flows(A::DirectPxn), 0);
+}

@@ -265,18 +265,25 @@ impl Instance {
 /// - Hierarchical: inside each node, across nodes, inside again, exactly as costed. It needs
 ///   the same number of members on every node; on an uneven placement (which the analytical
 ///   model costs by its busiest node) the flows fall back to the ring.
-/// - Direct (all-to-all) and anything else: as the kind requires.
+/// - All-to-all: direct, relayed through the GPU on the destination's rail where `pxn`
+///   (NCCL's PXN, [`FlowAlgorithm::DirectPxn`]).
+/// - Anything else: the ring.
 fn flow_algorithm(
     net: &AnalyticalNetwork,
     kind: CollectiveKind,
     bytes: orrery_units::Bytes,
     placement: GroupPlacement,
+    pxn: bool,
 ) -> FlowAlgorithm {
     let ring = FlowAlgorithm::Ring {
         channels: placement.max_per_node.max(1),
     };
     if kind == CollectiveKind::AllToAll {
-        return FlowAlgorithm::Direct;
+        return if pxn {
+            FlowAlgorithm::DirectPxn
+        } else {
+            FlowAlgorithm::Direct
+        };
     }
     let chosen = net
         .collective(&CollectiveRequest {
@@ -308,6 +315,7 @@ pub fn job_traffic_with(
     let graph = cluster_topology(job)?;
     let layout = &out.graphs.layout;
     let per_host = job.cluster().gpus_per_node as usize;
+    let pxn = job.cluster().pxn;
     let step = Picos::from_nanos(crate::NIC_LATENCY_NS);
 
     let mut instances: Vec<Instance> = Vec::new();
@@ -382,7 +390,7 @@ pub fn job_traffic_with(
                             max_per_node: placement.max_per_node,
                         };
                         let kind = crate::replay::net_kind(cop);
-                        let algorithm = flow_algorithm(&net, kind, bytes, placement);
+                        let algorithm = flow_algorithm(&net, kind, bytes, placement, pxn);
                         instances.push(Instance::Collective {
                             name: format!("{} {} g{}", group.name(), rg.graph.name_of(op), g.0),
                             kind,

@@ -267,6 +267,9 @@ pub struct Cluster {
     pub topology: TopologyKind,
     pub oversubscription: f64,
     pub nodes_per_leaf: u64,
+    /// All-to-all relayed over NVLink to the GPU on the destination's rail (NCCL's PXN);
+    /// `true` only on a rail-optimised topology.
+    pub pxn: bool,
     /// HBM the allocator cannot use.
     pub memory_reserve: Bytes,
 }
@@ -283,6 +286,7 @@ impl Cluster {
             topology: TopologyKind::RailOptimized,
             oversubscription: 1.0,
             nodes_per_leaf: 16,
+            pxn: true,
             memory_reserve: Bytes::from_gib(validate::DEFAULT_RESERVE_GIB),
         }
     }

@@ -182,6 +182,9 @@ pub struct ClusterSpec {
     pub oversubscription: Option<f64>,
     /// Nodes under one leaf switch of a fat-tree.
     pub nodes_per_leaf: Option<u64>,
+    /// Rail-optimised clusters: relay all-to-all blocks over NVLink to the GPU on the
+    /// destination's rail (NCCL's PXN; `false` is `NCCL_PXN_DISABLE=1`).
+    pub pxn: Option<bool>,
     /// HBM kept back from the allocator (CUDA context, NCCL buffers, fragmentation), GiB.
     pub memory_reserve_gib: Option<f64>,
     /// Overrides of the GPU preset's datasheet numbers.

@@ -405,6 +405,26 @@ fn sp_is_forced_off_without_tp() {
     assert!(!job(BASE, &["parallel.sp=false"]).parallel().sp);
 }
 
+#[test]
+fn pxn_is_on_for_rail_optimised_clusters_and_refused_on_fat_trees() {
+    assert!(job(BASE, &[]).cluster().pxn);
+    assert!(!job(BASE, &["cluster.pxn=false"]).cluster().pxn);
+    assert!(!job(BASE, &["cluster.topology=\"fat_tree\""]).cluster().pxn);
+    let e = errors(
+        BASE,
+        &[
+            "cluster.topology=\"fat_tree\"",
+            "cluster.pxn=true",
+            "parallel.tp=3",
+        ],
+    );
+    assert!(paths(&e).contains(&"cluster.pxn"), "{e}");
+    assert!(
+        paths(&e).contains(&"parallel.tp"),
+        "reported with the others: {e}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // (e) fp8 needs FP8 tensor cores
 

@@ -352,6 +352,13 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
         );
     }
     let nodes_per_leaf = c.positive_or("cluster.nodes_per_leaf", cl.nodes_per_leaf, 16);
+    if cl.pxn.is_some() && topology != TopologyKind::RailOptimized {
+        c.push(
+            "cluster.pxn",
+            "applies only to topology = \"rail_optimized\" (a fat-tree's GPUs share their leaf)",
+        );
+    }
+    let pxn = topology == TopologyKind::RailOptimized && cl.pxn.unwrap_or(true);
     let reserve_gib = cl.memory_reserve_gib.unwrap_or(DEFAULT_RESERVE_GIB);
     let memory_reserve = if reserve_gib.is_finite() && reserve_gib >= 0.0 {
         if let Some(g) = &gpu {
@@ -651,6 +658,7 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
             topology,
             oversubscription: oversubscription?,
             nodes_per_leaf: nodes_per_leaf?,
+            pxn,
             memory_reserve: memory_reserve?,
         };
         let name = spec.name.clone().unwrap_or_else(|| {
