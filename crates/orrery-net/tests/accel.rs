@@ -668,17 +668,30 @@ fn with_memo(mut c: PacketConfig) -> PacketConfig {
 /// hosts, each round released `gap` after every flow of the previous one finished: the
 /// dispatch of one MoE layer after another, with compute in between.
 fn repeated_all_to_all(reps: usize, bytes: u64, gap: Picos) -> (NetGraph, FlowSet) {
-    let g = four_gpu_hosts(2);
-    let mut fs = FlowSet::default();
     let ranks: Vec<u32> = (0..8).collect();
+    repeated_all_to_all_of(FlowAlgorithm::Direct, 2, &ranks, reps, bytes, gap)
+}
+
+/// [`repeated_all_to_all`] with another algorithm, over `ranks` of `hosts` hosts of four
+/// GPUs.
+fn repeated_all_to_all_of(
+    algorithm: FlowAlgorithm,
+    hosts: usize,
+    ranks: &[u32],
+    reps: usize,
+    bytes: u64,
+    gap: Picos,
+) -> (NetGraph, FlowSet) {
+    let g = four_gpu_hosts(hosts);
+    let mut fs = FlowSet::default();
     let mut prev: Option<std::ops::Range<usize>> = None;
     for r in 0..reps {
         let range = collective_flows(
             &mut fs,
             &format!("a2a{r}"),
             CollectiveKind::AllToAll,
-            FlowAlgorithm::Direct,
-            &ranks,
+            algorithm,
+            ranks,
             Bytes(bytes),
             4,
             Picos::from_nanos(2000),
@@ -724,6 +737,30 @@ fn memoized_all_to_all_rounds_stay_within_bounds_and_skip_the_repeats() {
     let (first, later) = on.flow_events.split_at(per_round);
     assert!(first.iter().all(|&n| n > 0), "{first:?}");
     assert!(later.iter().all(|&n| n == 0), "{later:?}");
+}
+
+#[test]
+fn pxn_all_to_all_rounds_stay_within_bounds_with_every_mechanism() {
+    // An expert group as Megatron places it with two tensor ranks: the even GPUs of four
+    // hosts, so most blocks between hosts change rails and are relayed over NVLink.
+    let ranks: Vec<u32> = (0..4).flat_map(|h| [4 * h, 4 * h + 2]).collect();
+    let (g, fs) = repeated_all_to_all_of(FlowAlgorithm::DirectPxn, 4, &ranks, 6, 4_000_000, us(30));
+    let per_round = fs.flows.len() / 6;
+    assert_eq!(
+        per_round,
+        8 * 7 + 4 * 3 * 2,
+        "one NVLink flow per relayed block"
+    );
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(PacketConfig::default(), &g, &fs);
+    check_bounds(&base, &off, &on, &fs, "PXN all-to-all rounds");
+    assert!(
+        on.report.events * 4 < off.report.events,
+        "{} vs {}",
+        on.report.events,
+        off.report.events
+    );
 }
 
 #[test]
