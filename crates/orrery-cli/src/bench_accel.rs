@@ -245,8 +245,8 @@ fn timed_on(config: PacketConfig, s: &Scenario, flows: &FlowSet) -> Result<(Pack
 
 /// What `orrery bench --accel` runs: `ring_mib` sizes the ring all-reduce (0: none); 350M
 /// GPT steps run at each of `gpt_gpus` and 13B ones at each of `gpt_13b_gpus` (0s
-/// skipped), MoE ones at each of `moe_gpus` (with NCCL's PXN if `pxn`); the reference runs only up to
-/// `reference_max_gpus`; `json` prints the rows as JSON instead of a table.
+/// skipped), MoE ones at each of `moe_gpus` (with NCCL's PXN if `pxn`); the reference runs
+/// only up to `reference_max_gpus`; `json` prints the rows as JSON instead of a table.
 pub struct AccelBench {
     pub ring_mib: u64,
     pub cross_pod_mib: u64,

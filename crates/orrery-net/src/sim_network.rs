@@ -4,8 +4,9 @@
 //! building a rail-optimised topology with just the hosts the group occupies, expanding the
 //! collective into flows (NCCL-like ring with one channel per GPU of the busiest host, direct
 //! all-to-all relayed to the destination's rail as NCCL's PXN does, unless
-//! [`SimNetwork::with_pxn`] turns that off) and running a [`FlowSimulator`] (flow-level or packet-level) on it. Answers
-//! are cached by (kind, bytes, placement): a training step repeats a handful of shapes.
+//! [`SimNetwork::with_pxn`] turns that off) and running a [`FlowSimulator`] (flow-level or
+//! packet-level) on it. Answers are cached by (kind, bytes, placement): a training step
+//! repeats a handful of shapes.
 //!
 //! Links are built at their *achievable* bandwidth (datasheet times the fabric's efficiency),
 //! the same numbers the analytical model uses, so that the simulated models see the protocol
