@@ -112,3 +112,29 @@ fn every_mistyped_or_unknown_field_is_reported_at_once() {
         "{err}"
     );
 }
+
+#[test]
+fn a_pxn_all_to_all_loads_with_its_relayed_blocks() {
+    let text = |algorithm: &str| {
+        format!(
+            r#"
+            name = "a2a"
+            [topology]
+            kind = "rail_optimized"
+            hosts = 2
+            gpus_per_host = 4
+            [[collectives]]
+            kind = "all_to_all"
+            algorithm = "{algorithm}"
+            ranks = {{ first = 0, count = 8 }}
+            bytes = 8000
+            "#
+        )
+    };
+    let direct = load_scenario(&text("direct")).unwrap();
+    let pxn = load_scenario(&text("direct_pxn")).unwrap();
+    assert_eq!(direct.flows.flows.len(), 56);
+    // Each GPU's blocks to the three GPUs of the other host on other rails are relayed.
+    assert_eq!(pxn.flows.flows.len(), 56 + 8 * 3);
+    assert!(pxn.flows.check().is_ok());
+}
