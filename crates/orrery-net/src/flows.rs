@@ -593,15 +593,15 @@ fn ring_channels(channels: u32, s: u64, n: usize) -> u64 {
 }
 
 /// Where [`FlowAlgorithm::DirectPxn`] relays: members by (host, local index).
-struct PxnRelays {
+struct PxnRelays<'a> {
     per_host: u32,
     /// (host, local index, position), sorted, for binary search.
     by_place: Vec<(u32, u32, usize)>,
-    ranks: Vec<u32>,
+    ranks: &'a [u32],
 }
 
-impl PxnRelays {
-    fn new(ranks: &[u32], endpoints_per_host: usize) -> PxnRelays {
+impl PxnRelays<'_> {
+    fn new(ranks: &[u32], endpoints_per_host: usize) -> PxnRelays<'_> {
         let per_host = u32::try_from(endpoints_per_host.max(1)).unwrap_or(u32::MAX);
         let mut by_place: Vec<(u32, u32, usize)> = ranks
             .iter()
@@ -612,7 +612,7 @@ impl PxnRelays {
         PxnRelays {
             per_host,
             by_place,
-            ranks: ranks.to_vec(),
+            ranks,
         }
     }
 
