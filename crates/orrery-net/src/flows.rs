@@ -1,6 +1,19 @@
 //! Traffic as flows: collectives become dependency graphs of point-to-point flows.
 //!
-//! (Module essay and the collective algorithms are written with the implementation.)
+//! Both simulators take their traffic in one form, a [`FlowSet`]: messages ([`FlowSpec`],
+//! `bytes` from one endpoint to another) that each wait for earlier messages ([`Deps`])
+//! and then for a release delay, grouped into named collectives. A ring step waits for its
+//! own previous send and for what it received; a tree chunk for its children; a relayed
+//! all-to-all block for nothing but the collective's start. [`collective_flows`] expands
+//! one collective over a group of endpoints by a [`FlowAlgorithm`] modelled on what NCCL
+//! does (rotated ring channels, double binary trees over ranks or hosts, the hierarchical
+//! scheme, direct or PXN-relayed all-to-all); its docs state each algorithm's flows and
+//! dependencies exactly, and the tests hold them to the algorithms' byte and step counts.
+//!
+//! What this module does not do: route (flows name endpoints; the topology picks the
+//! links), time anything (a flow's start and finish are what a simulator computes), or
+//! decide which algorithm a collective runs (the job traffic builder and the scenario file
+//! do).
 
 use crate::CollectiveKind;
 use orrery_units::{Bytes, FlowId, Picos};
