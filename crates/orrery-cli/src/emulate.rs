@@ -203,12 +203,12 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
     let done = match args.network.as_str() {
         "flow" => {
             let sim = orrery_net::flow_model::FlowLevelSimulator::default();
-            let net = orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn);
+            let net = orrery_predict::sim_network_for(&job, sim);
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }
         "packet" => {
             let sim = orrery_net::packet::PacketSimulator::default();
-            let net = orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn);
+            let net = orrery_predict::sim_network_for(&job, sim);
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }
         _ => {

@@ -388,19 +388,11 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     let out = match args.network.as_str() {
         "flow" => {
             let sim = orrery_net::flow_model::FlowLevelSimulator::default();
-            simulated(
-                &job,
-                orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn),
-                mode,
-            )?
+            simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         "packet" => {
             let sim = orrery_net::packet::PacketSimulator::default();
-            simulated(
-                &job,
-                orrery_net::SimNetwork::new(sim, fabric).with_pxn(job.cluster().pxn),
-                mode,
-            )?
+            simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         _ => {
             let net = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto);

@@ -65,6 +65,18 @@ pub enum FlowAlgorithm {
     Hierarchical,
 }
 
+impl FlowAlgorithm {
+    /// How an all-to-all runs: relayed onto the destination's rail where `pxn` (NCCL's
+    /// PXN), otherwise directly.
+    pub fn all_to_all(pxn: bool) -> FlowAlgorithm {
+        if pxn {
+            FlowAlgorithm::DirectPxn
+        } else {
+            FlowAlgorithm::Direct
+        }
+    }
+}
+
 /// A named collective within a flow set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CollectiveInfo {

@@ -166,8 +166,7 @@ impl<S: FlowSimulator> NetworkModel for SimNetwork<S> {
         let gpus = self.fabric.gpus_per_node.max(1) as usize;
         let ranks = placed_ranks(placement, gpus);
         let flow_alg = match request.kind {
-            CollectiveKind::AllToAll if self.pxn => FlowAlgorithm::DirectPxn,
-            CollectiveKind::AllToAll => FlowAlgorithm::Direct,
+            CollectiveKind::AllToAll => FlowAlgorithm::all_to_all(self.pxn),
             _ => FlowAlgorithm::Ring {
                 channels: placement.max_per_node.max(1),
             },

@@ -41,7 +41,10 @@ pub use memory::MemoryLedger;
 pub use replay::{ReplayMode, Timeline};
 
 use orrery_graph::{build, JobGraphs};
-use orrery_net::{AlgorithmChoice, AnalyticalNetwork, Fabric, LinkClass, NetworkModel, Topology};
+use orrery_net::sim::FlowSimulator;
+use orrery_net::{
+    AlgorithmChoice, AnalyticalNetwork, Fabric, LinkClass, NetworkModel, SimNetwork, Topology,
+};
 use orrery_spec::{Job, TopologyKind};
 use orrery_units::{Bytes, ClassId, Picos, RankId};
 use serde::Serialize;
@@ -59,6 +62,12 @@ pub const NIC_LATENCY_NS: u64 = 5_000;
 /// The fabric a job's cluster describes.
 pub fn fabric_for(job: &Job) -> Fabric {
     fabric_of(job.cluster())
+}
+
+/// A simulated network for a job: its cluster's fabric, with all-to-alls relayed as the
+/// cluster's `pxn` says. Build every job's [`SimNetwork`] here, so none misses a setting.
+pub fn sim_network_for<S: FlowSimulator>(job: &Job, simulator: S) -> SimNetwork<S> {
+    SimNetwork::new(simulator, fabric_for(job)).with_pxn(job.cluster().pxn)
 }
 
 /// The fabric a cluster describes.

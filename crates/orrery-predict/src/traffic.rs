@@ -279,11 +279,7 @@ fn flow_algorithm(
         channels: placement.max_per_node.max(1),
     };
     if kind == CollectiveKind::AllToAll {
-        return if pxn {
-            FlowAlgorithm::DirectPxn
-        } else {
-            FlowAlgorithm::Direct
-        };
+        return FlowAlgorithm::all_to_all(pxn);
     }
     let chosen = net
         .collective(&CollectiveRequest {
