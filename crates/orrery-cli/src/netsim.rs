@@ -43,6 +43,10 @@ pub struct NetsimArgs {
     /// group of flows joined by shared links on its own (`accel.partitioning = false`).
     #[arg(long)]
     no_partitioning: bool,
+    /// Packet model: jump a partition only after the whole steadiness window, even where
+    /// nothing queues and every flow is at line rate (`accel.quiet_window = 0`).
+    #[arg(long)]
+    no_quiet_jumps: bool,
     /// Packet model: turn off memoization of repeated isolated episodes
     /// (`accel.memoize = false`).
     #[arg(long)]
@@ -390,8 +394,8 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "fast-forward: {} jumps ({} up to a recovering flow's rate increase) over {} of simulated time, ~{} events skipped",
-            p.fast_forwards, p.recovering_jumps, p.jumped_time, p.skipped_events
+            "fast-forward: {} jumps ({} up to a recovering flow's rate increase, {} of quiet partitions) over {} of simulated time, ~{} events skipped",
+            p.fast_forwards, p.recovering_jumps, p.quiet_jumps, p.jumped_time, p.skipped_events
         );
         let _ = writeln!(
             out,
@@ -576,6 +580,9 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             let a = &mut config.accel;
             a.fast_forward &= !(args.no_fast_forward || args.reference);
             a.partitioning &= !(args.no_partitioning || args.reference);
+            if args.no_quiet_jumps {
+                a.quiet_window = 0;
+            }
             a.memoize &= !(args.no_memo || args.reference);
             a.mirror &= !(args.no_mirror || args.reference);
             a.periodic &= !(args.no_periodic || args.reference);

@@ -479,6 +479,95 @@ fn partitioning_jumps_a_steady_pair_beside_an_unsettled_dcqcn_incast() {
     assert!(parts.report.events < off.report.events);
 }
 
+// ---- Quiet partitions ------------------------------------------------------------------
+
+fn without_quiet(mut c: PacketConfig) -> PacketConfig {
+    c.accel.quiet_window = 0;
+    c
+}
+
+/// Each GPU of one host of four sends to the GPU of the same rail on the other host and
+/// back, 6 MB each way at staggered sizes: one flow per direction of every rail link, each
+/// one's ACKs among the other's data.
+fn rail_pairs() -> (NetGraph, FlowSet) {
+    let mut flows = Vec::new();
+    for gpu in 0..4u32 {
+        let bytes = 6_000_000 + 500_000 * u64::from(gpu);
+        flows.push(flow(gpu, 4 + gpu, bytes));
+        flows.push(flow(4 + gpu, gpu, bytes));
+    }
+    (four_gpu_hosts(2), flow_set(flows))
+}
+
+/// Long flows alone on their paths are quiet (nothing queues in a switch, DCQCN stays at
+/// line rate): partitioned, they jump after `quiet_window` samples and stop
+/// `quiet_tail_margin` before they end, within the bounds, and with fewer events than
+/// when only the whole window lets them jump.
+#[test]
+fn quiet_partitions_jump_after_a_short_window_within_bounds() {
+    for (name, (g, fs)) in [("disjoint", disjoint()), ("rail pairs", rail_pairs())] {
+        let off = run(PacketConfig::reference(), &g, &fs);
+        let quiet = run(with_parts(PacketConfig::reference()), &g, &fs);
+        let long = run(
+            without_quiet(with_parts(PacketConfig::reference())),
+            &g,
+            &fs,
+        );
+        check_bounds(&PacketConfig::reference(), &off, &quiet, &fs, name);
+        check_bounds(&PacketConfig::reference(), &off, &long, &fs, name);
+        assert!(quiet.stats.quiet_jumps > 0, "{name}: {:?}", quiet.stats);
+        assert!(quiet.stats.quiet_jumps <= quiet.stats.fast_forwards);
+        assert_eq!(long.stats.quiet_jumps, 0, "{name}");
+        assert!(
+            quiet.report.events < long.report.events,
+            "{name}: {} against {}",
+            quiet.report.events,
+            long.report.events
+        );
+    }
+}
+
+/// Four equal flows into one host share its link from start to end, so a switch queue
+/// (and, with DCQCN, ECN marks and rate cuts; with PFC alone, pauses) is always there:
+/// the partition is never quiet. Under PFC alone it is still steady and jumps after the
+/// whole window; under DCQCN it never settles.
+#[test]
+fn an_incast_is_never_quiet() {
+    let g = NetGraph::single_switch(5, gbps(100.0), us(1)).unwrap();
+    let fs = flow_set((0..4).map(|i| flow(i, 4, 8_000_000)).collect());
+    for (name, base) in [
+        ("incast, PFC only", pfc_only()),
+        ("incast, DCQCN", PacketConfig::reference()),
+    ] {
+        let off = run(base.clone(), &g, &fs);
+        let on = run(with_parts(base.clone()), &g, &fs);
+        check_bounds(&base, &off, &on, &fs, name);
+        assert_eq!(on.stats.quiet_jumps, 0, "{name}: {:?}", on.stats);
+        if !base.dcqcn {
+            assert!(on.stats.fast_forwards > 0, "{name}: {:?}", on.stats);
+        }
+    }
+}
+
+/// A flow alone and quiet, then a second one released onto its bottleneck at 1 ms: the
+/// quiet jump stops at the release, the pair is not quiet (a queue builds where they
+/// meet), and the run stays within bounds.
+#[test]
+fn a_quiet_jump_stops_at_a_flow_arriving_on_its_links() {
+    let (g, fs) = mid_arrival();
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_parts(PacketConfig::reference()), &g, &fs);
+    check_bounds(
+        &PacketConfig::reference(),
+        &off,
+        &on,
+        &fs,
+        "mid arrival, quiet",
+    );
+    assert!(on.stats.quiet_jumps > 0, "{:?}", on.stats);
+    assert_eq!(on.report.flows[1].start, us(1000));
+}
+
 /// A short flow and a long one into one host: both are cut by DCQCN while they share the
 /// link, and after the short one finishes the long one climbs back to line rate one
 /// rate-increase period (900 us) at a time, its rate flat in between.

@@ -82,6 +82,25 @@
 //! - **Steadiness** is the whole-network test applied to the partition's flows, on
 //!   per-flow sample counts (a frozen flow records none), and a partition with a draining
 //!   member is not steady.
+//! - **Quiet partitions** (`accel.quiet_window`, 3 samples by default; 0 turns them off)
+//!   need a shorter observation. A partition is quiet at a sample when no switch egress
+//!   queue on its links holds more than one data packet or enough bytes to be ECN-marked,
+//!   none of its ports is paused or pausing, and with DCQCN every flow is at line rate
+//!   with no rate change pending (no cut waiting for its decrease period, no increase
+//!   timer running). Its flows are then held back by their senders' ports alone, served
+//!   round-robin among a fixed set of queue pairs: nothing can mark them, so their rates
+//!   cannot drift until a flow starts or ends, and the long window, which exists to wait
+//!   out DCQCN's cuts and recoveries, has nothing to wait for. A partition quiet at each of
+//!   its last `quiet_window` fresh samples is tested over those samples only (delivered
+//!   spread under `theta`, the rate from the slope over their second half) and, steady,
+//!   jumps to `quiet_tail_margin` (20 us) before its earliest completion instead of
+//!   `tail_margin` (50 us, which leaves room for a CNP interval). A queue that builds
+//!   slowly (senders just above a link's speed) shows at the next sample as more than one
+//!   packet, or a pause, and the partition is not quiet again until it changes. Quiet jumps
+//!   are counted in [`super::PacketStats::quiet_jumps`]. On uncongested training traffic
+//!   (rail-local data-parallel rings, lone pipeline sends) most jumps are quiet ones: the
+//!   bench's GPT 350M step on 64 GPUs went from 2,305,751 events to 1,054,133, with the
+//!   same p99 flow error against the reference (0.046%).
 //! - **The jump** of partition `P` by `J` (the whole-network limit restricted to `P`'s
 //!   flows and to the pending releases whose links touch `P`, and to the next rate
 //!   increase of each recovering flow of `P`, rounded down to whole sample intervals so
@@ -176,6 +195,9 @@ struct Parts {
     nsamp: Vec<u64>,
     /// Samples recorded since the last change of the flow's partition.
     fresh: Vec<u64>,
+    /// Of those, the latest consecutive ones at which its partition was quiet (see
+    /// [`Engine::partition_quiet`]).
+    quiet: Vec<u64>,
     /// The flow's partition is frozen by a jump until this time.
     frozen_until: Vec<Picos>,
     /// The global sample count when a flow using the link last started or finished.
@@ -199,6 +221,7 @@ impl FastForward {
         let parts = partitioning.then(|| Parts {
             nsamp: vec![0; flows],
             fresh: vec![0; flows],
+            quiet: vec![0; flows],
             frozen_until: vec![Picos::ZERO; flows],
             link_stamp: vec![u64::MAX; links],
             parts: Partitions::new(flows, links),
@@ -260,12 +283,13 @@ impl FastForward {
         }
     }
 
-    /// Flow `i`'s delivered rate over the second half of its window (it has taken
-    /// `samples`, more than the window), bytes per second: the slope between its last
-    /// delivery before the middle sample and its last one now, if they are apart.
-    fn slope(&self, i: usize, fl: &FlowState, samples: u64) -> Option<f64> {
+    /// Flow `i`'s delivered rate over the second half of its last `span` samples (it has
+    /// taken `samples`, more than `span`; `span` at most the window), bytes per second:
+    /// the slope between its last delivery before the middle sample and its last one now,
+    /// if they are apart.
+    fn slope(&self, i: usize, fl: &FlowState, samples: u64, span: usize) -> Option<f64> {
         let w = self.window as u64;
-        let middle = samples.checked_sub(1 + w / 2)?;
+        let middle = samples.checked_sub(1 + span as u64 / 2)?;
         let (b0, t0) = self.point_ring[i * self.window + (middle % w) as usize];
         let (b1, t1) = self.point(i, fl);
         (b1 > b0 && t1 > t0).then(|| (b1 - b0) as f64 / Picos(t1.0 - t0.0).as_secs_f64())
@@ -422,31 +446,40 @@ impl Engine<'_> {
     /// The steadiness test of one active flow (see the module docs): its delivered rate in
     /// bytes per second and the time its sender needs at that rate to reach its last packet,
     /// or `None` when it is not steady. `samples` is the flow's sample count (the network's,
-    /// or its partition's), against which its last rate decrease is dated.
-    fn steady_rate(&self, ff: &FastForward, i: usize, samples: u64) -> Option<Steady> {
+    /// or its partition's), against which its last rate decrease is dated. The test looks
+    /// at the last `span` samples: the whole window, or `quiet_window` of them for a flow
+    /// of a quiet partition (see [`Engine::partition_quiet`]).
+    fn steady_rate(&self, ff: &FastForward, i: usize, samples: u64, span: usize) -> Option<Steady> {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let w = ff.window;
+        let span = span.clamp(1, w);
         let fl = &self.flows[i];
         if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
             return None;
         }
-        let s = &ff.ring[i * w..(i + 1) * w];
+        // Sample `n` of the flow is in slot `n % w`: the last `span` slots before
+        // `samples`, in any order (only their extremes and sum are used).
+        let slots =
+            (1..=span as u64).map(|k| i * w + ((samples.wrapping_sub(k)) % w as u64) as usize);
         let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
-        for &x in s {
+        for at in slots.clone() {
+            let x = ff.ring[at];
             lo = lo.min(x);
             hi = hi.max(x);
             sum += x;
         }
-        let mean = sum as f64 / w as f64;
+        let mean = sum as f64 / span as f64;
         if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
             return None;
         }
         let mut recovering_until = None;
         if cfg.dcqcn {
-            let r = &ff.rate_ring[i * w..(i + 1) * w];
-            let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = r.iter().copied().fold(0.0, f64::max);
+            let lo = slots
+                .clone()
+                .map(|at| ff.rate_ring[at])
+                .fold(f64::INFINITY, f64::min);
+            let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
             if hi - lo > a.rate_theta * hi {
                 return None;
             }
@@ -463,7 +496,7 @@ impl Engine<'_> {
         // packets fewer in its first 200 us than its steady period gives, and the jump at
         // that rate made it finish 102 ns late). Bytes per second.
         let rate = ff
-            .slope(i, fl, samples)
+            .slope(i, fl, samples, span)
             .unwrap_or(mean / a.sample_interval.as_secs_f64());
         // Full packets the sender has left before its last one.
         let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
@@ -498,7 +531,7 @@ impl Engine<'_> {
                 rate,
                 t_left,
                 recovering_until: None,
-            }) = self.steady_rate(ff, i, ff.samples)
+            }) = self.steady_rate(ff, i, ff.samples, ff.window)
             else {
                 return;
             };
@@ -598,10 +631,12 @@ impl Engine<'_> {
             self.scheduled_releases();
             let groups = self.partitions(ff, &mut p);
             let w = ff.window;
+            let q = self.cfg.accel.quiet_window.min(w);
             for g in &groups {
                 if p.link_stamp_hit(g.part, ff.samples) {
                     for &f in &g.flows {
                         p.fresh[f as usize] = 0;
+                        p.quiet[f as usize] = 0;
                     }
                 }
                 if g.flows
@@ -610,20 +645,28 @@ impl Engine<'_> {
                 {
                     continue;
                 }
+                let quiet_now = q > 0 && self.partition_quiet(&p, g);
                 let mut ready = true;
+                let mut ready_quiet = quiet_now;
                 for &f in &g.flows {
                     let i = f as usize;
                     if ff.active_pos[i] == NONE {
                         ready = false; // draining
+                        ready_quiet = false;
                         continue;
                     }
                     ff.record_sample(i, p.nsamp[i], &self.flows[i]);
                     p.nsamp[i] += 1;
                     p.fresh[i] += 1;
+                    p.quiet[i] = if quiet_now { p.quiet[i] + 1 } else { 0 };
                     ready &= p.fresh[i] > w as u64;
+                    // The quiet samples must all be fresh ones too; the first fresh sample
+                    // still covers a stretch from before the change.
+                    ready_quiet &= p.fresh[i] > q as u64 && p.quiet[i] >= q as u64;
                 }
-                if ready {
-                    self.try_jump_group(ff, &mut p, g);
+                let jumped = ready_quiet && self.try_jump_group(ff, &mut p, g, q, true);
+                if ready && !jumped {
+                    self.try_jump_group(ff, &mut p, g, w, false);
                 }
             }
             ff.samples += 1;
@@ -729,14 +772,50 @@ impl Engine<'_> {
             .collect()
     }
 
-    /// Jumps partition `g` if every flow of it is steady: like [`Engine::try_jump`] for
-    /// its flows only, stopping at the next release touching it, and postponing all its
-    /// pending events and kept times by the jump so it stays frozen meanwhile.
-    fn try_jump_group(&mut self, ff: &mut FastForward, p: &mut Parts, g: &Group) {
+    /// Whether partition `g` is *quiet* now (`accel.quiet_window`): no switch egress queue
+    /// on its links holds more than one data packet or enough bytes to be ECN-marked, none
+    /// of its ports is paused or has paused its upstream, and, with DCQCN, every active
+    /// flow of it is at line rate with no rate change pending. Such a partition's flows are
+    /// held back by nothing but their senders' ports (shared round-robin among a fixed set
+    /// of queue pairs), so their rates cannot drift until a flow starts or ends.
+    fn partition_quiet(&self, p: &Parts, g: &Group) -> bool {
+        let ports_quiet = p.parts.links(g.part).iter().all(|&l| {
+            let port = &self.ports[l as usize];
+            !port.paused
+                && !port.pause_sent
+                && (!port.from_switch
+                    || (port.data.len() <= 1 && port.ecn.probability(port.queued as f64) == 0.0))
+        });
+        ports_quiet
+            && (!self.cfg.dcqcn
+                || g.flows
+                    .iter()
+                    .all(|&f| self.flows[f as usize].rp.idle_at_line_rate()))
+    }
+
+    /// Jumps partition `g` if every flow of it is steady over its last `span` samples: like
+    /// [`Engine::try_jump`] for its flows only, stopping at the next release touching it,
+    /// and postponing all its pending events and kept times by the jump so it stays frozen
+    /// meanwhile. A `quiet` partition (see [`Engine::partition_quiet`]) stops
+    /// `quiet_tail_margin` before a completion instead of `tail_margin`. Returns whether
+    /// it jumped.
+    fn try_jump_group(
+        &mut self,
+        ff: &mut FastForward,
+        p: &mut Parts,
+        g: &Group,
+        span: usize,
+        quiet: bool,
+    ) -> bool {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let now = self.now;
         let mtu = u64::from(cfg.mtu_payload);
+        let tail_margin = if quiet {
+            a.quiet_tail_margin
+        } else {
+            a.tail_margin
+        };
         // A memoized flow finishing releases flows nobody announced yet, which could reach
         // this partition while it is frozen: never jump past one.
         let mut limit = p.rel_limit[g.part as usize].min(self.memo_horizon());
@@ -744,10 +823,10 @@ impl Engine<'_> {
         let mut recovering = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
-            let Some(st) = self.steady_rate(ff, i, p.nsamp[i]) else {
-                return;
+            let Some(st) = self.steady_rate(ff, i, p.nsamp[i], span) else {
+                return false;
             };
-            limit = limit.min(st.t_left.0.saturating_sub(a.tail_margin.0));
+            limit = limit.min(st.t_left.0.saturating_sub(tail_margin.0));
             if let Some(t) = st.recovering_until {
                 // Its rate holds until the increase timer fires, which keeps its own
                 // time through the jump.
@@ -757,14 +836,14 @@ impl Engine<'_> {
             recovering.push(st.recovering_until.is_some());
         }
         if limit == u64::MAX {
-            return;
+            return false;
         }
         // Whole sample intervals, so the partition thaws on a sample and its next sample
         // covers a full interval.
         let iv = a.sample_interval.0.max(1);
         let limit = limit / iv * iv;
         if limit < a.min_jump.0 || limit == 0 {
-            return;
+            return false;
         }
         // The jump postpones the partition's pending port events, dormant frees included.
         self.settle_dormant_frees();
@@ -825,6 +904,7 @@ impl Engine<'_> {
         let st = &mut self.stats;
         st.fast_forwards += 1;
         st.recovering_jumps += u64::from(recovering.contains(&true));
+        st.quiet_jumps += u64::from(quiet);
         st.jumped_time = Picos(st.jumped_time.0 + jump.0);
         st.skipped_packets += moved;
         st.skipped_bytes += moved * mtu;
@@ -832,6 +912,7 @@ impl Engine<'_> {
             let per_packet = self.events as f64 / self.data_packets as f64;
             st.skipped_events += (moved as f64 * per_packet).round() as u64;
         }
+        true
     }
 }
 

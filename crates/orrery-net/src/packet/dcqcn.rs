@@ -80,6 +80,16 @@ impl ReactionPoint {
         self.increase_pending.then_some(self.increase_deadline)
     }
 
+    /// At line rate with nothing pending: no rate cut waiting for its decrease period and no
+    /// increase timer running, so without a CNP the rate cannot change (a *quiet* queue
+    /// pair, which the fast-forward may jump after a short observation).
+    pub fn idle_at_line_rate(&self) -> bool {
+        self.rate >= self.line
+            && self.target >= self.line
+            && !self.increase_pending
+            && !self.decrease_pending
+    }
+
     /// Moves every time this state keeps `d` later (a partition's fast-forward jump
     /// postpones all its pending events by `d`).
     pub fn shift(&mut self, d: Picos) {
