@@ -38,6 +38,8 @@ pub struct EmulateArgs {
     /// Network model (see `orrery predict --network`).
     #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
     network: String,
+    #[command(flatten)]
+    packet: crate::packet_flags::PacketFlags,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -181,7 +183,18 @@ fn parse_link(text: &str) -> Result<DegradedLink> {
 }
 
 pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
+    if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
+        return Err(e);
+    }
     if args.train.train.is_some() {
+        let given = args.packet.given();
+        if !given.is_empty() {
+            return Err(crate::bad(format!(
+                "{} set the packet model's acceleration, but with --train the virtual ranks \
+                 replay on the analytical or measured network (--calibrate), not the packet model",
+                given.join(", ")
+            )));
+        }
         return crate::collect::run_train_emulation(
             &args.train,
             &args.real_ranks,
@@ -207,7 +220,7 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }
         "packet" => {
-            let sim = orrery_net::packet::PacketSimulator::default();
+            let sim = orrery_net::packet::PacketSimulator::new(args.packet.config());
             let net = orrery_predict::sim_network_for(&job, sim);
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }

@@ -23,6 +23,7 @@ mod bench_train;
 mod collect;
 mod emulate;
 mod netsim;
+mod packet_flags;
 mod report;
 mod train;
 
@@ -204,6 +205,8 @@ struct PredictArgs {
     /// collective once, alone, on a rail-optimised topology of the group's hosts.
     #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
     network: String,
+    #[command(flatten)]
+    packet: packet_flags::PacketFlags,
 }
 
 #[derive(clap::Args, Debug)]
@@ -377,6 +380,9 @@ fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_sp
 }
 
 fn run_predict(args: &PredictArgs) -> Result<()> {
+    if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
+        return Err(e);
+    }
     let job = load_job(&args.job)?;
     let mode = if args.all_ranks {
         ReplayMode::AllRanks
@@ -391,7 +397,7 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
             simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         "packet" => {
-            let sim = orrery_net::packet::PacketSimulator::default();
+            let sim = orrery_net::packet::PacketSimulator::new(args.packet.config());
             simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         _ => {

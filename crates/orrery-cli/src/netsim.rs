@@ -35,45 +35,8 @@ pub struct NetsimArgs {
     /// Sampling period of the queue-depth trace, microseconds.
     #[arg(long, default_value_t = 1.0)]
     queue_trace_us: f64,
-    /// Packet model: turn off steady-state fast-forwarding (on by default; same as
-    /// `[packet] accel.fast_forward = false`).
-    #[arg(long)]
-    no_fast_forward: bool,
-    /// Packet model: fast-forward the whole network as one partition instead of each
-    /// group of flows joined by shared links on its own (`accel.partitioning = false`).
-    #[arg(long)]
-    no_partitioning: bool,
-    /// Packet model: jump a partition only after the whole steadiness window, even where
-    /// nothing queues and every flow is at line rate (`accel.quiet_window = 0`).
-    #[arg(long)]
-    no_quiet_jumps: bool,
-    /// Packet model: turn off memoization of repeated isolated episodes
-    /// (`accel.memoize = false`).
-    #[arg(long)]
-    no_memo: bool,
-    /// Packet model: simulate every isomorphic group started at the same instant instead
-    /// of one per kind, the others mirroring it (`accel.mirror = false`).
-    #[arg(long)]
-    no_mirror: bool,
-    /// Packet model: simulate every step of collectives whose chains have settled into a
-    /// periodic regime instead of extrapolating them (`accel.periodic = false`).
-    #[arg(long)]
-    no_periodic: bool,
-    /// Packet model: simulate every host of traffic that repeats itself host by host
-    /// instead of one copy per orbit (`accel.symmetry = false`).
-    #[arg(long)]
-    no_symmetry: bool,
-    /// Packet model: find only symmetries that map every flow, none that leave flows of one
-    /// packet out of the check (`accel.symmetry_exempt = false`).
-    #[arg(long)]
-    strict_symmetry: bool,
-    /// Packet model: the packet-by-packet reference, every acceleration off.
-    #[arg(long)]
-    reference: bool,
-    /// Packet model: schedule every port's free, even one that will find nothing to send
-    /// (`lazy_port_frees = false`; the same results with more events; see the field's docs).
-    #[arg(long)]
-    eager_port_frees: bool,
+    #[command(flatten)]
+    packet: crate::packet_flags::PacketFlags,
     /// Packet model: load memoized episodes from this file if it exists (a corrupt or
     /// foreign file is reported and ignored) and save the cache back to it afterwards.
     #[arg(long, value_name = "FILE")]
@@ -576,18 +539,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 )));
             }
             config.seed = scenario.seed;
-            config.lazy_port_frees &= !args.eager_port_frees;
-            let a = &mut config.accel;
-            a.fast_forward &= !(args.no_fast_forward || args.reference);
-            a.partitioning &= !(args.no_partitioning || args.reference);
-            if args.no_quiet_jumps {
-                a.quiet_window = 0;
-            }
-            a.memoize &= !(args.no_memo || args.reference);
-            a.mirror &= !(args.no_mirror || args.reference);
-            a.periodic &= !(args.no_periodic || args.reference);
-            a.symmetry &= !(args.no_symmetry || args.reference);
-            a.symmetry_exempt &= !(args.strict_symmetry || args.reference);
+            args.packet.apply(&mut config);
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),

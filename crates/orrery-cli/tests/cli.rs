@@ -516,6 +516,58 @@ fn predict_runs_on_the_flow_level_network() {
     );
 }
 
+/// `predict --network packet` runs the accelerated packet model and takes the same
+/// switches as `netsim`; `--reference` turns every mechanism off, and the step barely moves.
+/// The switches are refused, by name and with status 2, where no packet model runs.
+#[test]
+fn predict_on_the_packet_network_takes_the_acceleration_switches() {
+    let dir = temp_dir("packet-switches");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let job = job.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["predict", job, "--network", "packet", "--json"];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let fast = run(&[]);
+    let full = run(&["--reference"]);
+    let sim = |v: &serde_json::Value, k: &str| v["network_simulation"][k].as_u64().unwrap();
+    let accel =
+        |v: &serde_json::Value, k: &str| v["network_simulation"]["accel"][k].as_u64().unwrap();
+    assert!(
+        accel(&fast, "skipped_events") > 0,
+        "{}",
+        fast["network_simulation"]
+    );
+    assert_eq!(accel(&full, "skipped_events"), 0);
+    assert_eq!(accel(&full, "memo_lookups"), 0);
+    assert!(sim(&full, "events") > sim(&fast, "events"));
+    let step = |v: &serde_json::Value| v["step_time"].as_f64().unwrap();
+    assert!(
+        (step(&fast) - step(&full)).abs() / step(&full) < 0.01,
+        "{} vs {}",
+        step(&fast),
+        step(&full)
+    );
+    let no_memo = run(&["--no-memo"]);
+    assert_eq!(accel(&no_memo, "memo_lookups"), 0);
+    for (command, flag) in [("predict", "--no-memo"), ("emulate", "--no-symmetry")] {
+        let mut args = vec![command, job, flag];
+        if command == "emulate" {
+            args.extend(["--real-ranks", "0"]);
+        }
+        let (code, _, stderr) = orrery(&args);
+        assert_eq!(code, 2, "{command} {flag}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("--network packet"),
+            "{stderr}"
+        );
+    }
+}
+
 #[test]
 fn a_closed_pipe_ends_quietly() {
     use std::process::Stdio;

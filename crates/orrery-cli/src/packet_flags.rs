@@ -1,0 +1,178 @@
+//! The packet model's acceleration switches, one set of flags for every command that can
+//! run the packet model (`netsim`, and `predict` and `emulate` with `--network packet`), so
+//! each mechanism can be turned off wherever the accelerated model answers.
+
+use orrery_net::packet::PacketConfig;
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PacketFlags {
+    /// Packet model: turn off steady-state fast-forwarding (on by default; same as
+    /// `[packet] accel.fast_forward = false`).
+    #[arg(long)]
+    no_fast_forward: bool,
+    /// Packet model: fast-forward the whole network as one partition instead of each
+    /// group of flows joined by shared links on its own (`accel.partitioning = false`).
+    #[arg(long)]
+    no_partitioning: bool,
+    /// Packet model: jump a partition only after the whole steadiness window, even where
+    /// nothing queues and every flow is at line rate (`accel.quiet_window = 0`).
+    #[arg(long)]
+    no_quiet_jumps: bool,
+    /// Packet model: turn off memoization of repeated isolated episodes
+    /// (`accel.memoize = false`).
+    #[arg(long)]
+    no_memo: bool,
+    /// Packet model: simulate every isomorphic group started at the same instant instead
+    /// of one per kind, the others mirroring it (`accel.mirror = false`).
+    #[arg(long)]
+    no_mirror: bool,
+    /// Packet model: simulate every step of collectives whose chains have settled into a
+    /// periodic regime instead of extrapolating them (`accel.periodic = false`).
+    #[arg(long)]
+    no_periodic: bool,
+    /// Packet model: simulate every host of traffic that repeats itself host by host
+    /// instead of one copy per orbit (`accel.symmetry = false`).
+    #[arg(long)]
+    no_symmetry: bool,
+    /// Packet model: find only symmetries that map every flow, none that leave flows of one
+    /// packet out of the check (`accel.symmetry_exempt = false`).
+    #[arg(long)]
+    strict_symmetry: bool,
+    /// Packet model: the packet-by-packet reference, every acceleration off.
+    #[arg(long)]
+    reference: bool,
+    /// Packet model: schedule every port's free, even one that will find nothing to send
+    /// (`lazy_port_frees = false`; the same results with more events; see the field's docs).
+    #[arg(long)]
+    eager_port_frees: bool,
+}
+
+impl PacketFlags {
+    /// Turns off in `config` what the flags turn off (a flag never turns anything on).
+    pub fn apply(&self, config: &mut PacketConfig) {
+        config.lazy_port_frees &= !self.eager_port_frees;
+        let off = self.reference;
+        let a = &mut config.accel;
+        a.fast_forward &= !(self.no_fast_forward || off);
+        a.partitioning &= !(self.no_partitioning || off);
+        if self.no_quiet_jumps || off {
+            a.quiet_window = 0;
+        }
+        a.memoize &= !(self.no_memo || off);
+        a.mirror &= !(self.no_mirror || off);
+        a.periodic &= !(self.no_periodic || off);
+        a.symmetry &= !(self.no_symmetry || off);
+        a.symmetry_exempt &= !(self.strict_symmetry || off);
+    }
+
+    /// The default packet model with the flags applied.
+    pub fn config(&self) -> PacketConfig {
+        let mut config = PacketConfig::default();
+        self.apply(&mut config);
+        config
+    }
+
+    /// The flags given, as typed, so a command whose network is not the packet model can
+    /// refuse them by name.
+    pub fn given(&self) -> Vec<&'static str> {
+        [
+            (self.no_fast_forward, "--no-fast-forward"),
+            (self.no_partitioning, "--no-partitioning"),
+            (self.no_quiet_jumps, "--no-quiet-jumps"),
+            (self.no_memo, "--no-memo"),
+            (self.no_mirror, "--no-mirror"),
+            (self.no_periodic, "--no-periodic"),
+            (self.no_symmetry, "--no-symmetry"),
+            (self.strict_symmetry, "--strict-symmetry"),
+            (self.reference, "--reference"),
+            (self.eager_port_frees, "--eager-port-frees"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect()
+    }
+
+    /// An error for flags given to a command running another network model than the
+    /// packet one (`network`, as the user chose it), or `None` if none was given.
+    pub fn refuse_unless_packet(&self, network: &str) -> Option<anyhow::Error> {
+        let given = self.given();
+        (network != "packet" && !given.is_empty()).then(|| {
+            crate::bad(format!(
+                "{} set the packet model's acceleration, but the network model is {network}: \
+                 add --network packet or leave {} out",
+                given.join(", "),
+                if given.len() == 1 { "it" } else { "them" }
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_turns_every_mechanism_off() {
+        let flags = PacketFlags {
+            reference: true,
+            ..PacketFlags::default()
+        };
+        let c = flags.config();
+        let r = PacketConfig::reference();
+        let a = &c.accel;
+        assert_eq!(
+            (
+                a.fast_forward,
+                a.partitioning,
+                a.memoize,
+                a.mirror,
+                a.periodic,
+                a.symmetry,
+                a.symmetry_exempt
+            ),
+            (false, false, false, false, false, false, false)
+        );
+        assert_eq!(a.quiet_window, 0);
+        // The packet model itself is the reference's.
+        assert_eq!(c.lazy_port_frees, r.lazy_port_frees);
+        assert_eq!(c.dcqcn_params, r.dcqcn_params);
+    }
+
+    #[test]
+    fn each_flag_turns_off_its_own_mechanism_only() {
+        let on = PacketConfig::default();
+        let flags = PacketFlags {
+            no_memo: true,
+            ..PacketFlags::default()
+        };
+        let c = flags.config();
+        assert!(!c.accel.memoize);
+        let mut back = c.clone();
+        back.accel.memoize = true;
+        assert_eq!(back, on);
+        let quiet = PacketFlags {
+            no_quiet_jumps: true,
+            ..PacketFlags::default()
+        }
+        .config();
+        assert_eq!(quiet.accel.quiet_window, 0);
+        assert!(quiet.accel.fast_forward && quiet.accel.partitioning);
+        assert_eq!(PacketFlags::default().config(), on);
+    }
+
+    #[test]
+    fn flags_are_refused_by_name_off_the_packet_model() {
+        let flags = PacketFlags {
+            no_memo: true,
+            no_symmetry: true,
+            ..PacketFlags::default()
+        };
+        let e = flags.refuse_unless_packet("flow").unwrap().to_string();
+        assert!(e.contains("--no-memo, --no-symmetry"), "{e}");
+        assert!(e.contains("network model is flow"), "{e}");
+        assert!(flags.refuse_unless_packet("packet").is_none());
+        assert!(PacketFlags::default()
+            .refuse_unless_packet("analytical")
+            .is_none());
+    }
+}
