@@ -183,9 +183,6 @@ fn parse_link(text: &str) -> Result<DegradedLink> {
 }
 
 pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
-    if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
-        return Err(e);
-    }
     if args.train.train.is_some() {
         let given = args.packet.given();
         if !given.is_empty() {
@@ -202,6 +199,9 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
             args.json,
             args.trace.as_deref(),
         );
+    }
+    if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
+        return Err(e);
     }
     let job = load_job(&args.job)?;
     let live = parse_ranks("--real-ranks", &args.real_ranks)?;

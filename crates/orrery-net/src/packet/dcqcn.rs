@@ -213,6 +213,29 @@ mod tests {
     const LINE: f64 = 12.5e9; // 100 Gb/s
 
     #[test]
+    fn a_queue_pair_is_idle_at_line_rate_until_a_cnp_and_again_once_recovered() {
+        let p = DcqcnParams::default();
+        let mut rp = ReactionPoint::new(LINE);
+        assert!(rp.idle_at_line_rate());
+        // A CNP schedules a cut: pending, so not idle, before the rate moves.
+        let dec = rp.on_cnp(Picos::from_micros(10), &p).unwrap();
+        assert_eq!(rp.rate, LINE);
+        assert!(!rp.idle_at_line_rate());
+        let mut next = rp.on_decrease_tick(dec, &p);
+        assert!(rp.rate < LINE && !rp.idle_at_line_rate());
+        // Recovery by the increase timer alone, no further CNP, back to line rate.
+        let mut fired = 0;
+        while let Some(t) = next {
+            assert!(!rp.idle_at_line_rate());
+            next = rp.on_increase_timer(t, &p);
+            fired += 1;
+            assert!(fired < 10_000, "never recovered");
+        }
+        assert_eq!((rp.rate, rp.target), (LINE, LINE));
+        assert!(rp.idle_at_line_rate());
+    }
+
+    #[test]
     fn first_cnp_cuts_the_rate_by_about_half_after_one_decrease_period() {
         let p = DcqcnParams::default();
         let mut rp = ReactionPoint::new(LINE);
