@@ -287,6 +287,10 @@ struct AccelRow {
     /// `reference_events / events`.
     event_ratio: f64,
     skipped_events: u64,
+    /// Fast-forward jumps taken, and of those the jumps of quiet partitions (after
+    /// `accel.quiet_window` samples instead of the whole window).
+    fast_forwards: u64,
+    quiet_jumps: u64,
     memo_lookups: u64,
     memo_hits: u64,
     /// `memo_hits / memo_lookups` (0 without lookups).
@@ -499,6 +503,8 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         events,
         event_ratio: reference_events as f64 / events.max(1) as f64,
         skipped_events: skipped,
+        fast_forwards: st.fast_forwards,
+        quiet_jumps: st.quiet_jumps,
         memo_lookups: st.memo_lookups,
         memo_hits: st.memo_hits,
         memo_hit_rate: st.memo_hit_rate(),

@@ -471,6 +471,8 @@ fn accel_json_report_has_the_row_and_its_errors() {
     let hits = r["memo_hits"].as_f64().unwrap();
     let lookups = r["memo_lookups"].as_f64().unwrap();
     assert!(hits <= lookups, "{r}");
+    let jumps = r["fast_forwards"].as_u64().unwrap();
+    assert!(r["quiet_jumps"].as_u64().unwrap() <= jumps, "{r}");
     let e = &r["errors"];
     assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
     assert!(e["p99_fct"].as_f64().unwrap() < 0.05, "{r}");
