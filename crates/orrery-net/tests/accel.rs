@@ -550,8 +550,8 @@ fn an_incast_is_never_quiet() {
 }
 
 /// A flow alone and quiet, then a second one released onto its bottleneck at 1 ms: the
-/// quiet jump stops at the release, the pair is not quiet (a queue builds where they
-/// meet), and the run stays within bounds.
+/// quiet jump stops at the release (the late flow starts exactly then), and the run,
+/// where the two then share the link into host 2, stays within bounds.
 #[test]
 fn a_quiet_jump_stops_at_a_flow_arriving_on_its_links() {
     let (g, fs) = mid_arrival();
