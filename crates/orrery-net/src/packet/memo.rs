@@ -2075,6 +2075,66 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// A body that passes the frame's checks (a file with a valid header and checksum
+        /// but any contents: written by another program, or by a bug) is read or refused,
+        /// never a panic, and what is read writes back to the same cache. Bodies are
+        /// well-formed entry lists, then perhaps one word overwritten and perhaps cut
+        /// short, so both outcomes occur; untouched lists of distinct entries are read
+        /// whole. The fuzz target `memo_cache` does the same with coverage guidance.
+        #[test]
+        fn any_framed_body_is_read_or_refused(
+            entries in proptest::collection::vec(
+                (
+                    proptest::collection::vec(0u64..3, 0..3),
+                    proptest::collection::vec(proptest::num::u64::ANY, 0..3),
+                    proptest::num::u64::ANY,
+                    proptest::collection::vec(proptest::num::u64::ANY, 0..3),
+                ),
+                0..4,
+            ),
+            poke in proptest::option::of((proptest::num::usize::ANY, 0u64..40)),
+            cut in 0usize..12,
+        ) {
+            let mut words = vec![entries.len() as u64];
+            for (cert, finish, events, shape) in &entries {
+                for part in [cert, finish] {
+                    words.push(part.len() as u64);
+                    words.extend_from_slice(part);
+                }
+                words.push(*events);
+                words.push(shape.len() as u64);
+                words.extend_from_slice(shape);
+            }
+            if let Some((at, value)) = poke {
+                let at = at % words.len();
+                words[at] = value;
+            }
+            let mut body: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            // Cuts of 8 bytes or more are left out: a cut of whole words can still be a
+            // well-formed shorter list.
+            let cut = if cut < 8 { cut } else { 0 };
+            body.truncate(body.len() - cut.min(body.len()));
+            let file = orrery_units::frame::frame(FILE_MAGIC, FILE_VERSION, &body);
+            match MemoCache::from_bytes(&file) {
+                Ok(cache) => {
+                    let again = MemoCache::from_bytes(&cache.to_bytes()).unwrap();
+                    proptest::prop_assert_eq!(again, cache);
+                }
+                Err(_) => {
+                    let mut certs: Vec<&Vec<u64>> = entries.iter().map(|e| &e.0).collect();
+                    certs.sort();
+                    certs.dedup();
+                    let untouched = poke.is_none() && cut == 0;
+                    proptest::prop_assert!(
+                        !(untouched && certs.len() == entries.len()),
+                        "a well-formed list of distinct entries was refused"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn save_is_atomic_and_load_reports_corruption() {
         let dir = std::env::temp_dir().join(format!("orrery-memo-{}", std::process::id()));
