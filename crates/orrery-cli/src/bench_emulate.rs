@@ -17,7 +17,9 @@ use crate::median_secs;
 use anyhow::{Context, Result};
 use orrery_predict::emulate::{Emulation, Perturbations, Pruning};
 use orrery_spec::{load_job_spec, preset_job_text, presets, Job};
+use orrery_train::{Clock, DeviceKind, MonotonicClock, TrainConfig};
 use orrery_units::{Picos, RankId};
+use std::sync::Arc;
 
 /// Peak resident set of this process in KiB (`VmHWM`), if the system tells.
 fn peak_rss_kib() -> Option<u64> {
@@ -135,12 +137,10 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// `orrery bench --emulate-fidelity`: emulation with one real rank against the same step
-/// with every rank real, on worlds small enough to run here.
 /// The training program both fidelity benches run: 4 layers, d_model 128, context 64, a batch
-/// of 16; laid out as [`fidelity_worlds`] lists.
-fn fidelity_base() -> orrery_train::TrainConfig {
-    use orrery_train::{ModelConfig, TrainConfig};
+/// of 16, on `device`; laid out as [`fidelity_worlds`] lists.
+fn fidelity_base(device: DeviceKind) -> TrainConfig {
+    use orrery_train::ModelConfig;
     TrainConfig {
         model: ModelConfig {
             context: 64,
@@ -155,6 +155,7 @@ fn fidelity_base() -> orrery_train::TrainConfig {
         batch_size: 16,
         warmup_steps: 1,
         eval_every: 0,
+        device,
         ..TrainConfig::default()
     }
 }
@@ -167,9 +168,9 @@ fn fidelity_base() -> orrery_train::TrainConfig {
 /// step's end, where all four do), and a two-core machine hosts most of the all-real step
 /// without its ranks queueing for a core: those worlds are the four-rank comparison such a
 /// machine can make.
-fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 4] {
-    use orrery_train::{ParallelConfig, TrainConfig};
-    let base = fidelity_base();
+fn fidelity_worlds(device: DeviceKind) -> [(&'static str, TrainConfig, usize); 4] {
+    use orrery_train::ParallelConfig;
+    let base = fidelity_base(device);
     let layout = |tp: usize, dp: usize, micro_batches: usize| TrainConfig {
         parallel: Some(ParallelConfig {
             tp,
@@ -188,37 +189,134 @@ fn fidelity_worlds() -> [(&'static str, orrery_train::TrainConfig, usize); 4] {
     ]
 }
 
-pub fn run_fidelity_bench(runs: u32) -> Result<()> {
-    use orrery_emulate::drive::{peak_and_compute, run_all_real};
-    use orrery_train::{Clock, MonotonicClock, ParallelConfig, TrainConfig};
-    use std::sync::Arc;
-    let base = fidelity_base();
-    let clock = || -> Arc<dyn Clock> { Arc::new(MonotonicClock::new()) };
-    outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads); median of {runs} steps");
-    outln!("virtual ranks replay a collected step; their communication is modelled (H100 cluster), the real run's is in-process");
+/// `device`'s name in the benches' headers.
+fn device_name(device: DeviceKind) -> &'static str {
+    match device {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+    }
+}
+
+/// The networks a fidelity bench emulates on, in [`WorldRuns::emulated`]'s order: whether
+/// the virtual ranks' communication takes the times the real run measured
+/// (`orrery emulate --train --calibrate`) instead of the H100 cluster model's.
+const CALIBRATED: [bool; 2] = [false, true];
+
+/// What a fidelity bench measured on one world. Each run is an all-real step and, next to it
+/// in time, emulations of rank 0 with the virtual ranks replayed from that run's own
+/// collection, one per network of [`CALIBRATED`].
+#[derive(Debug, Default)]
+struct WorldRuns {
+    real_steps: Vec<u64>,
+    /// Rank 0's peak in the all-real step.
+    real_peaks: Vec<u64>,
+    /// Per network of [`CALIBRATED`]: the emulated steps and rank 0's emulated peaks.
+    emulated: [(Vec<u64>, Vec<u64>); 2],
+    /// The run's own collection replayed with no real rank, on the measured network.
+    replayed: Vec<u64>,
+}
+
+impl WorldRuns {
+    /// Prints the world's rows, one per network, and returns the paired errors of the runs'
+    /// collections replayed alone.
+    fn print(self, name: &str, world: usize) -> Vec<f64> {
+        let replayed = paired_errors(&self.real_steps, &self.replayed);
+        let [(h100_steps, h100_peaks), (measured_steps, measured_peaks)] = self.emulated;
+        fidelity_row(
+            &format!("{name}, H100 net"),
+            world,
+            self.real_steps.clone(),
+            h100_steps,
+            self.real_peaks.clone(),
+            h100_peaks,
+        );
+        fidelity_row(
+            &format!("{name}, measured net"),
+            world,
+            self.real_steps,
+            measured_steps,
+            self.real_peaks,
+            measured_peaks,
+        );
+        replayed
+    }
+}
+
+/// The footer of both fidelity benches: how far each real run's own records, replayed with
+/// no real rank, are from its step. That is the part of an error that no real rank caused
+/// (on two cores, ranks of the real run waiting for a core, which a replay never does;
+/// docs/emulate.md).
+fn print_replays(replays: &[(String, Vec<f64>)]) {
+    outln!("\neach real run's own collection replayed alone (every rank at its recorded durations, measured net), against its step: paired error, median [min, max]");
+    for (name, errors) in replays {
+        outln!("{name:<44} {}", fmt_paired(errors));
+    }
+}
+
+/// A fresh wall clock for a run.
+fn wall_clock() -> Arc<dyn Clock> {
+    Arc::new(MonotonicClock::new())
+}
+
+/// `orrery bench --emulate-fidelity`: emulation with one real rank against the same step
+/// with every rank real, as threads of this process, on worlds small enough to run here,
+/// each rank computing on `device`.
+///
+/// Each run's all-real step is recorded as `orrery collect --comm mpi` records a real run,
+/// and its own collection is what the emulations next to it replay, as the `--mpi` bench
+/// does: so the two benches differ only in where the ranks live. On a machine with a core
+/// per rank (or a GPU) this is the step-time comparison that two cores cannot make.
+pub fn run_fidelity_bench(runs: u32, device: DeviceKind) -> Result<()> {
+    use orrery_emulate::calibrate::MeasuredNetwork;
+    use orrery_emulate::drive::{layout_of, peak_and_compute, run_all_real};
+    use orrery_graph::collect::{stitch, RankRecord};
+    check_device(device)?;
+    let base = fidelity_base(device);
+    let on = device_name(device);
+    outln!("orrery bench --emulate-fidelity: one real rank (rank 0) against every rank real (threads of one process, computing on {on}); median of {runs} runs");
+    outln!("virtual ranks replay each real run's own collection; their collectives and transfers are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are in-process");
     outln!("threads of one process free some of each other's blocks (burn keeps one autodiff registry per process), which moves their peaks by some KB: --mpi runs each measurement in a process of its own\n");
     fidelity_header();
-    for (name, config, world) in fidelity_worlds() {
-        let (collection, cost, net) = collected_world(&config, world)?;
-        let mut real_steps = Vec::new();
-        let mut real_peaks = Vec::new();
-        let mut emu_steps = Vec::new();
-        let mut emu_peaks = Vec::new();
+    let mut replays: Vec<(String, Vec<f64>)> = Vec::new();
+    for (name, config, world) in fidelity_worlds(device) {
+        let layout = layout_of(&config, world)?;
+        let (cost, cluster) = crate::collect::program_models("H100-SXM", world)?;
+        let mut runs_of_world = WorldRuns::default();
         for _ in 0..runs {
-            let all = run_all_real(&config, world, 1, clock())?;
-            real_steps.push(all.iter().map(|s| s.wall.0).max().unwrap_or(0));
-            real_peaks.push(peak_and_compute(&all[0].record).0);
-            let e = emulate_rank_0(&config, &collection, &cost, &net)?;
-            emu_steps.push(e.step.timeline.step_time().0);
-            emu_peaks.push(
-                e.records
-                    .first()
-                    .map_or(0, |s| peak_and_compute(&s.record).0),
-            );
+            let all = run_all_real(&config, world, 1, wall_clock())?;
+            runs_of_world
+                .real_steps
+                .push(all.iter().map(|s| s.wall.0).max().unwrap_or(0));
+            runs_of_world
+                .real_peaks
+                .push(all.first().map_or(0, |s| peak_and_compute(&s.record).0));
+            let records: Vec<RankRecord> = all.into_iter().map(|s| s.record).collect();
+            let own = stitch(layout.clone(), &records)
+                .map_err(|e| anyhow::anyhow!("the all-real run's records: {e}"))?;
+            for (calibrated, (steps, peaks)) in
+                CALIBRATED.into_iter().zip(&mut runs_of_world.emulated)
+            {
+                // Without calibration the table is empty and every answer is the cluster's.
+                let measured: &[RankRecord] = if calibrated { &records } else { &[] };
+                let net = MeasuredNetwork::from_records(measured, world as u32, cluster);
+                let e = emulate_rank_0(&config, &own, &cost, &net)?;
+                steps.push(e.step.timeline.step_time().0);
+                peaks.push(
+                    e.records
+                        .first()
+                        .map_or(0, |s| peak_and_compute(&s.record).0),
+                );
+                if calibrated {
+                    let alone = crate::collect::replayed_alone(&own, &cost, &net)?;
+                    runs_of_world.replayed.push(alone.0);
+                }
+            }
         }
-        fidelity_row(name, world, real_steps, emu_steps, real_peaks, emu_peaks);
+        let replayed = runs_of_world.print(name, world);
+        replays.push((format!("{name} ({world})"), replayed));
     }
-    outln!("\none real rank of the real program (TP 2 x PP 2 x DP W/4) in large worlds; median of {runs} steps");
+    print_replays(&replays);
+    outln!("\none real rank of the real program (TP 2 x PP 2 x DP W/4, computing on {on}) in large worlds; median of {runs} steps");
     outln!(
         "{:>6}  {:>12}  {:>14}  {:>18}  {:>9}",
         "ranks",
@@ -230,12 +328,12 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
     for world in [1024usize, 8192] {
         let config = TrainConfig {
             batch_size: 2 * world,
-            parallel: Some(ParallelConfig {
+            parallel: Some(orrery_train::ParallelConfig {
                 tp: 2,
                 pp: 2,
                 dp: world / 4,
                 micro_batches: 4,
-                ..ParallelConfig::default()
+                ..orrery_train::ParallelConfig::default()
             }),
             ..base.clone()
         };
@@ -244,7 +342,7 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         let mut compute = Vec::new();
         let mut participants = 0;
         for _ in 0..runs {
-            let e = emulate_rank_0(&config, &collection, &cost, &net)?;
+            let e = emulate_rank_0(&config, &collection.collected, &cost, &net)?;
             participants = e.step.participants.len();
             engine.push(e.step.engine.as_nanos() as u64);
             compute.push(
@@ -266,6 +364,18 @@ pub fn run_fidelity_bench(runs: u32) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Refuses ranks on a GPU this build cannot drive or this machine cannot start, naming the
+/// flag, before any rank starts.
+fn check_device(device: DeviceKind) -> Result<()> {
+    if device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
+        return Err(crate::bad(
+            "--device cuda: this orrery was built without the GPU backend; build it with \
+             cargo build --release -p orrery-cli --features cuda",
+        ));
+    }
+    crate::device::check_device(device, "--device cuda")
 }
 
 /// A child of the `--mpi` bench that has not finished by then has hung (a healthy one takes
@@ -336,18 +446,19 @@ fn json_u64(v: &serde_json::Value, key: &str, what: &str) -> Result<u64> {
 /// ranks' threads has some of its blocks freed by them, later than it would free them
 /// itself (burn's autodiff keeps one graph registry per process), so its peak moves by a
 /// few kilobytes; alone in its process it measures exactly what it holds.
-pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
+pub fn run_fidelity_bench_mpi(runs: u32, device: DeviceKind) -> Result<()> {
     if !cfg!(feature = "mpi") {
         return Err(crate::bad(
             "--emulate-fidelity --mpi launches orrery as an MPI job: build it with \
              --features mpi (see docs/train.md)",
         ));
     }
+    check_device(device)?;
     let exe = std::env::current_exe().context("cannot find this program")?;
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let dir = std::env::temp_dir().join(format!("orrery-fidelity-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let result = fidelity_mpi_rows(runs, &exe, &launcher, &dir);
+    let result = fidelity_mpi_rows(runs, device, &exe, &launcher, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -355,6 +466,7 @@ pub fn run_fidelity_bench_mpi(runs: u32) -> Result<()> {
 /// The rows of [`run_fidelity_bench_mpi`], its files in `dir`.
 fn fidelity_mpi_rows(
     runs: u32,
+    device: DeviceKind,
     exe: &std::path::Path,
     launcher: &str,
     dir: &std::path::Path,
@@ -367,18 +479,15 @@ fn fidelity_mpi_rows(
         ("OMPI_MCA_btl_tcp_if_include", "lo"),
         ("OMPI_MCA_oob_tcp_if_include", "lo"),
     ];
-    outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}); median of {runs} runs");
+    let on = device_name(device);
+    outln!("orrery bench --emulate-fidelity --mpi: one real rank (rank 0) against every rank real (a process per rank, {launcher}, computing on {on}); median of {runs} runs");
     outln!("virtual ranks replay the real run's own collection; their collectives and transfers are modelled on an H100 cluster (H100 net) or take the times the real run measured (measured net, --calibrate); the real run's are MPI on this machine\n");
     fidelity_header();
-    // Per world: the paired errors of each real run's own collection replayed alone.
     let mut replays: Vec<(String, Vec<f64>)> = Vec::new();
-    for (index, (name, config, world)) in fidelity_worlds().into_iter().enumerate() {
+    for (index, (name, config, world)) in fidelity_worlds(device).into_iter().enumerate() {
         let path = dir.join(format!("world{index}.toml"));
         std::fs::write(&path, toml::to_string(&config)?)?;
-        let (mut real_steps, mut real_peaks) = (Vec::new(), Vec::new());
-        let mut replayed = Vec::new();
-        // Per network: the cluster model, and the collectives as the real run measured them.
-        let mut emulated: [(Vec<u64>, Vec<u64>); 2] = Default::default();
+        let mut runs_of_world = WorldRuns::default();
         for run in 0..runs {
             let reference = dir.join(format!("world{index}-{run}.collection"));
             let mut mpi = std::process::Command::new(launcher);
@@ -403,13 +512,17 @@ fn fidelity_mpi_rows(
             for r in ranks {
                 slowest = slowest.max(json_u64(r, "step_ps", what)?);
             }
-            real_steps.push(slowest);
+            runs_of_world.real_steps.push(slowest);
             let rank0 = ranks
                 .iter()
                 .find(|r| r["rank"] == 0)
                 .with_context(|| format!("{what}: no rank 0"))?;
-            real_peaks.push(json_u64(rank0, "peak_memory_bytes", what)?);
-            for (calibrate, (steps, peaks)) in [false, true].into_iter().zip(&mut emulated) {
+            runs_of_world
+                .real_peaks
+                .push(json_u64(rank0, "peak_memory_bytes", what)?);
+            for (calibrated, (steps, peaks)) in
+                CALIBRATED.into_iter().zip(&mut runs_of_world.emulated)
+            {
                 let mut emulate = std::process::Command::new(exe);
                 emulate
                     .args(["emulate", "--train"])
@@ -417,7 +530,7 @@ fn fidelity_mpi_rows(
                     .args(["--ranks", &world.to_string(), "--real-ranks", "0", "--json"])
                     .arg("--graph")
                     .arg(&reference);
-                if calibrate {
+                if calibrated {
                     emulate.arg("--calibrate");
                 }
                 let what = "the emulation";
@@ -425,40 +538,17 @@ fn fidelity_mpi_rows(
                     serde_json::from_str(&child_stdout(emulate, what, dir)?)?;
                 steps.push(json_u64(&emu, "step_time_ps", what)?);
                 peaks.push(json_u64(&emu["real_ranks"][0], "peak_memory_bytes", what)?);
-                if calibrate {
-                    replayed.push(json_u64(&emu, "collected_step_time_ps", what)?);
+                if calibrated {
+                    runs_of_world
+                        .replayed
+                        .push(json_u64(&emu, "collected_step_time_ps", what)?);
                 }
             }
         }
-        replays.push((
-            format!("{name} ({world})"),
-            paired_errors(&real_steps, &replayed),
-        ));
-        let [(h100_steps, h100_peaks), (measured_steps, measured_peaks)] = emulated;
-        fidelity_row(
-            &format!("{name}, H100 net"),
-            world,
-            real_steps.clone(),
-            h100_steps,
-            real_peaks.clone(),
-            h100_peaks,
-        );
-        fidelity_row(
-            &format!("{name}, measured net"),
-            world,
-            real_steps,
-            measured_steps,
-            real_peaks,
-            measured_peaks,
-        );
+        let replayed = runs_of_world.print(name, world);
+        replays.push((format!("{name} ({world})"), replayed));
     }
-    // How far the real run's own records, replayed with no real rank, are from its step:
-    // the part of an error that no real rank caused (on two cores, ranks of the real run
-    // waiting for a core, which a replay never does; docs/emulate.md).
-    outln!("\neach real run's own collection replayed alone (every rank at its recorded durations, measured net), against its step: paired error, median [min, max]");
-    for (name, errors) in &replays {
-        outln!("{name:<44} {}", fmt_paired(errors));
-    }
+    print_replays(&replays);
     Ok(())
 }
 
@@ -493,49 +583,45 @@ fn fmt_paired(paired: &[f64]) -> String {
 /// `config`'s world of `world` ranks collected (one slot, one warm-up step) and the models
 /// of the H100 cluster it is emulated on.
 fn collected_world(
-    config: &orrery_train::TrainConfig,
+    config: &TrainConfig,
     world: usize,
 ) -> Result<(
     orrery_emulate::drive::Collection,
     orrery_predict::CostModel,
     orrery_net::AnalyticalNetwork,
 )> {
-    let clock: std::sync::Arc<dyn orrery_train::Clock> =
-        std::sync::Arc::new(orrery_train::MonotonicClock::new());
     let timeout = std::time::Duration::from_secs(600);
     let collection =
-        orrery_emulate::drive::collect(config, world, 1, 1, timeout, clock, &mut |_, _| {})?;
+        orrery_emulate::drive::collect(config, world, 1, 1, timeout, wall_clock(), &mut |_, _| {})?;
     let (cost, net) = crate::collect::program_models("H100-SXM", world)?;
     Ok((collection, cost, net))
 }
 
 /// One step of `config` with rank 0 real among virtual ranks replayed from `collection`,
 /// after one warm-up step, unperturbed.
-fn emulate_rank_0(
-    config: &orrery_train::TrainConfig,
-    collection: &orrery_emulate::drive::Collection,
+fn emulate_rank_0<N: orrery_net::NetworkModel + Sync>(
+    config: &TrainConfig,
+    collected: &orrery_graph::collect::Collected,
     cost: &orrery_predict::CostModel,
-    net: &orrery_net::AnalyticalNetwork,
+    net: &N,
 ) -> Result<orrery_emulate::drive::Emulated> {
-    let clock: std::sync::Arc<dyn orrery_train::Clock> =
-        std::sync::Arc::new(orrery_train::MonotonicClock::new());
     Ok(orrery_emulate::drive::emulate(
         config,
-        &collection.collected,
+        collected,
         cost,
         net,
         &[RankId(0)],
         &Perturbations::default(),
         1,
         std::time::Duration::from_secs(600),
-        clock,
+        wall_clock(),
     )?)
 }
 
 /// The columns of a fidelity table ([`fidelity_row`]).
 fn fidelity_header() {
     outln!(
-        "{:<28} {:>6}  {:>14}  {:>14}  {:>8}  {:>26}  {:>12}  {:>12}  {:>8}",
+        "{:<45} {:>6}  {:>14}  {:>14}  {:>8}  {:>26}  {:>12}  {:>12}  {:>8}",
         "world",
         "cores",
         "all-real step",
@@ -567,7 +653,7 @@ fn fidelity_row(
     let (rs, es) = (median(&mut real_steps), median(&mut emu_steps));
     let (rp, ep) = (median(&mut real_peaks), median(&mut emu_peaks));
     outln!(
-        "{:<28} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>26}  {:>10} B  {:>10} B  {:>+7.3}%",
+        "{:<45} {:>6}  {:>11.2} ms  {:>11.2} ms  {:>+7.2}%  {:>26}  {:>10} B  {:>10} B  {:>+7.3}%",
         format!("{name} ({world})"),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         rs as f64 / 1e9,

@@ -70,6 +70,7 @@ pub fn train_config(path: Option<&Path>) -> Result<TrainConfig> {
         None => TrainConfig::default(),
     };
     config.validate().map_err(|e| bad(e.to_string()))?;
+    crate::device::check_device(config.device, "device = \"cuda\"")?;
     Ok(config)
 }
 
@@ -415,6 +416,30 @@ pub fn program_models(
     Ok((orrery_predict::CostModel::for_gpu(&cluster.gpu), net))
 }
 
+/// `collected` replayed with no real rank, every rank at its recorded durations, on `net`:
+/// what a prediction from the collection says its step takes.
+pub fn replayed_alone<N: orrery_net::NetworkModel>(
+    collected: &orrery_graph::collect::Collected,
+    cost: &orrery_predict::CostModel,
+    net: &N,
+) -> Result<Picos> {
+    let mut parts = orrery_predict::replay::job_participants(
+        &collected.graphs,
+        orrery_predict::ReplayMode::Classes,
+    );
+    for p in &mut parts {
+        p.measured = collected.measured.get(p.class.index()).cloned();
+    }
+    Ok(orrery_predict::replay::replay_participants(
+        parts,
+        cost,
+        net,
+        orrery_predict::ReplayMode::Classes,
+    )
+    .context("replaying the collection")?
+    .step_time())
+}
+
 /// `orrery emulate --train`'s own options.
 #[derive(clap::Args, Debug, Default)]
 pub struct TrainEmulateArgs {
@@ -553,21 +578,7 @@ pub fn run_train_emulation(
     let step = run.step.timeline.step_time();
     // Side by side: the collected step replayed on its own (every rank at its recorded
     // durations), what a prediction from the collection says.
-    let mut parts = orrery_predict::replay::job_participants(
-        &collected.graphs,
-        orrery_predict::ReplayMode::Classes,
-    );
-    for p in &mut parts {
-        p.measured = collected.measured.get(p.class.index()).cloned();
-    }
-    let replayed = orrery_predict::replay::replay_participants(
-        parts,
-        &cost,
-        &net,
-        orrery_predict::ReplayMode::Classes,
-    )
-    .context("replaying the collection")?
-    .step_time();
+    let replayed = replayed_alone(&collected, &cost, &net)?;
     if let Some(path) = trace {
         let labels: Vec<String> = run
             .step
@@ -592,7 +603,11 @@ pub fn run_train_emulation(
                     .as_deref()
                     .map_or("(default)".into(), |p| p.display().to_string())
             ),
-            gpu: "CPU (measured), virtual ranks collected".into(),
+            gpu: match config.device {
+                orrery_train::DeviceKind::Cpu => "CPU (measured), virtual ranks collected",
+                orrery_train::DeviceKind::Cuda => "CUDA GPU (measured), virtual ranks collected",
+            }
+            .into(),
             network_model: format!(
                 "{} ({})",
                 if args.calibrate {

@@ -21,6 +21,7 @@ mod bench_accel;
 mod bench_emulate;
 mod bench_train;
 mod collect;
+mod device;
 mod emulate;
 mod netsim;
 mod packet_flags;
@@ -152,6 +153,10 @@ enum Command {
         /// step as an MPI job of this binary (needs `--features mpi` and `mpirun`).
         #[arg(long, requires = "emulate_fidelity")]
         mpi: bool,
+        /// With --emulate-fidelity: where every rank computes, `cpu` or `cuda` (burn's CUDA
+        /// backend, every rank on the one GPU; needs orrery built with `--features cuda`).
+        #[arg(long, requires = "emulate_fidelity", value_parser = ["cpu", "cuda"], default_value = "cpu")]
+        device: String,
         /// With --emulate: world sizes (multiples of 32).
         #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048, 4096, 8192])]
         emulate_gpus: Vec<u32>,
@@ -309,12 +314,18 @@ fn run(cli: Cli) -> Result<()> {
             emulate_fidelity: true,
             mpi,
             runs,
+            ref device,
             ..
         } => {
-            if mpi {
-                bench_emulate::run_fidelity_bench_mpi(runs.max(1))
+            let device = if device == "cuda" {
+                orrery_train::DeviceKind::Cuda
             } else {
-                bench_emulate::run_fidelity_bench(runs.max(1))
+                orrery_train::DeviceKind::Cpu
+            };
+            if mpi {
+                bench_emulate::run_fidelity_bench_mpi(runs.max(1), device)
+            } else {
+                bench_emulate::run_fidelity_bench(runs.max(1), device)
             }
         }
         Command::Bench {

@@ -187,6 +187,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     } else {
         None
     };
+    crate::device::check_device(config.device, "device = \"cuda\"")?;
     let rank = mpi.as_ref().map_or(0, mpi_rank::MpiRank::rank);
     let refresh = if args.async_refresh {
         RefreshMode::Async {

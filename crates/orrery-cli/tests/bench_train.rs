@@ -360,6 +360,11 @@ fn bad_options_exit_with_status_2() {
             &["bench", "--accel", "--emulate-fidelity"][..],
             "--emulate-fidelity",
         ),
+        (&["bench", "--device", "cuda"][..], "--emulate-fidelity"),
+        (
+            &["bench", "--emulate-fidelity", "--device", "gpu"][..],
+            "--device",
+        ),
         (&["bench", "--train", "--soap", "frequency"][..], "--soap"),
         (&["bench", "--train", "--soap", "frequency=0"][..], "--soap"),
         (
@@ -427,6 +432,21 @@ fn bad_options_exit_with_status_2() {
             "{args:?}: {stderr}"
         );
     }
+}
+
+/// Ranks on a GPU in a build without the GPU backend are refused by their flag before any
+/// rank starts, with the command that builds one.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn fidelity_on_cuda_without_the_feature_is_refused_naming_the_flag() {
+    let (code, stdout, stderr) = orrery(&["bench", "--emulate-fidelity", "--device", "cuda"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--device cuda") && stderr.contains("--features cuda"),
+        "{stderr}"
+    );
+    // Refused before the table's header, so before any world ran.
+    assert!(stdout.is_empty(), "{stdout}");
 }
 
 /// `bench --accel --seed-spread --label-spread --json` on the smallest scenario (a 1 MiB ring

@@ -111,6 +111,17 @@ pub type CpuBackend = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
 #[cfg(feature = "cuda")]
 pub type CudaBackend = burn::backend::Autodiff<burn::backend::Cuda>;
 
+/// Starts burn's CUDA backend on the default device and waits for it: a one-element tensor
+/// made there and read back, which is what a rank's first step does first. Where the CUDA
+/// driver cannot be loaded or no device answers, burn's backend panics (on a thread of its
+/// own, then here); a caller that owns the process can catch that before its ranks start
+/// (`orrery` does, and reports the `device` it could not use).
+#[cfg(feature = "cuda")]
+pub fn start_cuda() {
+    let probe = burn::tensor::Tensor::<burn::backend::Cuda, 1>::zeros([1], &Default::default());
+    let _ = probe.into_data();
+}
+
 /// Plain gradient descent, `x -= lr * g`. Stateless; for debugging and for tests that need an
 /// optimizer whose arithmetic is obvious.
 #[derive(Debug, Clone, Copy, Default)]
