@@ -69,8 +69,9 @@ impl Layout {
             group_of: Vec::new(),
         };
         for role in GroupRole::ALL {
-            let mut keys: std::collections::BTreeMap<(u32, u32, u32, u32), u32> =
-                Default::default();
+            // Groups are numbered in order of their lowest rank; the map only finds a
+            // key's number, so its own order does not matter.
+            let mut keys: std::collections::HashMap<(u32, u32, u32, u32), u32> = Default::default();
             let mut groups: Vec<Vec<RankId>> = Vec::new();
             let mut of = Vec::with_capacity(layout.world_size() as usize);
             for r in 0..layout.world_size() {
@@ -168,13 +169,40 @@ impl Layout {
     }
 
     /// How a set of ranks spreads over nodes.
+    ///
+    /// Every group lists its members in rank order, so their nodes never decrease and a node's
+    /// members are one run: counted in one pass with no allocation (emulation reads every
+    /// group's placement, so this runs over the whole world). Members in any other order are
+    /// counted per node.
     pub fn placement_of(&self, members: &[RankId]) -> Placement {
+        let node = |m: &RankId| m.0 / self.gpus_per_node;
+        let size = members.len() as u32;
+        if members.windows(2).all(|w| node(&w[0]) <= node(&w[1])) {
+            let (mut nodes, mut max_per_node, mut run) = (0, 0, 0);
+            let mut last = None;
+            for m in members {
+                let n = node(m);
+                if last == Some(n) {
+                    run += 1;
+                } else {
+                    nodes += 1;
+                    run = 1;
+                    last = Some(n);
+                }
+                max_per_node = max_per_node.max(run);
+            }
+            return Placement {
+                size,
+                nodes,
+                max_per_node,
+            };
+        }
         let mut per_node: std::collections::BTreeMap<u32, u32> = Default::default();
         for m in members {
-            *per_node.entry(m.0 / self.gpus_per_node).or_default() += 1;
+            *per_node.entry(node(m)).or_default() += 1;
         }
         Placement {
-            size: members.len() as u32,
+            size,
             nodes: per_node.len() as u32,
             max_per_node: per_node.values().copied().max().unwrap_or(0),
         }
@@ -320,6 +348,40 @@ mod tests {
                 assert_eq!(grole, role);
                 assert!(members.contains(&RankId(r)));
             }
+        }
+    }
+
+    /// The placement as it was first written: a count per node.
+    fn placement_by_node_counts(gpus_per_node: u32, members: &[RankId]) -> Placement {
+        let mut per_node: std::collections::BTreeMap<u32, u32> = Default::default();
+        for m in members {
+            *per_node.entry(m.0 / gpus_per_node).or_default() += 1;
+        }
+        Placement {
+            size: members.len() as u32,
+            nodes: per_node.len() as u32,
+            max_per_node: per_node.values().copied().max().unwrap_or(0),
+        }
+    }
+
+    proptest::proptest! {
+        /// The one-pass count of sorted members, and the per-node count of unsorted ones,
+        /// agree with counting per node.
+        #[test]
+        fn placements_are_counts_per_node(
+            gpus_per_node in 1u32..9,
+            mut ranks in proptest::collection::vec(0u32..64, 0..24),
+            sort in proptest::bool::ANY,
+        ) {
+            let layout = Layout::from_dims(1, 1, 1, 1, 1, gpus_per_node);
+            if sort {
+                ranks.sort_unstable();
+            }
+            let members: Vec<RankId> = ranks.into_iter().map(RankId).collect();
+            proptest::prop_assert_eq!(
+                layout.placement_of(&members),
+                placement_by_node_counts(gpus_per_node, &members)
+            );
         }
     }
 }

@@ -507,11 +507,17 @@ fn check_inputs(
 /// The timeline classes of a world in which `materialized` ranks are singled out: ranks
 /// that provably run identical timelines share a colour (see the module docs). Colours are
 /// dense, numbered in order of their lowest rank.
+///
+/// Each round costs O(world x roles) with no allocation per rank or group (fixed-size rank
+/// signatures, one reused buffer for a group's): this runs once per emulation but over every
+/// rank, and at 65,536 ranks it was most of an emulation's set-up. A group's role and
+/// placement do not depend on colours, so they are worked out once.
 fn colours(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
+    const ROLES: usize = GroupRole::ALL.len();
     let world = layout.world_size();
     let mut colour = dense((0..world).map(|r| {
         let rank = RankId(r);
-        vec![
+        [
             u64::from(layout.class_of(rank).0),
             if materialized.contains(&r) {
                 u64::from(r)
@@ -520,46 +526,55 @@ fn colours(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
             },
         ]
     }));
-    let groups: Vec<(orrery_units::GroupId, GroupRole, Vec<RankId>)> = layout
+    // Per group, in id order (`all_groups` numbers them densely): its members, and its role
+    // and placement, which open its signature.
+    let groups: Vec<(&[RankId], [u64; 4])> = layout
         .all_groups()
-        .map(|(g, role, m)| (g, role, m.to_vec()))
-        .collect();
-    loop {
-        let count = colour.iter().max().map_or(0, |&c| c + 1);
-        // Each group's signature: role, placement and the multiset of its members' colours.
-        let mut group_sig: HashMap<orrery_units::GroupId, u64> = HashMap::new();
-        let mut sig_ids: BTreeMap<Vec<u64>, u64> = BTreeMap::new();
-        for (g, role, members) in &groups {
+        .map(|(_, role, members)| {
             let pl = layout.placement_of(members);
-            let mut key = vec![
+            let head = [
                 role.index() as u64,
                 u64::from(pl.size),
                 u64::from(pl.nodes),
                 u64::from(pl.max_per_node),
             ];
-            let mut cs: Vec<u64> = members
-                .iter()
-                .map(|m| u64::from(colour[m.index()]))
-                .collect();
-            cs.sort_unstable();
-            key.extend(cs);
+            (members, head)
+        })
+        .collect();
+    let mut group_sig = vec![0u64; groups.len()];
+    let mut key: Vec<u64> = Vec::new();
+    loop {
+        let count = colour.iter().max().map_or(0, |&c| c + 1);
+        // Each group's signature: role, placement and the multiset of its members' colours.
+        let mut sig_ids: HashMap<Vec<u64>, u64> = HashMap::new();
+        for ((members, head), sig) in groups.iter().zip(&mut group_sig) {
+            key.clear();
+            key.extend_from_slice(head);
+            key.extend(members.iter().map(|m| u64::from(colour[m.index()])));
+            key[head.len()..].sort_unstable();
             let next = sig_ids.len() as u64;
-            let id = *sig_ids.entry(key).or_insert(next);
-            group_sig.insert(*g, id);
+            *sig = match sig_ids.get(key.as_slice()) {
+                Some(&id) => id,
+                None => {
+                    sig_ids.insert(key.clone(), next);
+                    next
+                }
+            };
         }
         let refined = dense((0..world).map(|r| {
             let rank = RankId(r);
-            let mut sig = vec![u64::from(colour[r as usize])];
-            for role in GroupRole::ALL {
-                sig.push(group_sig[&layout.group_id(rank, role)]);
+            let mut sig = [0u64; 1 + ROLES + 4];
+            sig[0] = u64::from(colour[rank.index()]);
+            for (slot, role) in sig[1..=ROLES].iter_mut().zip(GroupRole::ALL) {
+                *slot = group_sig[layout.group_id(rank, role).index()];
             }
-            for dir in [PeerStage::Next, PeerStage::Prev] {
+            for (i, dir) in [PeerStage::Next, PeerStage::Prev].into_iter().enumerate() {
                 let peer = layout.peer(rank, dir);
-                sig.push(u64::from(colour[peer.index()]));
+                sig[1 + ROLES + 2 * i] = u64::from(colour[peer.index()]);
                 // Whether the link to that neighbour stays inside a node: it sets the
                 // transfer's time, and it differs between ranks of one stage when a stage
                 // does not fill whole nodes.
-                sig.push(u64::from(layout.same_node(rank, peer)));
+                sig[2 + ROLES + 2 * i] = u64::from(layout.same_node(rank, peer));
             }
             sig
         }));
@@ -573,8 +588,8 @@ fn colours(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
 }
 
 /// Dense ids for keys, in order of first appearance.
-fn dense(keys: impl Iterator<Item = Vec<u64>>) -> Vec<u32> {
-    let mut ids: BTreeMap<Vec<u64>, u32> = BTreeMap::new();
+fn dense<K: std::hash::Hash + Eq>(keys: impl Iterator<Item = K>) -> Vec<u32> {
+    let mut ids: HashMap<K, u32> = HashMap::new();
     keys.map(|k| {
         let next = ids.len() as u32;
         *ids.entry(k).or_insert(next)
@@ -619,6 +634,7 @@ fn build_pruned<'g>(graphs: &'g JobGraphs, colour: &[u32], live: &[RankId]) -> B
         let class = layout.class_of(rank);
         let graph = graphs.class(class);
         let mut seq_on_role: HashMap<GroupRole, u32> = HashMap::new();
+        let mut of_role: HashMap<GroupRole, (GroupPlacement, u32, Option<u32>)> = HashMap::new();
         let links = graph
             .ops()
             .iter()
@@ -634,34 +650,38 @@ fn build_pruned<'g>(graphs: &'g JobGraphs, colour: &[u32], live: &[RankId]) -> B
                     let seq = seq_on_role.entry(group).or_insert(0);
                     let k = *seq;
                     *seq += 1;
-                    let members = layout.group_members(rank, group);
-                    let pl = layout.placement(rank, group);
-                    let placement = GroupPlacement {
-                        size: pl.size,
-                        nodes: pl.nodes,
-                        max_per_node: pl.max_per_node,
-                    };
-                    let mut set: Vec<u32> = members.iter().map(|m| colour[m.index()]).collect();
-                    set.sort_unstable();
-                    set.dedup();
-                    if set.len() <= 1 {
-                        // Every member runs this participant's timeline.
-                        Link::Collective {
-                            rendezvous: None,
-                            members: 1,
-                            placement,
-                        }
-                    } else {
-                        let members = set.len() as u32;
-                        let mut key = vec![group.index() as u32];
-                        key.extend(set);
-                        let next = rendezvous_ids.len() as u32;
-                        let id = *rendezvous_ids.entry(key).or_insert(next);
-                        Link::Collective {
-                            rendezvous: Some((id, k)),
-                            members,
-                            placement,
-                        }
+                    // The rank's group of a role is the same for all of its collectives of
+                    // that role, so its placement and rendezvous are worked out once: a
+                    // data-parallel group spans thousands of ranks in large worlds.
+                    let (placement, members, rendezvous) =
+                        *of_role.entry(group).or_insert_with(|| {
+                            let members = layout.group_members(rank, group);
+                            let pl = layout.placement_of(members);
+                            let placement = GroupPlacement {
+                                size: pl.size,
+                                nodes: pl.nodes,
+                                max_per_node: pl.max_per_node,
+                            };
+                            let mut set: Vec<u32> =
+                                members.iter().map(|m| colour[m.index()]).collect();
+                            set.sort_unstable();
+                            set.dedup();
+                            if set.len() <= 1 {
+                                // Every member runs this participant's timeline.
+                                (placement, 1, None)
+                            } else {
+                                let members = set.len() as u32;
+                                let mut key = vec![group.index() as u32];
+                                key.extend(set);
+                                let next = rendezvous_ids.len() as u32;
+                                let id = *rendezvous_ids.entry(key).or_insert(next);
+                                (placement, members, Some(id))
+                            }
+                        });
+                    Link::Collective {
+                        rendezvous: rendezvous.map(|id| (id, k)),
+                        members,
+                        placement,
                     }
                 }
                 _ => Link::None,
@@ -820,4 +840,109 @@ pub fn report(
         ranks,
         shared,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The colour refinement as it was first written (a sorted map of vectors per rank and
+    /// group, placements recomputed every round): the reference for [`colours`].
+    fn colours_reference(layout: &Layout, materialized: &BTreeSet<u32>) -> Vec<u32> {
+        fn dense(keys: impl Iterator<Item = Vec<u64>>) -> Vec<u32> {
+            let mut ids: BTreeMap<Vec<u64>, u32> = BTreeMap::new();
+            keys.map(|k| {
+                let next = ids.len() as u32;
+                *ids.entry(k).or_insert(next)
+            })
+            .collect()
+        }
+        let world = layout.world_size();
+        let mut colour = dense((0..world).map(|r| {
+            let rank = RankId(r);
+            vec![
+                u64::from(layout.class_of(rank).0),
+                if materialized.contains(&r) {
+                    u64::from(r)
+                } else {
+                    u64::MAX
+                },
+            ]
+        }));
+        let groups: Vec<(orrery_units::GroupId, GroupRole, Vec<RankId>)> = layout
+            .all_groups()
+            .map(|(g, role, m)| (g, role, m.to_vec()))
+            .collect();
+        loop {
+            let count = colour.iter().max().map_or(0, |&c| c + 1);
+            let mut group_sig: HashMap<orrery_units::GroupId, u64> = HashMap::new();
+            let mut sig_ids: BTreeMap<Vec<u64>, u64> = BTreeMap::new();
+            for (g, role, members) in &groups {
+                let pl = layout.placement_of(members);
+                let mut key = vec![
+                    role.index() as u64,
+                    u64::from(pl.size),
+                    u64::from(pl.nodes),
+                    u64::from(pl.max_per_node),
+                ];
+                let mut cs: Vec<u64> = members
+                    .iter()
+                    .map(|m| u64::from(colour[m.index()]))
+                    .collect();
+                cs.sort_unstable();
+                key.extend(cs);
+                let next = sig_ids.len() as u64;
+                let id = *sig_ids.entry(key).or_insert(next);
+                group_sig.insert(*g, id);
+            }
+            let refined = dense((0..world).map(|r| {
+                let rank = RankId(r);
+                let mut sig = vec![u64::from(colour[r as usize])];
+                for role in GroupRole::ALL {
+                    sig.push(group_sig[&layout.group_id(rank, role)]);
+                }
+                for dir in [PeerStage::Next, PeerStage::Prev] {
+                    let peer = layout.peer(rank, dir);
+                    sig.push(u64::from(colour[peer.index()]));
+                    sig.push(u64::from(layout.same_node(rank, peer)));
+                }
+                sig
+            }));
+            let refined_count = refined.iter().max().map_or(0, |&c| c + 1);
+            if refined_count == count {
+                return refined;
+            }
+            colour = refined;
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// The colouring equals the reference's, colour for colour, on layouts whose stages
+        /// fill nodes and on layouts that straddle them, with any ranks singled out.
+        #[test]
+        fn colours_equal_the_reference(
+            tp in 1u32..4,
+            cp in 1u32..3,
+            dp in 1u32..5,
+            pp in 1u32..5,
+            ep_pick in 0u32..4,
+            gpus_per_node in 1u32..9,
+            picks in proptest::collection::vec(0u32..256, 0..4),
+        ) {
+            // ep divides dp * cp.
+            let x = dp * cp;
+            let divisors: Vec<u32> = (1..=x).filter(|d| x % d == 0).collect();
+            let ep = divisors[ep_pick as usize % divisors.len()];
+            let layout = Layout::from_dims(tp, cp, dp, pp, ep, gpus_per_node);
+            let world = layout.world_size();
+            let materialized: BTreeSet<u32> = picks.iter().map(|p| p % world).collect();
+            prop_assert_eq!(
+                colours(&layout, &materialized),
+                colours_reference(&layout, &materialized)
+            );
+        }
+    }
 }
