@@ -8,8 +8,10 @@
 #                                 strips them and packs them with this script's configurations
 #                                 into .device/ (ignored by git, about 21 MB).
 #   gpu-check.sh run              there, from the repository's root: every check below, each
-#                                 with its own time limit, its output in $OUT (default
-#                                 /tmp/gpu-check), a line per check in $OUT/summary.txt.
+#                                 with its own time limit (535 s together, so the whole run
+#                                 fits a 9-minute call even if every check hangs), its output
+#                                 in $OUT (default /tmp/gpu-check), a line per check in
+#                                 $OUT/summary.txt.
 #
 # The checks, most important first, at most 8 output files:
 #   fid_cpu      orrery bench --emulate-fidelity, threads on the CPU: with a core per rank
@@ -70,20 +72,20 @@ run() {
         timeout "$limit" "$@" > "$out/$name.out" 2>&1
         echo "== $name rc=$? ms=$((($(date +%s%N) - start) / 1000000)): $*" >> "$summary"
     }
-    check fid_cpu 150 "$o" bench --emulate-fidelity --runs "${RUNS_CPU:-15}"
-    check gpu_test 150 "$bin/gpu-test" --ignored --nocapture
+    check fid_cpu 120 "$o" bench --emulate-fidelity --runs "${RUNS_CPU:-15}"
+    check gpu_test 120 "$bin/gpu-test" --ignored --nocapture
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 50 \
         > "$out/smi.csv" 2>&1 &
     local smi=$!
     echo "nvidia-smi sampling from $(date +%T.%N)" >> "$summary"
-    check collect_gpu 100 "$o" collect "$pack/gpu-memory.toml" --ranks 2 --out /tmp/gpu.collection --json
+    check collect_gpu 90 "$o" collect "$pack/gpu-memory.toml" --ranks 2 --out /tmp/gpu.collection --json
     echo "collect_gpu ended $(date +%T.%N)" >> "$summary"
-    check emulate_gpu 80 "$o" emulate --train "$pack/gpu-memory.toml" --ranks 2 \
+    check emulate_gpu 60 "$o" emulate --train "$pack/gpu-memory.toml" --ranks 2 \
         --graph /tmp/gpu.collection --real-ranks 0 --json
     echo "emulate_gpu ended $(date +%T.%N)" >> "$summary"
     kill "$smi"
-    check train_gpu 60 "$o" train "$pack/gpu-train.toml" --out /tmp/gpu-train --json
-    check fid_cuda 150 "$o" bench --emulate-fidelity --runs "${RUNS_GPU:-5}" --device cuda
+    check train_gpu 45 "$o" train "$pack/gpu-train.toml" --out /tmp/gpu-train --json
+    check fid_cuda 100 "$o" bench --emulate-fidelity --runs "${RUNS_GPU:-5}" --device cuda
     cat "$summary"
 }
 
