@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
-use orrery_net::topology::{NetGraph, RailOptimizedSpec};
+use orrery_net::topology::{NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
 use orrery_predict::traffic::Release;
 use orrery_units::{Bytes, Picos};
@@ -254,6 +254,8 @@ pub struct AccelBench {
     pub gpt_13b_gpus: Vec<u32>,
     pub moe_gpus: Vec<u32>,
     pub pxn: bool,
+    /// How every scenario's fabric places flows on equal-cost paths.
+    pub routing: Routing,
     pub reference_max_gpus: u32,
     /// When the job steps' flows are released.
     pub release: Release,
@@ -356,6 +358,13 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     for &g in b.moe_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(moe_step(g, b.pxn, b.release)?);
     }
+    if b.routing == Routing::Pinned {
+        // Flows name endpoints, not paths, so the same traffic runs on the pinned fabric.
+        for s in &mut scenarios {
+            s.graph = s.graph.clone().with_routing(Routing::Pinned);
+            s.name.push_str(", pinned");
+        }
+    }
     if !b.json {
         outln!(
             "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation, symmetry) vs the packet-by-packet reference"
@@ -371,7 +380,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             b.release.name()
         );
         outln!(
-            "{:<40} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
+            "{:<46} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
             "scenario",
             "GPUs",
             "flows",
@@ -404,7 +413,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                     .reference_drops
                     .map_or("not run".to_string(), |d| d.to_string());
                 outln!(
-                    "{:<40} packets dropped: {} accelerated, reference {reference}",
+                    "{:<46} packets dropped: {} accelerated, reference {reference}",
                     "",
                     row.drops
                 );
@@ -415,7 +424,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             ] {
                 if let Some(e) = e {
                     outln!(
-                        "{:<40} the reference {what} against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
+                        "{:<46} the reference {what} against it: mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}%",
                         "",
                         100.0 * e.mean_fct,
                         100.0 * e.p99_fct,
@@ -563,7 +572,7 @@ fn table_line(r: &AccelRow) -> String {
             "-"
         ),
     };
-    format!("{:<40} {:>5} {:>6} {measured}", r.scenario, r.gpus, r.flows)
+    format!("{:<46} {:>5} {:>6} {measured}", r.scenario, r.gpus, r.flows)
 }
 
 #[cfg(test)]

@@ -125,6 +125,11 @@ enum Command {
         /// NCCL_PXN_DISABLE=1).
         #[arg(long)]
         no_pxn: bool,
+        /// With --accel: how every scenario's fabric places flows on equal-cost paths:
+        /// `ecmp` (a hash per connection, where flows across pods collide on uplinks) or
+        /// `pinned` (by the destination's port on its leaf, `cluster.routing = "pinned"`).
+        #[arg(long, default_value = "ecmp", value_parser = ["ecmp", "pinned"])]
+        routing: String,
         /// With --accel: when the job steps' flows are released: `rendezvous` (after what
         /// each rank's op waits for, as simulated, a collective starting on all its members
         /// when the last is ready), `dependencies` (each member on its own) or `replay` (at
@@ -340,6 +345,7 @@ fn run(cli: Cli) -> Result<()> {
             no_moe,
             moe_gpus,
             no_pxn,
+            routing,
             release,
             train,
             ..
@@ -352,6 +358,11 @@ fn run(cli: Cli) -> Result<()> {
             gpt_13b_gpus,
             moe_gpus: if no_moe { Vec::new() } else { moe_gpus },
             pxn: !no_pxn,
+            routing: if routing == "pinned" {
+                orrery_net::Routing::Pinned
+            } else {
+                orrery_net::Routing::Ecmp
+            },
             reference_max_gpus,
             release: orrery_predict::traffic::Release::from_name(&release).unwrap_or_default(),
             json: train.json,

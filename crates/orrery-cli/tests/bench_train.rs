@@ -512,3 +512,37 @@ fn accel_json_report_has_the_row_and_its_errors() {
     // The ring is alike on every host and GPU: one GPU's flows simulated, 128 copies.
     assert_eq!(r["symmetry_copies"], 128, "{r}");
 }
+
+/// `bench --accel --routing pinned` runs the same traffic on a fabric with pinned paths
+/// (named in the row) within the bounds; an unknown policy is refused with status 2.
+#[test]
+fn accel_bench_runs_its_scenarios_on_pinned_paths() {
+    let (code, stdout, stderr) = orrery(&[
+        "bench",
+        "--accel",
+        "--ring-mib",
+        "0",
+        "--cross-pod-mib",
+        "2",
+        "--gpt-gpus",
+        "0",
+        "--no-moe",
+        "--routing",
+        "pinned",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Value = serde_json::from_str(&stdout).expect("the report is JSON");
+    let r = &rows.as_array().unwrap()[0];
+    assert_eq!(r["scenario"], "2 rings across 2 pods 2 MiB, pinned", "{r}");
+    let e = &r["errors"];
+    assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(e["collective"].as_f64().unwrap() < 0.01, "{r}");
+
+    let (code, _, stderr) = orrery(&["bench", "--accel", "--routing", "spray"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--routing") && stderr.contains("spray"),
+        "{stderr}"
+    );
+}

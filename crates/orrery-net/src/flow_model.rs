@@ -10,8 +10,9 @@
 //!
 //! - **Release.** A flow of a [`FlowSet`] is released at the finish time of its last
 //!   dependency (or at time zero if it has none) plus its own `delay`.
-//! - **Route.** It takes the ECMP shortest path [`NetGraph::route_with`] picks for a
-//!   deterministic hash of (source, destination, flow index), the same path every run.
+//! - **Route.** It takes the shortest path [`NetGraph::route_with`] picks for a
+//!   deterministic hash of (source, destination, flow index), or for its destination alone
+//!   where the graph pins paths, the same path every run.
 //! - **Sharing.** Active flows share every directed link by max-min fairness, computed by
 //!   progressive filling ([`max_min_rates`]): raise all rates together, freeze the flows of
 //!   each link as it saturates, continue with the rest. Rates are recomputed at every

@@ -17,7 +17,8 @@
 //!
 //! The simulators' side:
 //! - [`topology`]: [`NetGraph`], an arena of endpoints, switches and directed links, with
-//!   rail-optimised and fat-tree builders and deterministic ECMP routing.
+//!   rail-optimised and fat-tree builders and deterministic routing: ECMP by a hash of the
+//!   connection, or paths pinned by the destination's port on its leaf ([`Routing`]).
 //! - [`flows`]: [`flows::FlowSet`], messages with dependencies, and `collective_flows`, which
 //!   expands NCCL-like collective algorithms into them.
 //! - [`sim`]: the [`sim::FlowSimulator`] trait and its [`sim::SimReport`];
@@ -51,7 +52,9 @@ pub mod word_hash;
 
 pub use analytical::AnalyticalNetwork;
 pub use sim_network::{SimNetwork, SimTotals};
-pub use topology::{FatTreeSpec, Link, NetGraph, NodeKind, RailOptimizedSpec, TopologyError};
+pub use topology::{
+    FatTreeSpec, Link, NetGraph, NodeKind, RailOptimizedSpec, Routing, TopologyError,
+};
 
 /// The collective operations the predictor issues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

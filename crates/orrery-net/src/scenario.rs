@@ -27,7 +27,8 @@
 //!
 //! Topologies: `single_switch` (`endpoints`), `dumbbell` (`endpoints` per side,
 //! `bottleneck_gbps`), `rail_optimized` and `fat_tree` (`hosts`, `gpus_per_host`,
-//! `nvlink_gbytes`, `hosts_per_pod`, `spines`, `oversubscription`, `tiers`). Instead of a
+//! `nvlink_gbytes`, `hosts_per_pod`, `spines`, `oversubscription`, `tiers`); every kind
+//! takes `routing` (`ecmp`, the default, or `pinned`: see [`Routing`]). Instead of a
 //! topology and flows, a `[job]` table (`preset` or `file`, `set`, `traffic`) makes the
 //! communication of one training step the traffic; the CLI builds that through the
 //! predictor, since this crate knows nothing of jobs. A `[packet]` table overrides the
@@ -37,7 +38,7 @@
 //! panics on any input (fuzzed in `fuzz/`).
 
 use crate::flows::{collective_flows, FlowAlgorithm, FlowSet};
-use crate::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, TopologyError};
+use crate::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, Routing, TopologyError};
 use crate::CollectiveKind;
 use orrery_units::{Bandwidth, Bytes, Picos};
 use serde::{Deserialize, Serialize};
@@ -95,6 +96,8 @@ pub struct TopologySpec {
     pub spines: Option<u64>,
     pub oversubscription: Option<f64>,
     pub tiers: Option<u8>,
+    /// How flows are placed on equal-cost paths: `ecmp` (the default) or `pinned`.
+    pub routing: Option<Routing>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -592,7 +595,7 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
         }
     };
     match result? {
-        Ok(g) => Some(g),
+        Ok(g) => Some(g.with_routing(t.routing.unwrap_or_default())),
         Err(e) => {
             p.push("topology", e.to_string());
             None

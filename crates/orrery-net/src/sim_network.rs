@@ -19,7 +19,7 @@
 
 use crate::flows::{collective_flows, FlowAlgorithm, FlowSet};
 use crate::sim::{AccelCounts, FlowSimulator};
-use crate::topology::{NetGraph, RailOptimizedSpec};
+use crate::topology::{NetGraph, RailOptimizedSpec, Routing};
 use crate::{
     Algorithm, CollectiveCost, CollectiveKind, CollectiveRequest, Fabric, GroupPlacement,
     NetworkModel,
@@ -40,6 +40,8 @@ pub struct SimNetwork<S: FlowSimulator> {
     totals: RefCell<SimTotals>,
     /// All-to-alls relayed to the destination's rail ([`FlowAlgorithm::DirectPxn`]).
     pxn: bool,
+    /// How the simulated topology places flows on equal-cost paths.
+    routing: Routing,
 }
 
 /// What a [`SimNetwork`] simulated over its life: one simulation per distinct collective
@@ -61,7 +63,14 @@ impl<S: FlowSimulator> SimNetwork<S> {
             failures: RefCell::new(Vec::new()),
             totals: RefCell::new(SimTotals::default()),
             pxn: true,
+            routing: Routing::Ecmp,
         }
+    }
+
+    /// How the simulated fabric places flows on equal-cost paths (ECMP by default).
+    pub fn with_routing(mut self, routing: Routing) -> SimNetwork<S> {
+        self.routing = routing;
+        self
     }
 
     /// Whether all-to-alls are relayed over NVLink to the destination's rail, as NCCL's
@@ -100,6 +109,7 @@ impl<S: FlowSimulator> SimNetwork<S> {
             nic: f.inter_node.achievable(),
             ..RailOptimizedSpec::dgx_h100(hosts.max(1))
         })
+        .map(|g| g.with_routing(self.routing))
     }
 
     fn run(

@@ -12,12 +12,35 @@
 //! tie-break overrides the hash: where an NVLink switch is among the equal-cost next hops,
 //! it is taken (GPUs of one host that also share a leaf talk over NVLink, as NCCL does).
 //!
+//! A graph may instead *pin* paths by destination ([`Routing::Pinned`], set with
+//! [`NetGraph::with_routing`]): every equal-cost choice is made from the destination's
+//! *slot* (its port on its own leaf, with the leaf's number above it) rather than from a
+//! hash, the "destination-mod-k" rule of InfiniBand fat-tree routing and of the path
+//! pinning Meta ran on its first RoCE training clusters (Gangidi et al., SIGCOMM 2024:
+//! "routed packets to specific paths based on the destination slice, the index of the
+//! rack switch's downlink"). Flows to different slots of one leaf then never share a
+//! link above their sources' leaves, where hashing puts about a third of the uplinks of a
+//! fully busy leaf under two or more flows. It was their first answer to ECMP collisions
+//! and works while every slot of a leaf belongs to one job; a leaf half used by a job
+//! leaves half the paths idle, which this model reproduces.
+//!
 //! Builders: [`NetGraph::single_switch`] and [`NetGraph::dumbbell`] for tests,
 //! [`NetGraph::rail_optimized`] ([`RailOptimizedSpec`]) and [`NetGraph::fat_tree`]
 //! ([`FatTreeSpec`]) for clusters. Spec builders validate every field and report every
 //! problem at once, each with the field's name ([`TopologyError::InvalidSpec`]).
 //!
 //! What this module does not do: adaptive routing, failures, or per-packet spraying.
+
+/// How a flow's path is chosen among equal-cost shortest paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Equal-cost multi-path by a hash of the flow's identity and the hop (the default).
+    #[default]
+    Ecmp,
+    /// Paths pinned by the destination's slot (see the module docs).
+    Pinned,
+}
 
 use orrery_units::{Bandwidth, LinkId, NodeId, Picos};
 use serde::{Deserialize, Serialize};
@@ -117,6 +140,10 @@ pub struct NetGraph {
     /// Hosts: the endpoint index range of each host (`endpoints_per_host` each), if the
     /// topology has hosts; used to tell intra-host from inter-host traffic.
     endpoints_per_host: usize,
+    routing: Routing,
+    /// With [`Routing::Pinned`], each node's pinning key (see [`NetGraph::with_routing`];
+    /// zero for switches), else empty.
+    pin_key: Vec<u64>,
 }
 
 impl NetGraph {
@@ -155,7 +182,65 @@ impl NetGraph {
             out_links,
             endpoints,
             endpoints_per_host: endpoints_per_host.max(1),
+            routing: Routing::Ecmp,
+            pin_key: Vec::new(),
         })
+    }
+
+    /// The graph with `routing` as its path choice. For [`Routing::Pinned`] each endpoint
+    /// gets its key: its *leaf* is the first switch it is cabled to other than its NVLink
+    /// domain, its *slot* is its place among the endpoints that leaf's links lead to (in
+    /// link order), and its key is `leaf number * (most endpoints on a leaf) + slot`, leaves
+    /// numbered in node order. An endpoint with no such switch has key 0.
+    pub fn with_routing(mut self, routing: Routing) -> NetGraph {
+        self.routing = routing;
+        self.pin_key = Vec::new();
+        if routing == Routing::Pinned {
+            let leaf_of = |e: NodeId| {
+                self.out_links[e.index()]
+                    .iter()
+                    .map(|&l| self.links[l.index()].to)
+                    .find(|&to| !matches!(self.kinds[to.index()], NodeKind::NvSwitch))
+                    .filter(|&to| self.kinds[to.index()].is_switch())
+            };
+            let mut slot = vec![0u64; self.kinds.len()];
+            let mut leaf_number = vec![u64::MAX; self.kinds.len()];
+            let mut leaves = 0u64;
+            let mut widest = 1u64;
+            for (node, kind) in self.kinds.iter().enumerate() {
+                if !kind.is_switch() {
+                    continue;
+                }
+                let mut n = 0u64;
+                for &l in &self.out_links[node] {
+                    let to = self.links[l.index()].to;
+                    if self.kinds[to.index()] == NodeKind::Endpoint
+                        && leaf_of(to) == Some(NodeId::from_index(node))
+                    {
+                        slot[to.index()] = n;
+                        n += 1;
+                    }
+                }
+                if n > 0 {
+                    leaf_number[node] = leaves;
+                    leaves += 1;
+                    widest = widest.max(n);
+                }
+            }
+            let mut key = vec![0u64; self.kinds.len()];
+            for &e in &self.endpoints {
+                if let Some(leaf) = leaf_of(e) {
+                    key[e.index()] = leaf_number[leaf.index()] * widest + slot[e.index()];
+                }
+            }
+            self.pin_key = key;
+        }
+        self
+    }
+
+    /// How paths are chosen among equal-cost ones.
+    pub fn routing(&self) -> Routing {
+        self.routing
     }
 
     /// `n` endpoints on one switch, each with a link of `bandwidth` and `delay` each way.
@@ -318,9 +403,9 @@ impl NetGraph {
     }
 
     /// [`NetGraph::route_with`], and whether the hash chose anything on the way: `false`
-    /// when every hop had a single next hop, so that every hash takes this same route
-    /// (callers that route many connections between the same two nodes keep such a route
-    /// for all of them).
+    /// when every hop had a single next hop, or when paths are pinned, so that every hash
+    /// takes this same route (callers that route many connections between the same two
+    /// nodes keep such a route for all of them).
     pub fn route_and_choice(
         &self,
         src: NodeId,
@@ -339,11 +424,16 @@ impl NetGraph {
         let mut chose = false;
         let mut at = src;
         let mut hop = 0u64;
+        let mut pin = Pin {
+            key: self.pin_key.get(dst.index()).copied().unwrap_or(0),
+            stride: 1,
+        };
         while at != dst {
-            let Some((l, choices)) = self.next_hop_of(at, dst, flow_hash, hop, dist) else {
+            let Some((l, choices)) = self.next_hop_of(at, dst, flow_hash, hop, dist, &mut pin)
+            else {
                 return Err(no_route);
             };
-            chose |= choices > 1;
+            chose |= choices > 1 && self.routing == Routing::Ecmp;
             path.push(l);
             at = self.links[l.index()].to;
             hop += 1;
@@ -357,6 +447,14 @@ impl NetGraph {
     /// second, instead of collecting them (routing every flow of a large job allocated a
     /// vector per hop). With the link comes the number of equal next hops it was picked
     /// among.
+    ///
+    /// With [`Routing::Pinned`] the pick is `(key / stride) % count` and the stride then
+    /// grows by `count` (destination-mod-k: each level of choices reads the next digit of
+    /// the destination's key), except among parallel cables to one next node, where the
+    /// pick is `key % count` and the stride stays: a path that went up on cable `c` of a
+    /// leaf-spine pair comes down on cable `c` of a spine-leaf pair, so two destinations
+    /// whose keys differ below `count` never meet on the way down (the rail-optimised
+    /// builder lists a leaf's uplinks spine by spine, cables within each).
     fn next_hop_of(
         &self,
         at: NodeId,
@@ -364,6 +462,7 @@ impl NetGraph {
         flow_hash: u64,
         hop: u64,
         dist: &[u32],
+        pin: &mut Pin,
     ) -> Option<(LinkId, u64)> {
         let here = dist[at.index()];
         // Endpoints do not forward: a neighbouring endpoint other than `dst` may have a
@@ -388,11 +487,29 @@ impl NetGraph {
         if count == 0 {
             return None;
         }
-        let pick = mix(flow_hash ^ hop.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % count;
+        let eligible = |l: &LinkId| candidate(*l) && (!nvlink_only || to_nvswitch(*l));
+        let pick = match self.routing {
+            Routing::Ecmp => mix(flow_hash ^ hop.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % count,
+            Routing::Pinned if count == 1 => 0,
+            Routing::Pinned => {
+                let mut ends = links
+                    .iter()
+                    .filter(|l| eligible(l))
+                    .map(|&l| self.links[l.index()].to);
+                let first = ends.next();
+                if ends.all(|to| Some(to) == first) {
+                    pin.key % count
+                } else {
+                    let pick = (pin.key / pin.stride) % count;
+                    pin.stride = pin.stride.saturating_mul(count);
+                    pick
+                }
+            }
+        };
         links
             .iter()
             .copied()
-            .filter(|&l| candidate(l) && (!nvlink_only || to_nvswitch(l)))
+            .filter(eligible)
             .nth(pick as usize)
             .map(|l| (l, count))
     }
@@ -407,6 +524,12 @@ impl NetGraph {
         let (s, d) = (self.endpoint(src)?, self.endpoint(dst)?);
         self.route_with(s, d, flow_hash, &self.distances_to(d))
     }
+}
+
+/// Where a pinned route is in its destination's key (see [`NetGraph::next_hop_of`]).
+struct Pin {
+    key: u64,
+    stride: u64,
 }
 
 /// The most endpoints a spec-built topology may have (bad input must not exhaust memory).
@@ -1021,7 +1144,10 @@ mod tests {
                     for hash in [0, 1, 7, 0xdead_beef, u64::MAX] {
                         let (mut at, mut hop) = (g.endpoint(s).unwrap(), 0);
                         while at != dst {
-                            let fast = g.next_hop_of(at, dst, hash, hop, &dist).map(|(l, _)| l);
+                            let mut pin = Pin { key: 0, stride: 1 };
+                            let fast = g
+                                .next_hop_of(at, dst, hash, hop, &dist, &mut pin)
+                                .map(|(l, _)| l);
                             assert_eq!(fast, next_hop_by_collecting(g, at, dst, hash, hop, &dist));
                             at = g.link(fast.unwrap()).to;
                             hop += 1;

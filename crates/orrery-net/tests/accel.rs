@@ -13,7 +13,7 @@ use common::{flow, flow_set, gbps, run, us};
 use orrery_net::flows::{collective_flows, CollectiveInfo, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
-use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec};
+use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bytes, FlowId, Picos};
 
@@ -658,6 +658,29 @@ fn cross_pod_pairs_that_ecmp_partly_collides_stay_within_bounds() {
         .filter(|(a, b)| 2 * **b < **a)
         .count();
     assert!(jumped > 0 && jumped < fs.flows.len(), "{jumped}");
+}
+
+#[test]
+fn cross_pod_pairs_on_pinned_paths_stay_quiet_and_jump_within_bounds() {
+    // The same pairs with paths pinned by destination: every flow has its own cables
+    // across the spines, nothing is marked, and every mechanism (the default) skips most
+    // of the reference's events.
+    let (g, fs) = cross_pod_pairs(48_000_000);
+    let g = g.with_routing(Routing::Pinned);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(PacketConfig::default(), &g, &fs);
+    check_bounds(&base, &off, &on, &fs, "cross-pod pairs, pinned");
+    assert_eq!(off.stats.ecn_marks, 0);
+    let busiest = off.report.link_bytes.iter().max().copied().unwrap_or(0);
+    assert_eq!(busiest, 48_000_000);
+    assert!(on.stats.quiet_jumps > 0);
+    assert!(
+        on.report.events * 20 < off.report.events,
+        "{} vs {}",
+        on.report.events,
+        off.report.events
+    );
 }
 
 #[test]

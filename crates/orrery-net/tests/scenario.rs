@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use orrery_net::scenario::{load_scenario, SimModel};
+use orrery_net::Routing;
 
 #[test]
 fn a_ring_on_a_rail_optimised_fabric_loads() {
@@ -34,6 +35,30 @@ fn a_ring_on_a_rail_optimised_fabric_loads() {
     assert_eq!(s.model, SimModel::Flow);
     assert_eq!(s.flows.collectives.len(), 2);
     assert!(s.flows.check().is_ok());
+    assert_eq!(s.graph.routing(), Routing::Ecmp);
+}
+
+#[test]
+fn a_topology_may_pin_its_paths() {
+    let s = load_scenario(
+        r#"
+        [topology]
+        kind = "fat_tree"
+        hosts = 8
+        routing = "pinned"
+        [[flows]]
+        src = 0
+        dst = 63
+        bytes = 4096
+        "#,
+    )
+    .unwrap();
+    assert_eq!(s.graph.routing(), Routing::Pinned);
+    // A misspelt policy is refused by name.
+    let e = load_scenario("[topology]\nkind = \"fat_tree\"\nhosts = 8\nrouting = \"spray\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("routing") && e.contains("spray"), "{e}");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! Rail-optimised and fat-tree builders: shapes, routes, ECMP spread, oversubscription,
 //! reachability and spec validation.
 
-use orrery_net::topology::{FatTreeSpec, RailOptimizedSpec, TopologyError};
+use orrery_net::topology::{FatTreeSpec, RailOptimizedSpec, Routing, TopologyError};
 use orrery_net::{NetGraph, NodeKind};
 use orrery_units::{Bandwidth, LinkId, NodeId, Picos};
 use proptest::prelude::*;
@@ -519,4 +519,170 @@ fn bad_fat_tree_specs_name_every_bad_field() {
         }),
         Err(TopologyError::InvalidSpec { .. })
     ));
+}
+
+/// The links above the leaves (leaf to spine, spine to leaf) a route crosses.
+fn spine_links(g: &NetGraph, path: &[LinkId]) -> Vec<LinkId> {
+    let above = |n: NodeId| matches!(g.kind(n), NodeKind::Spine | NodeKind::Core);
+    path.iter()
+        .copied()
+        .filter(|&l| above(g.link(l).from) || above(g.link(l).to))
+        .collect()
+}
+
+/// Links some two of `routes` share above the leaves.
+fn shared_spine_links(g: &NetGraph, routes: &[Vec<LinkId>]) -> usize {
+    let mut seen = BTreeSet::new();
+    let mut shared = BTreeSet::new();
+    for r in routes {
+        for l in spine_links(g, r) {
+            if !seen.insert(l) {
+                shared.insert(l);
+            }
+        }
+    }
+    shared.len()
+}
+
+#[test]
+fn pinned_routes_are_shortest_and_the_same_for_every_hash() {
+    for spec_graph in [
+        NetGraph::rail_optimized(&small_rail()).unwrap(),
+        NetGraph::fat_tree(&small_fat_tree(2)).unwrap(),
+        NetGraph::fat_tree(&small_fat_tree(3)).unwrap(),
+    ] {
+        let pinned = spec_graph.clone().with_routing(Routing::Pinned);
+        assert_eq!(pinned.routing(), Routing::Pinned);
+        let n = pinned.num_endpoints();
+        for src in 0..n {
+            for dst in (0..n).filter(|&d| d != src) {
+                let p = pinned.route(src, dst, 0).unwrap();
+                assert_path_connects(&pinned, &p, src, dst);
+                assert_eq!(p.len(), spec_graph.route(src, dst, 0).unwrap().len());
+                let (s, d) = (pinned.endpoint(src).unwrap(), pinned.endpoint(dst).unwrap());
+                let dist = pinned.distances_to(d);
+                for hash in [1, 77, u64::MAX] {
+                    assert_eq!(pinned.route_with(s, d, hash, &dist).unwrap(), p);
+                }
+                // Nothing a hash could change: callers may keep the route for every
+                // connection between the two.
+                assert!(!pinned.route_and_choice(s, d, 5, &dist).unwrap().1);
+            }
+        }
+    }
+}
+
+#[test]
+fn pinned_routes_down_to_their_destinations_never_oversubscribe_a_link() {
+    // Destination-mod-k: the links from the top of a route down to its destination depend
+    // on the destination alone, and the destinations a link leads down to fit in it at
+    // their own link speed (one per link where a tier has as many links down as it has
+    // endpoints, two per link of twice the speed where it has half as many).
+    for g in [
+        NetGraph::rail_optimized(&small_rail()).unwrap(),
+        NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(64)).unwrap(),
+        NetGraph::fat_tree(&small_fat_tree(2)).unwrap(),
+        NetGraph::fat_tree(&small_fat_tree(3)).unwrap(),
+        // Two pods of eight leaves, so routes cross the cores.
+        NetGraph::fat_tree(&FatTreeSpec {
+            leaves_per_pod: 8,
+            ..FatTreeSpec::three_tier(64)
+        })
+        .unwrap(),
+    ] {
+        let g = g.with_routing(Routing::Pinned);
+        let n = g.num_endpoints();
+        let mut down: std::collections::BTreeMap<LinkId, BTreeSet<usize>> = Default::default();
+        let mut last_link = vec![None; n];
+        // Sources spread over the fabric (every 7th endpoint) keep the large graphs quick.
+        for src in (0..n).step_by(7) {
+            for dst in (0..n).filter(|&d| d != src) {
+                let p = g.route(src, dst, 0).unwrap();
+                let top = p
+                    .iter()
+                    .position(|&l| tier(g.kind(g.link(l).to)) < tier(g.kind(g.link(l).from)))
+                    .unwrap();
+                for &l in &p[top..] {
+                    down.entry(l).or_default().insert(dst);
+                }
+                // Over NVLink or the NIC, the destination's own link down is one of its
+                // links; the NIC's is the one a spine route ends on.
+                if p.len() > 2 {
+                    last_link[dst] = Some(*p.last().unwrap());
+                }
+            }
+        }
+        for (l, dsts) in &down {
+            if dsts.len() < 2 {
+                continue;
+            }
+            let fits: f64 = dsts
+                .iter()
+                .map(|&d| g.link(last_link[d].unwrap()).bandwidth.0)
+                .sum();
+            assert!(
+                fits <= g.link(*l).bandwidth.0 * (1.0 + 1e-9),
+                "link {l:?} goes down to {dsts:?}"
+            );
+        }
+    }
+}
+
+fn tier(k: NodeKind) -> u8 {
+    match k {
+        NodeKind::Endpoint => 0,
+        NodeKind::NvSwitch | NodeKind::Leaf | NodeKind::Switch => 1,
+        NodeKind::Spine => 2,
+        NodeKind::Core => 3,
+    }
+}
+
+/// Every GPU of rail `rail` in pod `from` sends to the GPU of the same rail on host
+/// `perm[i]` of pod `to` (DGX H100 pods of 32 hosts): the routes of the 32 flows.
+fn pod_to_pod_routes(
+    g: &NetGraph,
+    rail: usize,
+    from: usize,
+    to: usize,
+    perm: &[usize],
+) -> Vec<Vec<LinkId>> {
+    (0..32)
+        .map(|i| {
+            let (src, dst) = ((from * 32 + i) * 8 + rail, (to * 32 + perm[i]) * 8 + rail);
+            let hash = orrery_net::flow_model::flow_hash(src as u32, dst as u32, 0);
+            g.route(src, dst, hash).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn ecmp_collides_where_pinned_paths_do_not() {
+    // 32 hosts of pod 0 each send to one host of pod 3 on rail 0: hashing puts flows
+    // together on uplinks, pinning never (the 1,024-GPU GPT step's embedding all-reduce).
+    let ecmp = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(128)).unwrap();
+    let pinned = ecmp.clone().with_routing(Routing::Pinned);
+    let same: Vec<usize> = (0..32).collect();
+    assert!(shared_spine_links(&ecmp, &pod_to_pod_routes(&ecmp, 0, 0, 3, &same)) > 0);
+    assert_eq!(
+        shared_spine_links(&pinned, &pod_to_pod_routes(&pinned, 0, 0, 3, &same)),
+        0
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn pinned_pod_to_pod_permutations_share_no_link_above_the_leaves(
+        perm in Just((0..32usize).collect::<Vec<_>>()).prop_shuffle(),
+        rail in 0..8usize,
+        from in 0..4usize,
+        step in 1..4usize,
+    ) {
+        let g = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(128))
+            .unwrap()
+            .with_routing(Routing::Pinned);
+        let routes = pod_to_pod_routes(&g, rail, from, (from + step) % 4, &perm);
+        prop_assert_eq!(shared_spine_links(&g, &routes), 0);
+    }
 }

@@ -65,9 +65,20 @@ pub fn fabric_for(job: &Job) -> Fabric {
 }
 
 /// A simulated network for a job: its cluster's fabric, with all-to-alls relayed as the
-/// cluster's `pxn` says. Build every job's [`SimNetwork`] here, so none misses a setting.
+/// cluster's `pxn` says and flows routed as its `routing` says. Build every job's
+/// [`SimNetwork`] here, so none misses a setting.
 pub fn sim_network_for<S: FlowSimulator>(job: &Job, simulator: S) -> SimNetwork<S> {
-    SimNetwork::new(simulator, fabric_for(job)).with_pxn(job.cluster().pxn)
+    SimNetwork::new(simulator, fabric_for(job))
+        .with_pxn(job.cluster().pxn)
+        .with_routing(routing_of(job.cluster()))
+}
+
+/// The network's routing for a cluster's `routing`.
+pub fn routing_of(c: &orrery_spec::Cluster) -> orrery_net::Routing {
+    match c.routing {
+        orrery_spec::RoutingKind::Ecmp => orrery_net::Routing::Ecmp,
+        orrery_spec::RoutingKind::Pinned => orrery_net::Routing::Pinned,
+    }
 }
 
 /// The fabric a cluster describes.

@@ -139,12 +139,13 @@ pub enum TrafficError {
     Flows(#[from] FlowError),
 }
 
-/// The topology a job's cluster describes, at datasheet link rates.
+/// The topology a job's cluster describes, at datasheet link rates, routed as its
+/// `routing` says.
 pub fn cluster_topology(job: &Job) -> Result<NetGraph, TopologyError> {
     let c = job.cluster();
     let hosts = c.nodes as usize;
     let gpus = c.gpus_per_node as usize;
-    match c.topology {
+    let graph = match c.topology {
         TopologyKind::RailOptimized => NetGraph::rail_optimized(&RailOptimizedSpec {
             gpus_per_host: gpus,
             nvlink: c.gpu.nvlink_bandwidth,
@@ -159,7 +160,8 @@ pub fn cluster_topology(job: &Job) -> Result<NetGraph, TopologyError> {
             oversubscription: c.oversubscription,
             ..FatTreeSpec::two_tier(hosts)
         }),
-    }
+    };
+    graph.map(|g| g.with_routing(crate::routing_of(c)))
 }
 
 /// When the flows of a step are released (see the module docs).

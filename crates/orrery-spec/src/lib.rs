@@ -27,7 +27,7 @@ mod validate;
 pub use presets::GpuArch;
 pub use raw::{
     Activation, AttentionKernel, JobSpec, OptimizerKind, PipelineSchedule, Precision, Recompute,
-    TopologyKind,
+    RoutingKind, TopologyKind,
 };
 pub use validate::{SpecError, SpecErrors};
 
@@ -270,6 +270,8 @@ pub struct Cluster {
     /// All-to-all relayed over NVLink to the GPU on the destination's rail (NCCL's PXN);
     /// `true` only on a rail-optimised topology.
     pub pxn: bool,
+    /// How the fabric places flows on equal-cost paths.
+    pub routing: RoutingKind,
     /// HBM the allocator cannot use.
     pub memory_reserve: Bytes,
 }
@@ -287,6 +289,7 @@ impl Cluster {
             oversubscription: 1.0,
             nodes_per_leaf: 16,
             pxn: true,
+            routing: RoutingKind::Ecmp,
             memory_reserve: Bytes::from_gib(validate::DEFAULT_RESERVE_GIB),
         }
     }

@@ -168,6 +168,17 @@ pub enum TopologyKind {
     FatTree,
 }
 
+/// How flows are placed on equal-cost paths across the fabric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingKind {
+    /// Hash-based equal-cost multi-path (RoCE's default).
+    #[default]
+    Ecmp,
+    /// Paths pinned by the destination's port on its leaf (destination-mod-k).
+    Pinned,
+}
+
 /// The cluster. `gpu` names a preset; the other GPU fields override it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -185,6 +196,8 @@ pub struct ClusterSpec {
     /// Rail-optimised clusters: relay all-to-all blocks over NVLink to the GPU on the
     /// destination's rail (NCCL's PXN; `false` is `NCCL_PXN_DISABLE=1`).
     pub pxn: Option<bool>,
+    /// How the fabric places flows on equal-cost paths (`ecmp` or `pinned`).
+    pub routing: Option<RoutingKind>,
     /// HBM kept back from the allocator (CUDA context, NCCL buffers, fragmentation), GiB.
     pub memory_reserve_gib: Option<f64>,
     /// Overrides of the GPU preset's datasheet numbers.

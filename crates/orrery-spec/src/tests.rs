@@ -425,6 +425,19 @@ fn pxn_is_on_for_rail_optimised_clusters_and_refused_on_fat_trees() {
     );
 }
 
+#[test]
+fn routing_is_ecmp_unless_paths_are_pinned_and_a_bad_value_names_its_field() {
+    assert_eq!(job(BASE, &[]).cluster().routing, RoutingKind::Ecmp);
+    assert_eq!(
+        job(BASE, &["cluster.routing=\"pinned\""]).cluster().routing,
+        RoutingKind::Pinned
+    );
+    match load_job_spec(BASE, &["cluster.routing=\"spray\"".to_string()]) {
+        Err(LoadError::Fields(e)) => assert!(paths(&e).contains(&"cluster.routing"), "{e}"),
+        other => panic!("expected a field error, got {other:?}"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // (e) fp8 needs FP8 tensor cores
 

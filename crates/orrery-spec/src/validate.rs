@@ -659,6 +659,7 @@ pub(crate) fn validate(spec: &JobSpec) -> Result<Job, crate::SpecErrors> {
             oversubscription: oversubscription?,
             nodes_per_leaf: nodes_per_leaf?,
             pxn,
+            routing: cl.routing.unwrap_or_default(),
             memory_reserve: memory_reserve?,
         };
         let name = spec.name.clone().unwrap_or_else(|| {
