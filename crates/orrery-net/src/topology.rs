@@ -19,8 +19,8 @@
 //! pinning Meta ran on its first RoCE training clusters (Gangidi et al., SIGCOMM 2024:
 //! "routed packets to specific paths based on the destination slice, the index of the
 //! rack switch's downlink"). Flows to different slots of one leaf then never share a
-//! link above their sources' leaves, where hashing puts about a third of the uplinks of a
-//! fully busy leaf under two or more flows. It was their first answer to ECMP collisions
+//! link above their sources' leaves, where a hash puts two or more flows on about a
+//! quarter of a fully busy leaf's uplinks, so that three flows in five share one. It was their first answer to ECMP collisions
 //! and works while every slot of a leaf belongs to one job; a leaf half used by a job
 //! leaves half the paths idle, which this model reproduces.
 //!
@@ -30,6 +30,10 @@
 //! problem at once, each with the field's name ([`TopologyError::InvalidSpec`]).
 //!
 //! What this module does not do: adaptive routing, failures, or per-packet spraying.
+
+use orrery_units::{Bandwidth, LinkId, NodeId, Picos};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
 
 /// How a flow's path is chosen among equal-cost shortest paths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -41,10 +45,6 @@ pub enum Routing {
     /// Paths pinned by the destination's slot (see the module docs).
     Pinned,
 }
-
-use orrery_units::{Bandwidth, LinkId, NodeId, Picos};
-use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
 
 /// What a node is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

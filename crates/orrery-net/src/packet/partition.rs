@@ -141,6 +141,12 @@ impl Partitions {
         &self.parts[id as usize].links
     }
 
+    /// The partition member flow `f` belongs to, if it is a member.
+    pub fn of_flow(&self, f: u32) -> Option<u32> {
+        let id = *self.flow_part.get(f as usize)?;
+        (id != NONE).then_some(id)
+    }
+
     /// The partition link `l` belongs to, if a member uses it.
     pub fn of_link(&self, l: u32) -> Option<u32> {
         let id = self.link_part[l as usize];
