@@ -19,8 +19,9 @@
 //! pinning Meta ran on its first RoCE training clusters (Gangidi et al., SIGCOMM 2024:
 //! "routed packets to specific paths based on the destination slice, the index of the
 //! rack switch's downlink"). Flows to different slots of one leaf then never share a
-//! link above their sources' leaves, where a hash puts two or more flows on about a
-//! quarter of a fully busy leaf's uplinks, so that three flows in five share one. It was their first answer to ECMP collisions
+//! link above their sources' leaves, where a uniform hash of 32 flows over 32 uplinks
+//! puts two or more on about a quarter of them (`1 - (31/32)^32 - (31/32)^31`), so that
+//! three flows in five share one (arithmetic, not a measurement). It was their first answer to ECMP collisions
 //! and works while every slot of a leaf belongs to one job; a leaf half used by a job
 //! leaves half the paths idle, which this model reproduces.
 //!

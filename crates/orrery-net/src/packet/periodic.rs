@@ -396,13 +396,14 @@ impl Engine<'_> {
         let lane = p.lane_of[f as usize];
         let c = p.coll_of[f as usize];
         let now = self.now.0.saturating_add(self.offset.0);
+        let virt = p.virt[f as usize];
         for l in links_of(&self.flows, &self.paths, f) {
             p.note_departure(l, c, now);
-        }
-        if p.virt[f as usize] {
-            for l in links_of(&self.flows, &self.paths, f) {
+            if virt {
                 p.link_virtual[l as usize] -= 1;
             }
+        }
+        if virt {
             p.lane_done(lane);
             return;
         }
