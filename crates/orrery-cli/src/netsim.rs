@@ -22,7 +22,8 @@ pub struct NetsimArgs {
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
-    /// Also write the full report (every flow's start and finish) as JSON to this file.
+    /// Also write the full report as JSON to this file: every flow with its endpoints,
+    /// size, collective, dependencies, start, finish and (packet model) events.
     #[arg(long, value_name = "FILE.json")]
     out: Option<PathBuf>,
     /// Packet model: sample the egress queue depth of this directed link (see the busiest
@@ -135,6 +136,82 @@ pub struct NetsimSummary {
     /// Packet model only: ECN marks, CNPs, retransmissions, fast-forward jumps and the
     /// events they skipped.
     pub packet_stats: Option<orrery_net::packet::PacketStats>,
+}
+
+/// One flow of the `--out` report: what it was (the flow set's spec, its collective by
+/// name so a reader need not cross-reference) and what became of it.
+#[derive(Debug, Serialize)]
+struct FlowRecord<'a> {
+    src: u32,
+    dst: u32,
+    bytes: u64,
+    collective: &'a str,
+    /// Flows (indices into `flows`) whose finish releases this one.
+    deps: &'a [orrery_units::FlowId],
+    start: Picos,
+    finish: Picos,
+    /// Packet model: its packets' arrivals and its timers (zero when acceleration
+    /// stood in for every packet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    events: Option<u64>,
+}
+
+/// What `--out` writes: the simulator's report with every flow described, so a flow's
+/// timing can be read without rebuilding the scenario's flow set.
+#[derive(Debug, Serialize)]
+struct FullReport<'a> {
+    scenario: &'a str,
+    model: &'a str,
+    end: Picos,
+    flows: Vec<FlowRecord<'a>>,
+    link_bytes: &'a [u64],
+    pfc_pauses: &'a [u64],
+    drops: u64,
+    bytes_sent: u64,
+    bytes_delivered: u64,
+    events: u64,
+    accel: orrery_net::sim::AccelCounts,
+}
+
+fn full_report<'a>(
+    s: &'a Scenario,
+    r: &'a SimReport,
+    flow_events: Option<&[u64]>,
+) -> FullReport<'a> {
+    let flows = s
+        .flows
+        .flows
+        .iter()
+        .zip(&r.flows)
+        .enumerate()
+        .map(|(i, (f, o))| FlowRecord {
+            src: f.src,
+            dst: f.dst,
+            bytes: f.bytes.0,
+            collective: s
+                .flows
+                .collectives
+                .get(f.collective as usize)
+                .map_or("", |c| c.name.as_str()),
+            deps: &f.deps,
+            start: o.start,
+            finish: o.finish,
+            events: flow_events.and_then(|e| e.get(i)).copied(),
+        })
+        .collect();
+    FullReport {
+        scenario: &s.name,
+        model: &r.model,
+        end: r.end,
+        flows,
+        link_bytes: &r.link_bytes,
+        pfc_pauses: &r.pfc_pauses,
+        drops: r.drops,
+        bytes_sent: r.bytes_sent,
+        bytes_delivered: r.bytes_delivered,
+        events: r.events,
+        accel: r.accel,
+    }
 }
 
 /// The report of run `r` of scenario `s`; `flow_events` is the packet model's per-flow
@@ -618,7 +695,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.out {
-        atomic_write(path, serde_json::to_string_pretty(&report)?.as_bytes())?;
+        let full = full_report(&scenario, &report, flow_events.as_deref());
+        atomic_write(path, serde_json::to_string_pretty(&full)?.as_bytes())?;
     }
     Ok(())
 }

@@ -416,6 +416,37 @@ fn netsim_says_which_collectives_the_packet_events_belonged_to() {
     assert_eq!(code, 0, "{stderr}");
     assert!(text.contains("Where the events went"), "{text}");
     assert!(text.contains("24 of     24 flows simulated"), "{text}");
+    // The full report describes every flow: endpoints, size, collective, dependencies,
+    // times and its own events, which add up to the collective's.
+    let full = dir.join("full.json");
+    let v = run(&[
+        "--model",
+        "packet",
+        "--reference",
+        "--out",
+        full.to_str().unwrap(),
+    ]);
+    let f: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&full).unwrap()).unwrap();
+    let flows = f["flows"].as_array().unwrap();
+    assert_eq!(flows.len(), 24);
+    assert_eq!(f["events"], v["events"]);
+    let events: u64 = flows.iter().map(|x| n(&x["events"])).sum();
+    assert_eq!(events, n(&v["collectives"][0]["events"]));
+    // The ring's first step: rank i sends a quarter of the buffer to rank i + 1, depending
+    // on nothing; every later flow waits for another.
+    for x in flows {
+        assert_eq!(x["collective"], v["collectives"][0]["name"], "{x}");
+        assert!(n(&x["finish"]) > n(&x["start"]), "{x}");
+        assert_eq!(n(&x["bytes"]), 1048576 / 4, "{x}");
+        assert_eq!((n(&x["src"]) + 1) % 4, n(&x["dst"]), "{x}");
+    }
+    assert!(flows[..4]
+        .iter()
+        .all(|x| x["deps"] == serde_json::json!([])));
+    assert!(flows[4..]
+        .iter()
+        .all(|x| !x["deps"].as_array().unwrap().is_empty()));
 }
 
 #[test]

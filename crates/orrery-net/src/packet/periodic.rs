@@ -26,17 +26,25 @@
 //! Each lane keeps the flow completion times (release to finish) of its last `window`
 //! flows that finished (simulated, memoized or mirrored: all are the packet model's
 //! answer). A lane is *steady* when it has `window` (default 5) of them and their spread
-//! `(max - min)` is at most `theta` (default 1%) times their mean. A collective goes
-//! periodic when
-//! - every lane of it that still has flows to run is steady,
+//! `(max - min)` is at most `theta` (default 1%) times their mean. A lane has *started*
+//! once a flow of it was released. A collective goes periodic when
+//! - every started lane of it that still has flows to run is steady. Lanes that have not
+//!   started do not hold it back: a hierarchical all-gather's rings inside the hosts wait
+//!   for the rings across them, and a collective that waited for every lane with flows
+//!   left would never go periodic (on the GPT 350M step at 1,024 GPUs, the first parameter
+//!   all-gather simulated all 31 steps of each rail's ring, 2.0M events). Only the lanes
+//!   started and steady at that point are *vetted*: their flows become virtual, while a
+//!   lane that starts later is simulated, and its flows released onto links carrying
+//!   virtual ones are intrusions (below);
 //! - those lanes still have at least `window` flows each to run on average (going periodic
 //!   perturbs about one step, below, and a collective's last steps need not repeat its
 //!   middle ones: on an 8-rank two-channel ring, switching with a step or two left gave a
 //!   5.3% p99 flow error), and
 //! - it is *isolated*: every flow using the links of those lanes (active, draining or
-//!   memoized), and every flow whose release onto them is already scheduled, belongs to
-//!   the collective, and no flow of another collective left them since the oldest of the
-//!   completion times it learned was released. Other traffic on its links shaped the
+//!   memoized), and every flow whose release onto them is already scheduled before the
+//!   collective's projected end, belongs to the collective, and no flow of another
+//!   collective left them since the oldest of the completion times it learned was
+//!   released. Other traffic on its links shaped the
 //!   completion times it learned and could change them when it ends, so the collective
 //!   waits (re-checking after each further round of completions). The second half matters
 //!   where the other traffic ends with a round: on the GPT 350M step at 512 GPUs with paths
@@ -50,7 +58,13 @@
 //!   early; with it, the step's end is 0.30% off, as with no periodic extrapolation at all
 //!   (`orrery netsim --no-symmetry` against `--reference`). Which collective and which
 //!   release were involved was not traced. Releases that are not scheduled yet do not
-//!   hold it back: when they come they are intrusions.
+//!   hold it back: when they come they are intrusions. Nor does a release due after the
+//!   projected end: each vetted lane's last release plus, per flow left, its mean gap
+//!   between releases and an eighth, plus its longest completion time, the latest over
+//!   the lanes, and a quarter of the time left on top. Such a release finds the
+//!   collective's links free whether it was simulated or extrapolated; on the 350M step at
+//!   1,024 GPUs the next bucket of a data-parallel group, due 0.67 ms after the end of a
+//!   1.6 ms reduce-scatter, had kept all 31 steps of each ring simulated (4.6M events).
 //!
 //! The live memo episodes holding flows of the collective are settled first: a mirror is
 //! broken (it takes its leader's exact state and is simulated), a recording is marked
@@ -114,6 +128,12 @@ struct Lane {
     starts: Vec<u64>,
     recorded: u64,
     steady: bool,
+    /// A flow of the lane has been released: the lane takes part in its collective's
+    /// regime (see "When a collective goes periodic" in the module essay).
+    started: bool,
+    /// The lane was started and steady when its collective went periodic, so its links
+    /// passed the isolation check: only such lanes' flows become virtual.
+    vetted: bool,
     /// A flow of the lane: every flow of a lane has the same source and destination, hence
     /// the same links.
     member: u32,
@@ -122,8 +142,10 @@ struct Lane {
 /// Per-collective bookkeeping.
 #[derive(Debug, Default)]
 struct Coll {
-    /// Lanes with flows left, how many of them are steady, and the flows left.
+    /// Lanes with flows left, how many of them have started and how many are steady,
+    /// and the flows left.
     open: u32,
+    started_open: u32,
     steady_open: u32,
     left: u64,
     /// The collective is periodic: its releases in steady lanes become virtual.
@@ -195,6 +217,8 @@ impl Periodic {
                         starts: vec![0; window.max(1)],
                         recorded: 0,
                         steady: false,
+                        started: false,
+                        vetted: false,
                         member: i as u32,
                     });
                     if let Some(c) = colls.get_mut(f.collective as usize) {
@@ -253,7 +277,8 @@ impl Periodic {
     /// The lane's mean completion time if flow `f`, released now, is to be virtual.
     fn claim(&self, f: u32) -> Option<u64> {
         let coll = self.colls.get(self.coll_of[f as usize] as usize)?;
-        if !coll.on {
+        let lane = self.lanes.get(self.lane_of[f as usize] as usize)?;
+        if !coll.on || !lane.vetted {
             return None;
         }
         self.lane_fct(f)
@@ -316,7 +341,68 @@ impl Periodic {
             if l.steady {
                 c.steady_open -= 1;
             }
+            if l.started {
+                c.started_open -= 1;
+            }
         }
+    }
+
+    /// A flow of lane `lane` is released: the lane has started.
+    fn lane_started(&mut self, lane: u32) {
+        let Some(l) = self.lanes.get_mut(lane as usize) else {
+            return;
+        };
+        if l.started || l.left == 0 {
+            return;
+        }
+        l.started = true;
+        if let Some(c) = self.colls.get_mut(l.coll as usize) {
+            c.started_open += 1;
+        }
+    }
+
+    /// The flows of collective `c` that stand for its started open lanes (one each).
+    fn started_lanes(&self, c: u32) -> impl Iterator<Item = (u32, &Lane)> + '_ {
+        let flows = self
+            .colls
+            .get(c as usize)
+            .map_or(&[][..], |coll| &coll.flows[..]);
+        flows.iter().filter_map(move |&f| {
+            let lane = &self.lanes[self.lane_of[f as usize] as usize];
+            (lane.started && lane.left > 0 && lane.member == f).then_some((f, lane))
+        })
+    }
+
+    /// When collective `c`, going periodic now, would see its last flow finish (global
+    /// time), with slack: for each started open lane, its last release plus, per flow
+    /// left, its mean gap between releases and an eighth, plus its longest completion
+    /// time; the latest of these, and a quarter of the time left on top. A steady lane's
+    /// gaps and completion times are within `theta` of each other, and the extrapolation
+    /// repeats them, so a release of another collective due after this finds no virtual
+    /// flow of `c` on its links.
+    fn projected_end(&self, c: u32, now: u64) -> u64 {
+        let mut end = now;
+        for (_, lane) in self.started_lanes(c) {
+            let w = self.window.min(lane.recorded as usize);
+            if w < 2 {
+                // No gap learned (a window of one): no projection, every scheduled
+                // release counts.
+                return u64::MAX;
+            }
+            let starts = &lane.starts[..w];
+            let last = starts.iter().copied().max().unwrap_or(now);
+            let first = starts.iter().copied().min().unwrap_or(now);
+            let mean_gap = (last - first) / (w as u64 - 1);
+            let gap = mean_gap.saturating_add(mean_gap / 8);
+            let fct = lane.fcts[..w].iter().copied().max().unwrap_or(0);
+            let lane_end = last
+                .saturating_add(gap.saturating_mul(u64::from(lane.left)))
+                .saturating_add(fct);
+            end = end.max(lane_end);
+        }
+        // Slack for what the extrapolation cannot see coming (a held flow finishing a
+        // little after its lane's mean): a quarter of what is left.
+        end.saturating_add(end.saturating_sub(now) / 4)
     }
 
     /// Forgets every completion time of collective `c`'s lanes (after an intrusion).
@@ -327,6 +413,7 @@ impl Periodic {
         for l in self.lanes.iter_mut().filter(|l| l.coll == c) {
             l.recorded = 0;
             l.steady = false;
+            l.vetted = false;
         }
     }
 }
@@ -352,6 +439,7 @@ impl Engine<'_> {
         let Some(p) = self.periodic.as_mut() else {
             return false;
         };
+        p.lane_started(p.lane_of[f as usize]);
         if let Some(fct) = p.claim(f) {
             let links: Vec<u32> = links_of(&self.flows, &self.paths, f).collect();
             let c = p.coll_of[f as usize];
@@ -419,28 +507,31 @@ impl Engine<'_> {
         // switch perturbs about one step (below), and a collective's last steps may not
         // repeat the middle ones.
         let ready = !coll.on
-            && coll.open > 0
-            && coll.steady_open == coll.open
-            && coll.left >= p.window as u64 * u64::from(coll.open)
+            && coll.started_open > 0
+            && coll.steady_open == coll.started_open
+            && coll.left >= p.window as u64 * u64::from(coll.started_open)
             && coll.finishes >= coll.recheck_at;
         if ready {
             self.periodic_try_start(c);
         }
     }
 
-    /// Collective `c` has every open lane steady: it goes periodic if it is isolated.
+    /// Collective `c` has every started open lane steady: it goes periodic if those
+    /// lanes have enough flows left and are isolated.
     fn periodic_try_start(&mut self, c: u32) {
         let (Some(p), Some(m)) = (self.periodic.as_mut(), self.memo.as_ref()) else {
             return;
         };
-        let coll = &p.colls[c as usize];
-        // Mark the links of the open lanes.
+        let members: Vec<u32> = p.started_lanes(c).map(|(f, _)| f).collect();
+        let left: u64 = p.started_lanes(c).map(|(_, l)| u64::from(l.left)).sum();
+        let coll = &mut p.colls[c as usize];
+        if left < p.window as u64 * members.len() as u64 {
+            coll.recheck_at = coll.finishes + u64::from(coll.open);
+            return;
+        }
+        // Mark the links of the started open lanes.
         let mut marked = Vec::new();
-        for &f in &coll.flows {
-            let lane = &p.lanes[p.lane_of[f as usize] as usize];
-            if lane.left == 0 || lane.member != f {
-                continue;
-            }
+        for &f in &members {
             for l in links_of(&self.flows, &self.paths, f) {
                 if !p.mark[l as usize] {
                     p.mark[l as usize] = true;
@@ -449,6 +540,7 @@ impl Engine<'_> {
             }
         }
         // Users of the marked links that belong to the collective.
+        let coll = &p.colls[c as usize];
         let mut own: Vec<u32> = vec![0; marked.len()];
         let pos: std::collections::HashMap<u32, usize> =
             marked.iter().enumerate().map(|(i, &l)| (l, i)).collect();
@@ -462,21 +554,29 @@ impl Engine<'_> {
                 }
             }
         }
-        // A release of another collective already scheduled onto these links would come
-        // as an intruder that the virtual flows in progress do not meet, and under DCQCN
-        // what a flow meets at its start (the cut after the first marks) lasts far longer
-        // than one completion time of a lane: the collective waits for it instead.
-        let foreign = |g: &u32| p.coll_of[*g as usize] != c;
+        // A release of another collective already scheduled onto these links while the
+        // collective still runs would come as an intruder that the virtual flows in
+        // progress do not meet, and under DCQCN what a flow meets at its start (the cut
+        // after the first marks) lasts far longer than one completion time of a lane: the
+        // collective waits for it instead. One due after the collective's projected end
+        // (the next bucket of a data-parallel group, released at a time the predictor
+        // fixed) finds its links free either way: on the GPT 350M step at 1,024 GPUs the
+        // first gradient reduce-scatter of the last pipeline stage, 31 identical ring steps,
+        // was simulated step by step because of one due 0.67 ms after its end.
+        let offset = self.offset.0;
+        let end = p.projected_end(c, self.now.0.saturating_add(offset));
+        let pending_rel = &self.pending_rel;
+        let foreign = |g: &u32| {
+            p.coll_of[*g as usize] != c
+                && pending_rel[*g as usize].is_none_or(|(t, _)| t.0.saturating_add(offset) < end)
+        };
         // The completion times learned must all be of the collective alone: a flow of
         // another collective that left these links after the oldest of them was released
         // may have slowed every one of them and none of the steps to come (see the module
         // essay: steps of 28.5 us kept where the reference took 15.7 us).
-        let learned_from = coll
-            .flows
-            .iter()
-            .map(|&f| &p.lanes[p.lane_of[f as usize] as usize])
-            .filter(|lane| lane.left > 0)
-            .flat_map(|lane| lane.starts.iter().copied())
+        let learned_from = p
+            .started_lanes(c)
+            .flat_map(|(_, lane)| lane.starts.iter().copied())
             .min()
             .unwrap_or(0);
         let mut isolated = true;
@@ -499,6 +599,11 @@ impl Engine<'_> {
             return;
         }
         coll.on = true;
+        for &f in &members {
+            let lane = p.lane_of[f as usize] as usize;
+            p.lanes[lane].vetted = true;
+        }
+        let coll = &p.colls[c as usize];
         let unfinished: Vec<u32> = coll
             .flows
             .iter()
@@ -651,6 +756,36 @@ mod tests {
         p.forget(0);
         assert!(!p.lanes[0].steady);
         assert_eq!(p.lanes[0].recorded, 0);
+    }
+
+    #[test]
+    fn only_started_lanes_count_and_project_the_end() {
+        // A 4-rank one-channel ring all-reduce: 4 lanes of 6 flows each.
+        let set = ring(4, 1, 1 << 20);
+        let mut p = Periodic::new(&set, 64, 3, 0.01);
+        assert_eq!((p.colls[0].open, p.colls[0].started_open), (4, 0));
+        assert_eq!(p.started_lanes(0).count(), 0);
+        p.lane_started(0);
+        p.lane_started(0);
+        assert_eq!(p.colls[0].started_open, 1, "a lane starts once");
+        // Three flows of lane 0 released every 100 ps, each taking 60.
+        for k in 0..3u64 {
+            p.record(0, 1000 + 100 * k, 60);
+            p.lane_done(0);
+        }
+        assert!(p.lanes[0].steady);
+        assert_eq!(p.colls[0].steady_open, p.colls[0].started_open);
+        let (member, lane) = p.started_lanes(0).next().unwrap();
+        assert_eq!((p.lane_of[member as usize], lane.left), (0, 3));
+        // Last release 1200, three flows left at 112 (100 and an eighth), the last taking
+        // 60: 1596; from 1300, a quarter of the 296 left on top.
+        assert_eq!(p.projected_end(0, 1300), 1596 + 74);
+        // A lane that closes leaves the started count.
+        for _ in 0..3 {
+            p.lane_done(0);
+        }
+        assert_eq!((p.colls[0].open, p.colls[0].started_open), (3, 0));
+        assert_eq!(p.colls[0].steady_open, 0);
     }
 
     #[test]
