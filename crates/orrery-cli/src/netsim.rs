@@ -156,29 +156,15 @@ struct FlowRecord<'a> {
     events: Option<u64>,
 }
 
-/// What `--out` writes: the simulator's report with every flow described, so a flow's
+/// What `--out` writes: the simulator's report, every field of it, with `flows` replaced
+/// by the flows described ([`FlowRecord`]) and the scenario's name added, so a flow's
 /// timing can be read without rebuilding the scenario's flow set.
-#[derive(Debug, Serialize)]
-struct FullReport<'a> {
-    scenario: &'a str,
-    model: &'a str,
-    end: Picos,
-    flows: Vec<FlowRecord<'a>>,
-    link_bytes: &'a [u64],
-    pfc_pauses: &'a [u64],
-    drops: u64,
-    bytes_sent: u64,
-    bytes_delivered: u64,
-    events: u64,
-    accel: orrery_net::sim::AccelCounts,
-}
-
-fn full_report<'a>(
-    s: &'a Scenario,
-    r: &'a SimReport,
+fn full_report(
+    s: &Scenario,
+    r: &SimReport,
     flow_events: Option<&[u64]>,
-) -> FullReport<'a> {
-    let flows = s
+) -> serde_json::Result<serde_json::Value> {
+    let flows: Vec<FlowRecord> = s
         .flows
         .flows
         .iter()
@@ -199,19 +185,10 @@ fn full_report<'a>(
             events: flow_events.and_then(|e| e.get(i)).copied(),
         })
         .collect();
-    FullReport {
-        scenario: &s.name,
-        model: &r.model,
-        end: r.end,
-        flows,
-        link_bytes: &r.link_bytes,
-        pfc_pauses: &r.pfc_pauses,
-        drops: r.drops,
-        bytes_sent: r.bytes_sent,
-        bytes_delivered: r.bytes_delivered,
-        events: r.events,
-        accel: r.accel,
-    }
+    let mut full = serde_json::to_value(r)?;
+    full["flows"] = serde_json::to_value(flows)?;
+    full["scenario"] = serde_json::Value::from(s.name.as_str());
+    Ok(full)
 }
 
 /// The report of run `r` of scenario `s`; `flow_events` is the packet model's per-flow
@@ -695,7 +672,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.out {
-        let full = full_report(&scenario, &report, flow_events.as_deref());
+        let full = full_report(&scenario, &report, flow_events.as_deref())?;
         atomic_write(path, serde_json::to_string_pretty(&full)?.as_bytes())?;
     }
     Ok(())

@@ -1302,13 +1302,14 @@ fn a_ring_with_a_release_scheduled_onto_its_links_waits_for_it_instead_of_going_
     assert!(late_flow_error(&off, &on) < 0.01);
 }
 
-/// The ring of [`long_ring`] and, announced from the start, a 20 MB flow from rank 3 to its
-/// successor (on the path of one of the ring's chains) released `after` the ring's
-/// reference end: the next collective of a data-parallel group, released at a time the
-/// predictor fixed.
-fn ring_and_next_transfer(after: Picos) -> (NetGraph, FlowSet) {
-    let (g, mut fs) = long_ring(4_000_000);
-    let plain = run(PacketConfig::reference(), &g, &fs);
+/// The ring of [`long_ring`] alone, and with, announced from the start, a 20 MB flow
+/// from rank 3 to its successor (on the path of one of the ring's chains) released half
+/// the ring's reference length after the ring's reference end: the next collective of a
+/// data-parallel group, released at a time the predictor fixed.
+fn ring_and_next_transfer() -> (NetGraph, FlowSet, FlowSet) {
+    let (g, alone) = long_ring(4_000_000);
+    let end = run(PacketConfig::reference(), &g, &alone).report.end;
+    let mut fs = alone.clone();
     fs.collectives.push(CollectiveInfo {
         name: "next".to_string(),
         kind: None,
@@ -1317,9 +1318,9 @@ fn ring_and_next_transfer(after: Picos) -> (NetGraph, FlowSet) {
     });
     let mut next = flow(3, 4, 20_000_000);
     next.collective = fs.collectives.len() as u32 - 1;
-    next.delay = Picos(plain.report.end.0 + after.0);
+    next.delay = Picos(end.0 + end.0 / 2);
     fs.flows.push(next);
-    (g, fs)
+    (g, alone, fs)
 }
 
 #[test]
@@ -1330,9 +1331,7 @@ fn a_release_scheduled_after_a_rings_end_does_not_hold_it_back() {
     // any release scheduled onto the ring's links kept it from going periodic: on the GPT
     // 350M step at 1,024 GPUs, 31 identical reduce-scatter steps were simulated one by one
     // because of the next bucket, due 0.67 ms after their end.)
-    let (g, alone) = long_ring(4_000_000);
-    let ring_end = run(PacketConfig::reference(), &g, &alone).report.end;
-    let (g, fs) = ring_and_next_transfer(Picos(ring_end.0 / 2));
+    let (g, alone, fs) = ring_and_next_transfer();
     let base = PacketConfig::reference();
     let off = run(base.clone(), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);

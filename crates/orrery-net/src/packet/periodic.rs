@@ -59,12 +59,13 @@
 //!   (`orrery netsim --no-symmetry` against `--reference`). Which collective and which
 //!   release were involved was not traced. Releases that are not scheduled yet do not
 //!   hold it back: when they come they are intrusions. Nor does a release due after the
-//!   projected end: each vetted lane's last release plus, per flow left, its mean gap
+//!   projected end: each started lane's last release plus, per flow left, its mean gap
 //!   between releases and an eighth, plus its longest completion time, the latest over
 //!   the lanes, and a quarter of the time left on top. Such a release finds the
 //!   collective's links free whether it was simulated or extrapolated; on the 350M step at
 //!   1,024 GPUs the next bucket of a data-parallel group, due 0.67 ms after the end of a
-//!   1.6 ms reduce-scatter, had kept all 31 steps of each ring simulated (4.6M events).
+//!   1.6 ms reduce-scatter, had kept all 31 steps of each ring simulated (4.7M events of
+//!   its flows, 9.2M with the ports' events).
 //!
 //! The live memo episodes holding flows of the collective are settled first: a mirror is
 //! broken (it takes its leader's exact state and is simulated), a recording is marked
@@ -361,28 +362,33 @@ impl Periodic {
         }
     }
 
-    /// The flows of collective `c` that stand for its started open lanes (one each).
-    fn started_lanes(&self, c: u32) -> impl Iterator<Item = (u32, &Lane)> + '_ {
+    /// Collective `c`'s started open lanes (indices into `lanes`, in flow order).
+    fn started_lanes(&self, c: u32) -> Vec<u32> {
         let flows = self
             .colls
             .get(c as usize)
             .map_or(&[][..], |coll| &coll.flows[..]);
-        flows.iter().filter_map(move |&f| {
-            let lane = &self.lanes[self.lane_of[f as usize] as usize];
-            (lane.started && lane.left > 0 && lane.member == f).then_some((f, lane))
-        })
+        flows
+            .iter()
+            .map(|&f| (f, self.lane_of[f as usize]))
+            .filter(|&(f, l)| {
+                let lane = &self.lanes[l as usize];
+                lane.started && lane.left > 0 && lane.member == f
+            })
+            .map(|(_, l)| l)
+            .collect()
     }
 
-    /// When collective `c`, going periodic now, would see its last flow finish (global
-    /// time), with slack: for each started open lane, its last release plus, per flow
+    /// When a collective whose started open lanes are `lanes`, going periodic now, would
+    /// see its last flow finish (global time), with slack: for each lane, its last release plus, per flow
     /// left, its mean gap between releases and an eighth, plus its longest completion
     /// time; the latest of these, and a quarter of the time left on top. A steady lane's
     /// gaps and completion times are within `theta` of each other, and the extrapolation
     /// repeats them, so a release of another collective due after this finds no virtual
     /// flow of `c` on its links.
-    fn projected_end(&self, c: u32, now: u64) -> u64 {
+    fn projected_end(&self, lanes: &[u32], now: u64) -> u64 {
         let mut end = now;
-        for (_, lane) in self.started_lanes(c) {
+        for lane in lanes.iter().map(|&l| &self.lanes[l as usize]) {
             let w = self.window.min(lane.recorded as usize);
             if w < 2 {
                 // No gap learned (a window of one): no projection, every scheduled
@@ -522,16 +528,20 @@ impl Engine<'_> {
         let (Some(p), Some(m)) = (self.periodic.as_mut(), self.memo.as_ref()) else {
             return;
         };
-        let members: Vec<u32> = p.started_lanes(c).map(|(f, _)| f).collect();
-        let left: u64 = p.started_lanes(c).map(|(_, l)| u64::from(l.left)).sum();
+        let lanes = p.started_lanes(c);
+        let left: u64 = lanes
+            .iter()
+            .map(|&l| u64::from(p.lanes[l as usize].left))
+            .sum();
         let coll = &mut p.colls[c as usize];
-        if left < p.window as u64 * members.len() as u64 {
+        if left < p.window as u64 * lanes.len() as u64 {
             coll.recheck_at = coll.finishes + u64::from(coll.open);
             return;
         }
         // Mark the links of the started open lanes.
         let mut marked = Vec::new();
-        for &f in &members {
+        for &lane in &lanes {
+            let f = p.lanes[lane as usize].member;
             for l in links_of(&self.flows, &self.paths, f) {
                 if !p.mark[l as usize] {
                     p.mark[l as usize] = true;
@@ -564,7 +574,7 @@ impl Engine<'_> {
         // first gradient reduce-scatter of the last pipeline stage, 31 identical ring steps,
         // was simulated step by step because of one due 0.67 ms after its end.
         let offset = self.offset.0;
-        let end = p.projected_end(c, self.now.0.saturating_add(offset));
+        let end = p.projected_end(&lanes, self.now.0.saturating_add(offset));
         let pending_rel = &self.pending_rel;
         let foreign = |g: &u32| {
             p.coll_of[*g as usize] != c
@@ -574,9 +584,9 @@ impl Engine<'_> {
         // another collective that left these links after the oldest of them was released
         // may have slowed every one of them and none of the steps to come (see the module
         // essay: steps of 28.5 us kept where the reference took 15.7 us).
-        let learned_from = p
-            .started_lanes(c)
-            .flat_map(|(_, lane)| lane.starts.iter().copied())
+        let learned_from = lanes
+            .iter()
+            .flat_map(|&l| p.lanes[l as usize].starts.iter().copied())
             .min()
             .unwrap_or(0);
         let mut isolated = true;
@@ -599,9 +609,8 @@ impl Engine<'_> {
             return;
         }
         coll.on = true;
-        for &f in &members {
-            let lane = p.lane_of[f as usize] as usize;
-            p.lanes[lane].vetted = true;
+        for &lane in &lanes {
+            p.lanes[lane as usize].vetted = true;
         }
         let coll = &p.colls[c as usize];
         let unfinished: Vec<u32> = coll
@@ -764,7 +773,7 @@ mod tests {
         let set = ring(4, 1, 1 << 20);
         let mut p = Periodic::new(&set, 64, 3, 0.01);
         assert_eq!((p.colls[0].open, p.colls[0].started_open), (4, 0));
-        assert_eq!(p.started_lanes(0).count(), 0);
+        assert_eq!(p.started_lanes(0).len(), 0);
         p.lane_started(0);
         p.lane_started(0);
         assert_eq!(p.colls[0].started_open, 1, "a lane starts once");
@@ -775,11 +784,11 @@ mod tests {
         }
         assert!(p.lanes[0].steady);
         assert_eq!(p.colls[0].steady_open, p.colls[0].started_open);
-        let (member, lane) = p.started_lanes(0).next().unwrap();
-        assert_eq!((p.lane_of[member as usize], lane.left), (0, 3));
+        let lanes = p.started_lanes(0);
+        assert_eq!((lanes[0], p.lanes[lanes[0] as usize].left), (0, 3));
         // Last release 1200, three flows left at 112 (100 and an eighth), the last taking
         // 60: 1596; from 1300, a quarter of the 296 left on top.
-        assert_eq!(p.projected_end(0, 1300), 1596 + 74);
+        assert_eq!(p.projected_end(&lanes, 1300), 1596 + 74);
         // A lane that closes leaves the started count.
         for _ in 0..3 {
             p.lane_done(0);
