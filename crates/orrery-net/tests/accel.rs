@@ -1702,6 +1702,35 @@ fn traffic_whose_routes_do_not_shift_with_the_hosts_is_not_reduced() {
 }
 
 #[test]
+fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
+    // Two pods of four hosts of two GPUs, two spines with two cables from each leaf: a
+    // pinned path up from a leaf takes the cable numbered by its destination's place on
+    // its leaf (spine `place / 2`, cable `place % 2`). Every GPU pairs with the same GPU
+    // of the same host of the other pod. Swapping the pods keeps every path's spine, as
+    // does the shift of the GPUs; moving every host two places on in its pod moves every
+    // path to the other spine, which the fabric's shape alone does not say (both spines
+    // see every leaf alike): the symmetry search reads that from the routes.
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 2,
+        hosts_per_pod: 4,
+        spines: 2,
+        ..RailOptimizedSpec::dgx_h100(8)
+    };
+    let g = NetGraph::rail_optimized(&spec)
+        .unwrap()
+        .with_routing(Routing::Pinned);
+    let mut fs = FlowSet::default();
+    for a in 0..8u32 {
+        add_ring(&mut fs, &format!("pair {a}"), &[a, a + 8], 2_000_000);
+    }
+    let off = run(PacketConfig::reference(), &g, &fs);
+    let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+    // Pods, then hosts two places on, then GPUs: two copies each, one pair simulated.
+    assert_reduced(&off, &on, &fs, 8, 6, "cross-pod pairs, pinned");
+    assert_eq!(off.stats.ecn_marks, 0);
+}
+
+#[test]
 fn a_leaf_that_every_host_shares_counts_every_copy_in_its_buffer() {
     // Four hosts of two GPUs on one leaf; both GPUs of every host send to GPU 0 of the
     // next host: a 2:1 incast at four of the leaf's ports. Without DCQCN the queues grow

@@ -29,8 +29,17 @@
 //! neighbours at smaller distances go (the `i`-th of the nodes sharing those neighbours to
 //! the `i`-th of the nodes sharing their images), so NVLink switches follow their hosts,
 //! a rail leaf that sees one GPU of every host of the block stays put and a leaf of one
-//! block of hosts moves with its block. A candidate is a symmetry only if all of these
-//! hold, each checked exactly:
+//! block of hosts moves with its block. Nodes that share their neighbours, such as the
+//! spines that every leaf reaches alike, are told apart by the routes instead, where
+//! they can be: a flow's image must take the image of its route, so each hop's ends go
+//! to the ends of the image's hop, and a node a route passes goes where its routes say
+//! (the others of its class fill the places left, in order). Pinned paths need this:
+//! the spine a path takes is a digit of its destination's place on its leaf, so moving
+//! every host of a pod two places on moves every path to the next spine. With the
+//! fabric's shape alone, only shifts that keep every path's spine held, and the GPT and
+//! Mixtral steps on 1,024 GPUs with pinned paths were reduced by 8 (the GPUs of a host)
+//! instead of 128. A candidate is a symmetry only if all of these hold, each checked
+//! exactly:
 //! - it maps every link to a link between the images of its ends with the same bandwidth
 //!   and delay (so the fabric is unchanged);
 //! - it maps every flow to a flow with the images of its endpoints, the same bytes and
@@ -603,14 +612,29 @@ impl Layers {
 }
 
 /// The node permutation that `endpoint_image` (on endpoint indices) induces, layer by
-/// layer (see the module essay), or `None` if it is not one.
-fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Option<Vec<u32>> {
+/// layer (see the module essay), or `None` if it is not one. `hint` (`NONE` where it
+/// says nothing) is where the routes send each node they pass (see [`route_hints`]): a
+/// node with a hint goes there if that is among the nodes its class may go to, and the
+/// others of its class take the remaining places in order.
+fn node_image(
+    graph: &NetGraph,
+    layers: &Layers,
+    endpoint_image: &[u32],
+    hint: Option<&[u32]>,
+) -> Option<Vec<u32>> {
     let n = graph.num_nodes();
     let mut image = vec![NONE; n];
     for (e, &to) in endpoint_image.iter().enumerate() {
         image[graph.endpoint(e).ok()?.index()] = graph.endpoint(to as usize).ok()?.0;
     }
+    let hint_of = |v: u32| hint.map_or(NONE, |h| h[v as usize]);
+    if (0..n as u32)
+        .any(|v| hint_of(v) != NONE && image[v as usize] != NONE && hint_of(v) != image[v as usize])
+    {
+        return None;
+    }
     let top = layers.layer.iter().copied().filter(|&d| d != NONE).max()?;
+    let mut taken = vec![false; n];
     for d in 1..=top {
         let at: Vec<u32> = (0..n as u32)
             .filter(|&v| layers.layer[v as usize] == d)
@@ -624,10 +648,15 @@ fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Opti
                 .or_default()
                 .push(v);
         }
-        for &v in &at {
-            let kind = graph.kind(orrery_units::NodeId(v));
-            let own = &classes[&class_key(kind, &layers.lower[v as usize])];
-            let mut moved: Vec<u32> = layers.lower[v as usize]
+        // Class by class, in node order: the hinted members first, then the rest in order
+        // onto the places left.
+        for &first in &at {
+            if image[first as usize] != NONE {
+                continue;
+            }
+            let kind = graph.kind(orrery_units::NodeId(first));
+            let own = &classes[&class_key(kind, &layers.lower[first as usize])];
+            let mut moved: Vec<u32> = layers.lower[first as usize]
                 .iter()
                 .map(|&u| image[u as usize])
                 .collect();
@@ -636,8 +665,29 @@ fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Opti
             if target.len() != own.len() {
                 return None;
             }
-            let pos = own.iter().position(|&w| w == v)?;
-            image[v as usize] = target[pos];
+            for &v in own {
+                let h = hint_of(v);
+                if h != NONE {
+                    if !target.contains(&h) || std::mem::replace(&mut taken[h as usize], true) {
+                        return None;
+                    }
+                    image[v as usize] = h;
+                }
+            }
+            let free: Vec<u32> = target
+                .iter()
+                .copied()
+                .filter(|&w| !taken[w as usize])
+                .collect();
+            let unhinted: Vec<u32> = own
+                .iter()
+                .copied()
+                .filter(|&v| image[v as usize] == NONE)
+                .collect();
+            for (&v, &w) in unhinted.iter().zip(&free) {
+                taken[w as usize] = true;
+                image[v as usize] = w;
+            }
         }
     }
     // Nodes no endpoint reaches stay put; the whole map must be a permutation.
@@ -651,6 +701,42 @@ fn node_image(graph: &NetGraph, layers: &Layers, endpoint_image: &[u32]) -> Opti
         }
     }
     Some(image)
+}
+
+/// Where the routes send the nodes they pass, or `None` if they contradict themselves:
+/// a flow's image must take the image of its route hop by hop, so each hop's ends must go
+/// to the ends of the image's hop. Pinned paths need this: the spine a path takes is a
+/// digit of its destination's place on its leaf, so a shift of hosts by two places moves
+/// every path to the next spine, which nothing in the fabric's shape says (every spine
+/// sees every leaf alike).
+fn route_hints(
+    graph: &NetGraph,
+    routes: &Routes,
+    flow_image: &[u32],
+    exempt: impl Fn(usize) -> bool,
+) -> Option<Vec<u32>> {
+    let mut hint = vec![NONE; graph.num_nodes()];
+    let mut set = |v: usize, to: u32| {
+        let old = std::mem::replace(&mut hint[v], to);
+        old == NONE || old == to
+    };
+    for (f, &g) in flow_image.iter().enumerate() {
+        if exempt(f) {
+            continue;
+        }
+        let (fwd, rev) = routes.of(f);
+        let (gfwd, grev) = routes.of(g as usize);
+        if fwd.len() != gfwd.len() || rev.len() != grev.len() {
+            return None;
+        }
+        for (&x, &y) in fwd.iter().zip(gfwd).chain(rev.iter().zip(grev)) {
+            let (a, b) = (graph.link(LinkId(x)), graph.link(LinkId(y)));
+            if !set(a.from.index(), b.from.0) || !set(a.to.index(), b.to.0) {
+                return None;
+            }
+        }
+    }
+    Some(hint)
 }
 
 /// The link permutation the node permutation induces (the `i`-th link from `a` to `b` goes
@@ -817,13 +903,22 @@ fn quotient(
     shift: &Shift,
 ) -> Option<Quotient> {
     let order = shift.order;
-    let nodes = node_image(graph, layers, shift.endpoint_image)?;
+    // The fabric's shape alone first: most candidates that fail do so here or at the flow
+    // labels, before the routes are read.
+    let shaped = node_image(graph, layers, shift.endpoint_image, None)?;
+    let fimg = flow_image(flows, keys, shift.endpoint_image)?;
+    let hint = route_hints(graph, routes, &fimg, |f| keys.is_exempt(f))?;
+    let agrees = hint.iter().zip(&shaped).all(|(&h, &s)| h == NONE || h == s);
+    let nodes = if agrees {
+        shaped
+    } else {
+        node_image(graph, layers, shift.endpoint_image, Some(&hint))?
+    };
     // Switches standing for other numbers of copies are not alike.
     if (0..nodes.len()).any(|v| shift.copies[nodes[v] as usize] != shift.copies[v]) {
         return None;
     }
     let links = link_image(graph, &nodes)?;
-    let fimg = flow_image(flows, keys, shift.endpoint_image)?;
     let mut used = vec![false; links.len()];
     for (f, &g) in fimg.iter().enumerate() {
         if keys.is_exempt(f) {
@@ -910,6 +1005,15 @@ fn quotient(
     let mut orbit_size = vec![0u64; nodes.len()];
     for &r in &node_rep {
         orbit_size[r as usize] += 1;
+    }
+    // A switch's buffer stands for `order / orbit` copies, so its orbit must divide the
+    // order. Switches on routes do (their links' orbits have the full order); a node map
+    // taken from the routes could give any other switch an orbit that does not.
+    if orbit_size
+        .iter()
+        .any(|&k| k > 0 && !u64::from(order).is_multiple_of(k))
+    {
+        return None;
     }
     let copies = node_rep
         .iter()
