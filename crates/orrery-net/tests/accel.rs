@@ -1731,6 +1731,41 @@ fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
 }
 
 #[test]
+fn pinned_paths_on_fat_trees_fold_as_far_as_their_cables_allow() {
+    // Eight hosts of two GPUs, two per leaf, every GPU paired with its counterpart four
+    // hosts on, over a 2-tier tree (two spines) and a 3-tier one (pods of two leaves, two
+    // aggregation switches each, four cores in two planes). On two tiers the hosts
+    // shift and the GPUs swap; on three, the hosts of a leaf share its uplinks to each
+    // aggregation switch (a path's digit there is its GPU), so only the pods swap and the
+    // GPUs do. The GPU swap there moves each core to the other plane, which the quotient's
+    // routes, folded onto one pod, show for the pod they pass only: the other pod's
+    // aggregation switches follow from the cores (`complete_hints`).
+    for (tiers, copies) in [(2u8, 8u64), (3, 4)] {
+        let spec = FatTreeSpec {
+            gpus_per_host: 2,
+            hosts_per_leaf: 2,
+            spines: 2,
+            leaves_per_pod: 2,
+            cores: 4,
+            tiers,
+            ..FatTreeSpec::two_tier(8)
+        };
+        let g = NetGraph::fat_tree(&spec)
+            .unwrap()
+            .with_routing(Routing::Pinned);
+        let mut fs = FlowSet::default();
+        for a in 0..8u32 {
+            add_ring(&mut fs, &format!("pair {a}"), &[a, a + 8], 2_000_000);
+        }
+        let off = run(PacketConfig::reference(), &g, &fs);
+        let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+        let name = format!("pairs across a {tiers}-tier fat-tree, pinned");
+        assert_reduced(&off, &on, &fs, copies, copies - 1, &name);
+        assert_eq!(off.stats.ecn_marks, 0, "{name}");
+    }
+}
+
+#[test]
 fn a_leaf_that_every_host_shares_counts_every_copy_in_its_buffer() {
     // Four hosts of two GPUs on one leaf; both GPUs of every host send to GPU 0 of the
     // next host: a 2:1 incast at four of the leaf's ports. Without DCQCN the queues grow

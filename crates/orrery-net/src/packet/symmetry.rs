@@ -32,8 +32,10 @@
 //! block of hosts moves with its block. Nodes that share their neighbours, such as the
 //! spines that every leaf reaches alike, are told apart by the routes instead, where
 //! they can be: a flow's image must take the image of its route, so each hop's ends go
-//! to the ends of the image's hop, and a node a route passes goes where its routes say
-//! (the others of its class fill the places left, in order). Pinned paths need this:
+//! to the ends of the image's hop, and a node a route passes goes where its routes say;
+//! a node whose neighbours nearer the endpoints are all placed but one, with one place
+//! left among its image's, sends that one there, and the others of a class fill the
+//! places left, in order. Pinned paths need this:
 //! the spine a path takes is a digit of its destination's place on its leaf, so moving
 //! every host of a pod two places on moves every path to the next spine. With the
 //! fabric's shape alone, only shifts that keep every path's spine held, and the GPT and
@@ -739,6 +741,40 @@ fn route_hints(
     Some(hint)
 }
 
+/// Completes `hint` where the routes leave one choice: a node going to `h` must take its
+/// neighbours nearer the endpoints onto `h`'s, so if all of them but one are placed and
+/// one of `h`'s is left, that one is where the last goes. A quotient's routes are folded
+/// onto one copy's links and pass only some of the switches: in a 3-tier fat-tree a core
+/// switch on them reaches the aggregation switch of the pod they pass and that of a pod
+/// they do not, and the second's place follows from the first's.
+fn complete_hints(layers: &Layers, hint: &mut [u32]) {
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for v in 0..hint.len() {
+            let h = hint[v];
+            if h == NONE {
+                continue;
+            }
+            let (below, theirs) = (&layers.lower[v], &layers.lower[h as usize]);
+            if below.len() != theirs.len() {
+                continue;
+            }
+            let mut open = below.iter().filter(|&&u| hint[u as usize] == NONE);
+            let (Some(&u), None) = (open.next(), open.next()) else {
+                continue;
+            };
+            let mut left = theirs
+                .iter()
+                .filter(|&&w| !below.iter().any(|&x| hint[x as usize] == w));
+            if let (Some(&w), None) = (left.next(), left.next()) {
+                hint[u as usize] = w;
+                changed = true;
+            }
+        }
+    }
+}
+
 /// The link permutation the node permutation induces (the `i`-th link from `a` to `b` goes
 /// to the `i`-th from `a'` to `b'`, with the same bandwidth and delay), or `None`.
 fn link_image(graph: &NetGraph, nodes: &[u32]) -> Option<Vec<u32>> {
@@ -907,7 +943,8 @@ fn quotient(
     // labels, before the routes are read.
     let shaped = node_image(graph, layers, shift.endpoint_image, None)?;
     let fimg = flow_image(flows, keys, shift.endpoint_image)?;
-    let hint = route_hints(graph, routes, &fimg, |f| keys.is_exempt(f))?;
+    let mut hint = route_hints(graph, routes, &fimg, |f| keys.is_exempt(f))?;
+    complete_hints(layers, &mut hint);
     let agrees = hint.iter().zip(&shaped).all(|(&h, &s)| h == NONE || h == s);
     let nodes = if agrees {
         shaped
