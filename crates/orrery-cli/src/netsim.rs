@@ -468,6 +468,8 @@ fn render(s: &NetsimSummary) -> String {
     out
 }
 
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// The `[job]` table of a scenario: a job (preset or file, with overrides) whose training
 /// step's communication is the traffic.
 #[derive(Debug, serde::Deserialize)]
@@ -483,6 +485,9 @@ struct JobTraffic {
     /// When flows are released: `rendezvous` (the default), `dependencies` or `replay`
     /// ([`orrery_predict::traffic::Release`]).
     release: Option<String>,
+    /// The memory the step's flows may take, in GiB (default 4,
+    /// [`orrery_predict::traffic::DEFAULT_MAX_TRAFFIC_BYTES`]).
+    max_traffic_gib: Option<f64>,
 }
 
 fn job_scenario(
@@ -510,30 +515,64 @@ fn job_scenario(
     };
     let job_spec = orrery_spec::load_job_spec(&text, &j.set).map_err(|e| bad(e.to_string()))?;
     let job = orrery_spec::Job::from_spec(&job_spec).map_err(|e| bad(e.to_string()))?;
+    // Every problem of the table's own fields at once.
+    let mut problems = Vec::new();
     let select = match &j.traffic {
-        None => orrery_predict::traffic::TrafficSelection::ALL,
-        Some(names) => {
-            orrery_predict::traffic::TrafficSelection::from_names(names).map_err(|unknown| {
-                bad(format!(
+        None => Some(orrery_predict::traffic::TrafficSelection::ALL),
+        Some(names) => orrery_predict::traffic::TrafficSelection::from_names(names)
+            .map_err(|unknown| {
+                problems.push(format!(
                     "job.traffic: unknown kinds {unknown:?}; known: tp, cp, ep, dp, pp"
                 ))
-            })?
-        }
+            })
+            .ok(),
     };
     let release = match j.release.as_deref() {
-        None => orrery_predict::traffic::Release::default(),
-        Some(name) => orrery_predict::traffic::Release::from_name(name).ok_or_else(|| {
-            let known: Vec<&str> = orrery_predict::traffic::Release::ALL
-                .iter()
-                .map(|r| r.name())
-                .collect();
-            bad(format!(
-                "job.release: unknown rule {name:?}; known: {}",
-                known.join(", ")
-            ))
-        })?,
+        None => Some(orrery_predict::traffic::Release::default()),
+        Some(name) => {
+            let found = orrery_predict::traffic::Release::from_name(name);
+            if found.is_none() {
+                let known: Vec<&str> = orrery_predict::traffic::Release::ALL
+                    .iter()
+                    .map(|r| r.name())
+                    .collect();
+                problems.push(format!(
+                    "job.release: unknown rule {name:?}; known: {}",
+                    known.join(", ")
+                ));
+            }
+            found
+        }
     };
-    let (graph, flows) = orrery_predict::traffic::job_traffic_with(&job, select, release)?;
+    let max_bytes = match j.max_traffic_gib {
+        None => orrery_predict::traffic::DEFAULT_MAX_TRAFFIC_BYTES,
+        Some(gib) if gib.is_finite() && gib > 0.0 && gib * GIB < u64::MAX as f64 => {
+            (gib * GIB) as u64
+        }
+        Some(gib) => {
+            problems.push(format!(
+                "job.max_traffic_gib: must be a positive number of GiB, got {gib}"
+            ));
+            0
+        }
+    };
+    let (Some(select), Some(release), true) = (select, release, problems.is_empty()) else {
+        return Err(bad(problems.join("\n")));
+    };
+    let (graph, flows) = orrery_predict::traffic::job_traffic_limited(
+        &job, select, release, max_bytes,
+    )
+    .map_err(|e| match e {
+        orrery_predict::traffic::TrafficError::TooLarge { .. } => bad(format!(
+            "[job]: {e} (job.traffic, now {}; job.max_traffic_gib, now {})",
+            j.traffic
+                .as_ref()
+                .map_or("every kind".to_string(), |t| t.join(", ")),
+            j.max_traffic_gib
+                .unwrap_or(orrery_predict::traffic::DEFAULT_MAX_TRAFFIC_BYTES as f64 / GIB)
+        )),
+        other => other.into(),
+    })?;
     let name = spec
         .name
         .clone()

@@ -371,6 +371,20 @@ fn netsim_takes_a_jobs_step_as_traffic_released_by_each_rule() {
     let (code, _, stderr) = with_release("release = \"later\"");
     assert_eq!(code, 2);
     assert!(stderr.contains("job.release"), "{stderr}");
+    // Every problem of the table at once.
+    let (code, _, stderr) = with_release("release = \"later\"\nmax_traffic_gib = -1");
+    assert_eq!(code, 2);
+    assert!(stderr.contains("job.release"), "{stderr}");
+    assert!(stderr.contains("job.max_traffic_gib"), "{stderr}");
+    // A step whose flows outgrow the memory allowed for them is refused with its size,
+    // as bad input, not simulated until the memory runs out.
+    let (code, _, stderr) = with_release("max_traffic_gib = 0.000001");
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("outgrew"), "{stderr}");
+    assert!(
+        stderr.contains("job.max_traffic_gib, now 0.000001"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -137,7 +137,42 @@ pub enum TrafficError {
     Topology(#[from] TopologyError),
     #[error("expanding a collective into flows: {0}")]
     Flows(#[from] FlowError),
+    /// The flows outgrew the memory allowed for them (see [`job_traffic_limited`]).
+    #[error(
+        "the step's traffic outgrew {limit} of flows after {done} of its {instances} \
+         collectives and sends ({flows} flows, {dependencies} dependencies, about \
+         {size}), and simulating it would need several times that: select fewer kinds \
+         of traffic (tensor-parallel traffic is the most numerous), or allow more",
+        limit = human_bytes(*.limit_bytes),
+        size = human_bytes(*.bytes)
+    )]
+    TooLarge {
+        limit_bytes: u64,
+        done: usize,
+        instances: usize,
+        flows: usize,
+        dependencies: u64,
+        bytes: u64,
+    },
 }
+
+/// `bytes` in the largest binary unit it reaches, with two decimals.
+fn human_bytes(bytes: u64) -> String {
+    let units = [(30, "GiB"), (20, "MiB"), (10, "KiB")];
+    match units.iter().find(|&&(shift, _)| bytes >= 1 << shift) {
+        Some(&(shift, unit)) => format!("{:.2} {unit}", bytes as f64 / (1u64 << shift) as f64),
+        None => format!("{bytes} bytes"),
+    }
+}
+
+/// The memory [`job_traffic_with`] lets a step's flows take: 4 GiB. The simulators need
+/// several times their flows' own memory (routes, per-flow state; the accelerated packet
+/// model about 200 bytes a flow on the Llama-3 70B step's data- and pipeline-parallel
+/// traffic at 1,024 GPUs, 1.6 million flows in 337 MB), so a flow set of this size already
+/// asks for tens of gigabytes. The same step with its tensor-parallel traffic is over a
+/// hundred million flows with more than a billion dependencies, which used to end with
+/// the process killed for memory.
+pub const DEFAULT_MAX_TRAFFIC_BYTES: u64 = 4 << 30;
 
 /// The topology a job's cluster describes, at datasheet link rates, routed as its
 /// `routing` says.
@@ -302,11 +337,24 @@ fn flow_algorithm(
     }
 }
 
-/// [`job_traffic`] with the release rule chosen.
+/// [`job_traffic`] with the release rule chosen, within [`DEFAULT_MAX_TRAFFIC_BYTES`].
 pub fn job_traffic_with(
     job: &Job,
     select: TrafficSelection,
     release: Release,
+) -> Result<(NetGraph, FlowSet), TrafficError> {
+    job_traffic_limited(job, select, release, DEFAULT_MAX_TRAFFIC_BYTES)
+}
+
+/// [`job_traffic_with`], failing with [`TrafficError::TooLarge`] as soon as the flows
+/// built so far take more than `max_bytes` (each flow's record, and the dependencies that
+/// do not fit in it), so a step too large to simulate is refused with its size instead of
+/// exhausting the memory.
+pub fn job_traffic_limited(
+    job: &Job,
+    select: TrafficSelection,
+    release: Release,
+    max_bytes: u64,
 ) -> Result<(NetGraph, FlowSet), TrafficError> {
     let net = AnalyticalNetwork::new(fabric_for(job), AlgorithmChoice::Auto);
     let out = predict_with(job, &net, ReplayMode::Classes)?;
@@ -459,8 +507,12 @@ pub fn job_traffic_with(
         Some((deps, Picos(start.0.saturating_sub(end.0))))
     }
     let mut set = FlowSet::default();
-    for x in order {
+    // Dependencies in all, and those stored outside their flow's record.
+    let (mut dependencies, mut spilled) = (0u64, 0u64);
+    let total = order.len();
+    for (done, x) in order.into_iter().enumerate() {
         let start = instances[x].start();
+        let first = set.flows.len();
         match &instances[x] {
             Instance::Collective {
                 name,
@@ -536,6 +588,24 @@ pub fn job_traffic_with(
                     last_flows.insert((*dst, op), vec![id]);
                 }
             }
+        }
+        for f in &set.flows[first..] {
+            dependencies += f.deps.len() as u64;
+            if f.deps.spilled() {
+                spilled += f.deps.capacity() as u64;
+            }
+        }
+        let bytes = (set.flows.len() * std::mem::size_of::<orrery_net::flows::FlowSpec>()) as u64
+            + spilled * std::mem::size_of::<FlowId>() as u64;
+        if bytes > max_bytes {
+            return Err(TrafficError::TooLarge {
+                limit_bytes: max_bytes,
+                done: done + 1,
+                instances: total,
+                flows: set.flows.len(),
+                dependencies,
+                bytes,
+            });
         }
     }
     set.check()?;

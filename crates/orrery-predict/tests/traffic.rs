@@ -11,7 +11,9 @@ use common::small_job;
 use orrery_graph::OpKind;
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::sim::FlowSimulator;
-use orrery_predict::traffic::{job_traffic, job_traffic_with, Release, TrafficSelection};
+use orrery_predict::traffic::{
+    job_traffic, job_traffic_limited, job_traffic_with, Release, TrafficError, TrafficSelection,
+};
 
 #[test]
 fn every_send_and_collective_instance_becomes_flows() {
@@ -353,5 +355,52 @@ fn gradients_of_several_gpus_per_node_run_the_hierarchy_the_replay_costed() {
                 "{s} -> {d} crosses nodes between local indices"
             );
         }
+    }
+}
+
+#[test]
+fn a_step_larger_than_its_memory_limit_is_refused_with_its_size() {
+    let job = small_job(&["parallel.dp=2", "training.global_batch=8"]);
+    let (_, all) = job_traffic(&job, TrafficSelection::ALL).unwrap();
+    let record = std::mem::size_of::<orrery_net::flows::FlowSpec>() as u64;
+    // Room for exactly the step's flows (their records, and the dependencies that do not
+    // fit in them): the same flows as without a limit.
+    let spilled: u64 = all
+        .flows
+        .iter()
+        .filter(|f| f.deps.spilled())
+        .map(|f| f.deps.capacity() as u64 * 4)
+        .sum();
+    assert!(spilled > 0);
+    let exact = all.flows.len() as u64 * record + spilled;
+    let (_, within) =
+        job_traffic_limited(&job, TrafficSelection::ALL, Release::default(), exact).unwrap();
+    assert_eq!(within.flows, all.flows);
+    // One flow's record less: refused after the instance that crossed it, and nothing
+    // about the step is hidden.
+    match job_traffic_limited(&job, TrafficSelection::ALL, Release::default(), exact - 1) {
+        Err(TrafficError::TooLarge {
+            limit_bytes,
+            done,
+            instances,
+            flows,
+            bytes,
+            ..
+        }) => {
+            assert_eq!(limit_bytes, exact - 1);
+            assert_eq!(done, instances);
+            assert_eq!(flows, all.flows.len());
+            assert_eq!(bytes, exact);
+        }
+        other => panic!("{:?}", other.map(|(_, f)| f.flows.len())),
+    }
+    // A limit of one record stops at the first instance.
+    match job_traffic_limited(&job, TrafficSelection::ALL, Release::default(), record) {
+        Err(e @ TrafficError::TooLarge { done: 1, .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("after 1 of its"), "{text}");
+            assert!(text.contains("select fewer kinds"), "{text}");
+        }
+        other => panic!("{:?}", other.map(|(_, f)| f.flows.len())),
     }
 }
