@@ -165,11 +165,11 @@ fn human_bytes(bytes: u64) -> String {
     }
 }
 
-/// The memory [`job_traffic_with`] lets a step's flows take: 4 GiB. The simulators need
-/// several times their flows' own memory (routes, per-flow state; the accelerated packet
-/// model about 200 bytes a flow on the Llama-3 70B step's data- and pipeline-parallel
-/// traffic at 1,024 GPUs, 1.6 million flows in 337 MB), so a flow set of this size already
-/// asks for tens of gigabytes. The same step with its tensor-parallel traffic is over a
+/// The memory [`job_traffic_with`] lets a step's flows take: 4 GiB, about 47 million
+/// flows. The simulators need more than the flows' own records (routes, per-flow state:
+/// the accelerated packet model's whole process held 337 MB for the 1.6 million flows of
+/// the Llama-3 70B step's data- and pipeline-parallel traffic at 1,024 GPUs, about 210
+/// bytes a flow), so a flow set of this size already asks for ten gigabytes or more. The same step with its tensor-parallel traffic is over a
 /// hundred million flows with more than a billion dependencies, which used to end with
 /// the process killed for memory.
 pub const DEFAULT_MAX_TRAFFIC_BYTES: u64 = 4 << 30;
