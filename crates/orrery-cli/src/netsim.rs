@@ -136,6 +136,9 @@ pub struct NetsimSummary {
     /// Packet model only: ECN marks, CNPs, retransmissions, fast-forward jumps and the
     /// events they skipped.
     pub packet_stats: Option<orrery_net::packet::PacketStats>,
+    /// Packet model: the rotations symmetry reduction found, outermost first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub symmetry: Vec<orrery_net::packet::SymmetryShift>,
 }
 
 /// One flow of the `--out` report: what it was (the flow set's spec, its collective by
@@ -292,6 +295,7 @@ fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64
         events: r.events,
         wall_seconds: wall,
         packet_stats: None,
+        symmetry: Vec::new(),
     }
 }
 
@@ -438,6 +442,9 @@ fn render(s: &NetsimSummary) -> String {
                 "symmetry: {} flows simulated, each for {} copies, ~{} events skipped",
                 p.symmetry_flows, p.symmetry_order, p.symmetry_skipped_events
             );
+            for shift in &s.symmetry {
+                let _ = writeln!(out, "symmetry: {shift}");
+            }
             if p.symmetry_exempt_flows > 0 {
                 let _ = writeln!(
                     out,
@@ -607,6 +614,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let mut samples = Vec::new();
     let mut stats = None;
     let mut flow_events = None;
+    let mut symmetry = Vec::new();
     let report = match model {
         SimModel::Flow => FlowLevelSimulator::default().simulate_with_progress(
             &scenario.graph,
@@ -669,6 +677,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                     samples = run.samples;
                     stats = Some(run.stats);
                     flow_events = Some(run.flow_events);
+                    symmetry = run.symmetry;
                     run.report
                 });
             if let (Some(path), true) = (&args.memo_cache, result.is_ok()) {
@@ -684,6 +693,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     bar.finish_and_clear();
     let mut summary = summarize(&scenario, &report, flow_events.as_deref(), wall);
     summary.packet_stats = stats;
+    summary.symmetry = symmetry;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);
     } else {

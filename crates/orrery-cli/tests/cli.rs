@@ -729,6 +729,24 @@ fn netsim_exempts_the_gradient_norm_from_the_symmetry_check_unless_told_not_to()
     assert!(stat(&loose, "symmetry_late_flows") > 0);
     assert_eq!(stat(&strict, "symmetry_order"), 2);
     assert_eq!(stat(&strict, "symmetry_exempt_flows"), 0);
+    // The rotations, outermost first: the tensor pairs, a stage's hosts, then every other
+    // GPU of a host.
+    let shifts = |v: &serde_json::Value| {
+        v["symmetry"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["across_hosts"].as_bool().unwrap(),
+                    s["block"].as_u64().unwrap(),
+                    s["stride"].as_u64().unwrap(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(shifts(&loose), [(false, 2, 1), (true, 4, 1), (false, 8, 2)]);
+    assert_eq!(shifts(&strict), [(false, 2, 1)]);
     assert!(loose["events"].as_u64().unwrap() < strict["events"].as_u64().unwrap());
     assert_eq!(loose["bytes_delivered"], strict["bytes_delivered"]);
     let end = |v: &serde_json::Value| v["end"].as_f64().unwrap();
@@ -737,6 +755,10 @@ fn netsim_exempts_the_gradient_norm_from_the_symmetry_check_unless_told_not_to()
     assert_eq!(code, 0, "{stderr}");
     assert!(
         text.contains("one-packet flows exempt from the check"),
+        "{text}"
+    );
+    assert!(
+        text.contains("symmetry: hosts 1 place on in blocks of 4 (x4)"),
         "{text}"
     );
 }

@@ -11,7 +11,7 @@ mod common;
 
 use common::{flow, flow_set, gbps, run, us};
 use orrery_net::flows::{collective_flows, CollectiveInfo, FlowAlgorithm, FlowSet};
-use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, SymmetryShift, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
@@ -1542,6 +1542,9 @@ fn assert_reduced(
 ) {
     let e = check_bounds(&PacketConfig::reference(), off, on, fs, name);
     assert_eq!(on.stats.symmetry_order, copies, "{name}");
+    // The rotations found, level by level, give those copies.
+    let product: u64 = on.symmetry.iter().map(|s| u64::from(s.copies())).product();
+    assert_eq!(product, copies, "{name}: {:?}", on.symmetry);
     assert_eq!(
         copies * on.stats.symmetry_flows,
         fs.flows.len() as u64,
@@ -1727,6 +1730,19 @@ fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
     let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
     // Pods, then hosts two places on, then GPUs: two copies each, one pair simulated.
     assert_reduced(&off, &on, &fs, 8, 6, "cross-pod pairs, pinned");
+    let shift = |across_hosts, block, stride| SymmetryShift {
+        across_hosts,
+        block,
+        stride,
+    };
+    assert_eq!(
+        on.symmetry,
+        [shift(true, 8, 4), shift(true, 4, 2), shift(false, 2, 1)]
+    );
+    assert_eq!(
+        on.symmetry[1].to_string(),
+        "hosts 2 places on in blocks of 4 (x2)"
+    );
     assert_eq!(off.stats.ecn_marks, 0);
 }
 

@@ -856,6 +856,7 @@ impl<'a> Engine<'a> {
             stats: self.stats,
             samples: self.samples,
             flow_events: self.flow_events,
+            symmetry: Vec::new(),
         })
     }
 

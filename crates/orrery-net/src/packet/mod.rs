@@ -243,6 +243,7 @@ mod symmetry;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
 pub use memo::{MemoCache, MemoFileError};
+pub use symmetry::SymmetryShift;
 
 use crate::flows::FlowSet;
 use crate::sim::{FlowSimulator, SimError, SimProgress, SimReport};
@@ -414,6 +415,9 @@ pub struct PacketRun {
     /// ends, PFC frames, wake-ups), which belong to links, and the replays of rolled-back
     /// memo hits are not attributed.
     pub flow_events: Vec<u64>,
+    /// The rotations symmetry reduction found, outermost first (their copies multiply to
+    /// [`PacketStats::symmetry_order`]); empty when it found none.
+    pub symmetry: Vec<SymmetryShift>,
 }
 
 impl PacketSimulator {

@@ -159,11 +159,49 @@ use std::collections::VecDeque;
 
 const NONE: u32 = u32::MAX;
 
+/// One rotation the search found (see "The group" in the module essay): every host (or
+/// every GPU of a host, by its local index) moves `stride` places on within its block of
+/// `block` consecutive ones, giving `block / stride` copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SymmetryShift {
+    /// Hosts move (otherwise the GPUs inside every host do).
+    pub across_hosts: bool,
+    pub block: u32,
+    pub stride: u32,
+}
+
+impl SymmetryShift {
+    /// Copies of every flow simulated at this level.
+    pub fn copies(&self) -> u32 {
+        self.block / self.stride.max(1)
+    }
+}
+
+impl std::fmt::Display for SymmetryShift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = if self.across_hosts {
+            "hosts"
+        } else {
+            "GPUs of each host"
+        };
+        let places = if self.stride == 1 { "place" } else { "places" };
+        write!(
+            f,
+            "{what} {} {places} on in blocks of {} (x{})",
+            self.stride,
+            self.block,
+            self.copies()
+        )
+    }
+}
+
 /// A symmetry found in a run: the quotient to simulate and how to expand its results.
 #[derive(Debug)]
 pub(super) struct Quotient {
     /// Copies of every simulated flow (the rotation's order, `b`).
     pub order: u32,
+    /// The rotation that gives them.
+    pub shift: SymmetryShift,
     /// For every flow of the run, its index in the quotient's flow set.
     pub flow_index: Vec<u32>,
     /// For every quotient flow, the flow of the run it is.
@@ -252,6 +290,11 @@ pub(super) fn find(
                     .collect();
                 let shift = Shift {
                     order: (block / stride) as u32,
+                    rotation: SymmetryShift {
+                        across_hosts,
+                        block: block as u32,
+                        stride: stride as u32,
+                    },
                     endpoint_image: &endpoint_image,
                     copies,
                 };
@@ -299,6 +342,7 @@ fn exempt_flows(flows: &FlowSet, exempt_bytes: u64) -> Option<Vec<bool>> {
 /// the run it is tried on (which it must leave unchanged).
 struct Shift<'a> {
     order: u32,
+    rotation: SymmetryShift,
     endpoint_image: &'a [u32],
     copies: &'a [u64],
 }
@@ -1092,6 +1136,7 @@ fn quotient(
         exempt_routes,
         late,
         order,
+        shift: shift.rotation,
         flow_index,
         reps,
         link_rep,
@@ -1227,11 +1272,14 @@ impl Quotient {
         for (k, &r) in self.reps.iter().enumerate() {
             flow_events[r as usize] = run.flow_events[k];
         }
+        let mut symmetry = vec![self.shift];
+        symmetry.extend(run.symmetry);
         Some(PacketRun {
             report,
             stats,
             samples,
             flow_events,
+            symmetry,
         })
     }
 
