@@ -1709,10 +1709,12 @@ fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
     // Two pods of four hosts of two GPUs, two spines with two cables from each leaf: a
     // pinned path up from a leaf takes the cable numbered by its destination's place on
     // its leaf (spine `place / 2`, cable `place % 2`). Every GPU pairs with the same GPU
-    // of the same host of the other pod. Swapping the pods keeps every path's spine, as
-    // does the shift of the GPUs; moving every host two places on in its pod moves every
-    // path to the other spine, which the fabric's shape alone does not say (both spines
-    // see every leaf alike): the symmetry search reads that from the routes.
+    // of the same host of the other pod. Swapping the pods keeps every path's spine and
+    // cable, as does the shift of the GPUs; swapping neighbouring hosts moves every path
+    // to the other cable to its spine, and moving every host two places on in its pod
+    // moves it to the other spine. The fabric's shape alone says neither (both spines
+    // see every leaf alike, both cables join the same two switches): the symmetry search
+    // reads them from the routes.
     let spec = RailOptimizedSpec {
         gpus_per_host: 2,
         hosts_per_pod: 4,
@@ -1728,8 +1730,8 @@ fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
     }
     let off = run(PacketConfig::reference(), &g, &fs);
     let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
-    // Pods, then hosts two places on, then GPUs: two copies each, one pair simulated.
-    assert_reduced(&off, &on, &fs, 8, 6, "cross-pod pairs, pinned");
+    // Neighbouring hosts, pods, hosts two places on, GPUs: two copies each.
+    assert_reduced(&off, &on, &fs, 16, 12, "cross-pod pairs, pinned");
     let shift = |across_hosts, block, stride| SymmetryShift {
         across_hosts,
         block,
@@ -1737,10 +1739,15 @@ fn pinned_paths_fold_by_a_host_shift_that_moves_every_path_to_the_next_spine() {
     };
     assert_eq!(
         on.symmetry,
-        [shift(true, 8, 4), shift(true, 4, 2), shift(false, 2, 1)]
+        [
+            shift(true, 2, 1),
+            shift(true, 8, 4),
+            shift(true, 4, 2),
+            shift(false, 2, 1)
+        ]
     );
     assert_eq!(
-        on.symmetry[1].to_string(),
+        on.symmetry[2].to_string(),
         "hosts 2 places on in blocks of 4 (x2)"
     );
     assert_eq!(off.stats.ecn_marks, 0);
@@ -1997,6 +2004,59 @@ fn lazy_port_frees_change_nothing_but_the_events() {
             let clamped = |r: &PacketRun| r.stats.clamped_schedules;
             assert_eq!(clamped(&eager), clamped(&lazy), "{name}");
             assert!(b.events < a.events, "{name}: {} !< {}", b.events, a.events);
+        }
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+    /// Every GPU sends to (or all-reduces with) its counterpart some pods on, over random
+    /// small rail-optimised fabrics with pinned paths: whatever rotations the symmetry
+    /// search finds (spines placed by the routes), the reduced run stays within the
+    /// reference's bounds, accounts for every byte, and its rotations' copies multiply to
+    /// its order.
+    #[test]
+    fn pinned_pod_to_pod_traffic_reduces_within_bounds(
+        hosts_per_pod in proptest::sample::select(vec![2usize, 4]),
+        pods in 2usize..4,
+        gpus_per_host in 1usize..3,
+        spines in proptest::sample::select(vec![1usize, 2, 4]),
+        pod_offset in 1usize..3,
+        bytes in 100_000u64..600_000,
+        pairs in proptest::bool::ANY,
+    ) {
+        let hosts = hosts_per_pod * pods;
+        let spec = RailOptimizedSpec {
+            gpus_per_host,
+            hosts_per_pod,
+            spines,
+            ..RailOptimizedSpec::dgx_h100(hosts)
+        };
+        let Ok(g) = NetGraph::rail_optimized(&spec) else {
+            return Err(proptest::test_runner::TestCaseError::reject("no such fabric"));
+        };
+        let g = g.with_routing(Routing::Pinned);
+        let endpoints = (hosts * gpus_per_host) as u32;
+        let shift = (pod_offset % pods * hosts_per_pod * gpus_per_host) as u32;
+        proptest::prop_assume!(shift > 0);
+        let mut fs = FlowSet::default();
+        for a in 0..endpoints {
+            let b = (a + shift) % endpoints;
+            if pairs {
+                add_ring(&mut fs, &format!("pair {a}"), &[a.min(b), a.max(b)], bytes);
+            } else {
+                fs.flows.push(flow(a, b, bytes));
+            }
+        }
+        let off = run(PacketConfig::reference(), &g, &fs);
+        let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
+        check_bounds(&PacketConfig::reference(), &off, &on, &fs, "pinned pod shift");
+        let product: u64 = on.symmetry.iter().map(|s| u64::from(s.copies())).product();
+        if on.symmetry.is_empty() {
+            proptest::prop_assert_eq!(on.stats.symmetry_order, 0);
+        } else {
+            proptest::prop_assert_eq!(product, on.stats.symmetry_order);
         }
     }
 }

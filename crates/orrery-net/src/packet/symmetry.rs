@@ -32,16 +32,18 @@
 //! block of hosts moves with its block. Nodes that share their neighbours, such as the
 //! spines that every leaf reaches alike, are told apart by the routes instead, where
 //! they can be: a flow's image must take the image of its route, so each hop's ends go
-//! to the ends of the image's hop, and a node a route passes goes where its routes say;
+//! to the ends of the image's hop (and the hop to that hop, which tells parallel cables
+//! apart), and a node a route passes goes where its routes say;
 //! a node whose neighbours nearer the endpoints are all placed but one, with one place
 //! left among its image's, sends that one there, and the others of a class fill the
-//! places left, in order. Pinned paths need this:
-//! the spine a path takes is a digit of its destination's place on its leaf, so moving
-//! every host of a pod two places on moves every path to the next spine. With the
-//! fabric's shape alone, only shifts that keep every path's spine held, and the GPT and
-//! Mixtral steps on 1,024 GPUs with pinned paths were reduced by 8 (the GPUs of a host)
-//! instead of 128. A candidate is a symmetry only if all of these hold, each checked
-//! exactly:
+//! places left, in order. Pinned paths need this: the spine a path takes and its cable
+//! among the parallel ones to that spine are digits of its destination's place on its
+//! leaf, so moving every host of a pod two places on moves every path to the next spine,
+//! and swapping neighbouring hosts moves each to the spine's other cable. With the
+//! fabric's shape alone, only shifts that keep every path's spine and cable held, and
+//! the GPT and Mixtral steps on 1,024 GPUs with pinned paths were reduced by 8 (the GPUs
+//! of a host) instead of 128 and 256. A candidate is a symmetry only if all of these
+//! hold, each checked exactly:
 //! - it maps every link to a link between the images of its ends with the same bandwidth
 //!   and delay (so the fabric is unchanged);
 //! - it maps every flow to a flow with the images of its endpoints, the same bytes and
@@ -760,9 +762,12 @@ fn route_hints(
     routes: &Routes,
     flow_image: &[u32],
     exempt: impl Fn(usize) -> bool,
-) -> Option<Vec<u32>> {
-    let mut hint = vec![NONE; graph.num_nodes()];
-    let mut set = |v: usize, to: u32| {
+) -> Option<RouteHints> {
+    let mut hints = RouteHints {
+        nodes: vec![NONE; graph.num_nodes()],
+        links: vec![NONE; graph.links().len()],
+    };
+    let set = |hint: &mut [u32], v: usize, to: u32| {
         let old = std::mem::replace(&mut hint[v], to);
         old == NONE || old == to
     };
@@ -777,12 +782,21 @@ fn route_hints(
         }
         for (&x, &y) in fwd.iter().zip(gfwd).chain(rev.iter().zip(grev)) {
             let (a, b) = (graph.link(LinkId(x)), graph.link(LinkId(y)));
-            if !set(a.from.index(), b.from.0) || !set(a.to.index(), b.to.0) {
+            if !set(&mut hints.nodes, a.from.index(), b.from.0)
+                || !set(&mut hints.nodes, a.to.index(), b.to.0)
+                || !set(&mut hints.links, x as usize, y)
+            {
                 return None;
             }
         }
     }
-    Some(hint)
+    Some(hints)
+}
+
+/// Where the routes send the nodes and links they pass (`NONE` where they say nothing).
+struct RouteHints {
+    nodes: Vec<u32>,
+    links: Vec<u32>,
 }
 
 /// Completes `hint` where the routes leave one choice: a node going to `h` must take its
@@ -819,30 +833,57 @@ fn complete_hints(layers: &Layers, hint: &mut [u32]) {
     }
 }
 
-/// The link permutation the node permutation induces (the `i`-th link from `a` to `b` goes
-/// to the `i`-th from `a'` to `b'`, with the same bandwidth and delay), or `None`.
-fn link_image(graph: &NetGraph, nodes: &[u32]) -> Option<Vec<u32>> {
+/// The link permutation the node permutation induces, or `None`: the links from `a` to `b`
+/// go to those from `a'` to `b'` with the same bandwidth and delay, each link a route
+/// passes where its routes send it (`hint`, see [`route_hints`]; parallel cables under
+/// pinned paths are numbered by the destination's place on its leaf, so a shift of hosts
+/// may move a path to another cable of the same pair of switches), the others in order
+/// onto the places left (the `i`-th to the `i`-th when nothing is hinted).
+fn link_image(graph: &NetGraph, nodes: &[u32], hint: &[u32]) -> Option<Vec<u32>> {
+    let links = graph.links();
     let mut between: WordMap<(u32, u32), Vec<u32>> = WordMap::default();
-    for (i, l) in graph.links().iter().enumerate() {
+    for (i, l) in links.iter().enumerate() {
         between
             .entry((l.from.0, l.to.0))
             .or_default()
             .push(i as u32);
     }
-    graph
-        .links()
-        .iter()
-        .enumerate()
-        .map(|(i, l)| {
-            let own = &between[&(l.from.0, l.to.0)];
-            let pos = own.iter().position(|&x| x == i as u32)?;
-            let to = between.get(&(nodes[l.from.index()], nodes[l.to.index()]))?;
-            let m = *to.get(pos)?;
-            let ml = graph.link(LinkId(m));
-            (to.len() == own.len() && ml.bandwidth == l.bandwidth && ml.delay == l.delay)
-                .then_some(m)
-        })
-        .collect()
+    let mut image = vec![NONE; links.len()];
+    let mut taken = vec![false; links.len()];
+    for (i, l) in links.iter().enumerate() {
+        if image[i] != NONE {
+            continue;
+        }
+        let own = &between[&(l.from.0, l.to.0)];
+        let to = between.get(&(nodes[l.from.index()], nodes[l.to.index()]))?;
+        if to.len() != own.len() {
+            return None;
+        }
+        for &x in own {
+            let h = hint[x as usize];
+            if h != NONE {
+                if !to.contains(&h) || std::mem::replace(&mut taken[h as usize], true) {
+                    return None;
+                }
+                image[x as usize] = h;
+            }
+        }
+        let free: Vec<u32> = to.iter().copied().filter(|&w| !taken[w as usize]).collect();
+        let unhinted: Vec<u32> = own
+            .iter()
+            .copied()
+            .filter(|&x| image[x as usize] == NONE)
+            .collect();
+        for (&x, &w) in unhinted.iter().zip(&free) {
+            taken[w as usize] = true;
+            image[x as usize] = w;
+        }
+    }
+    let alike = |(i, &m): (usize, &u32)| {
+        let (l, ml) = (&links[i], graph.link(LinkId(m)));
+        ml.bandwidth == l.bandwidth && ml.delay == l.delay
+    };
+    image.iter().enumerate().all(alike).then_some(image)
 }
 
 /// The flow permutation, or `None` (see the module essay): flows go to the flows with
@@ -987,19 +1028,19 @@ fn quotient(
     // labels, before the routes are read.
     let shaped = node_image(graph, layers, shift.endpoint_image, None)?;
     let fimg = flow_image(flows, keys, shift.endpoint_image)?;
-    let mut hint = route_hints(graph, routes, &fimg, |f| keys.is_exempt(f))?;
-    complete_hints(layers, &mut hint);
-    let agrees = hint.iter().zip(&shaped).all(|(&h, &s)| h == NONE || h == s);
+    let mut hints = route_hints(graph, routes, &fimg, |f| keys.is_exempt(f))?;
+    complete_hints(layers, &mut hints.nodes);
+    let agrees = (hints.nodes.iter().zip(&shaped)).all(|(&h, &s)| h == NONE || h == s);
     let nodes = if agrees {
         shaped
     } else {
-        node_image(graph, layers, shift.endpoint_image, Some(&hint))?
+        node_image(graph, layers, shift.endpoint_image, Some(&hints.nodes))?
     };
     // Switches standing for other numbers of copies are not alike.
     if (0..nodes.len()).any(|v| shift.copies[nodes[v] as usize] != shift.copies[v]) {
         return None;
     }
-    let links = link_image(graph, &nodes)?;
+    let links = link_image(graph, &nodes, &hints.links)?;
     let mut used = vec![false; links.len()];
     for (f, &g) in fimg.iter().enumerate() {
         if keys.is_exempt(f) {
