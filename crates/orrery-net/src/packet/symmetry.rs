@@ -291,7 +291,6 @@ pub(super) fn find(
                     })
                     .collect();
                 let shift = Shift {
-                    order: (block / stride) as u32,
                     rotation: SymmetryShift {
                         across_hosts,
                         block: block as u32,
@@ -340,10 +339,9 @@ fn exempt_flows(flows: &FlowSet, exempt_bytes: u64) -> Option<Vec<bool>> {
     (count > 0 && checked >= 2 && count * 100 <= packets).then_some(exempt)
 }
 
-/// A candidate rotation: its order, where it sends each endpoint, and the buffer copies of
+/// A candidate rotation, where it sends each endpoint, and the buffer copies of
 /// the run it is tried on (which it must leave unchanged).
 struct Shift<'a> {
-    order: u32,
     rotation: SymmetryShift,
     endpoint_image: &'a [u32],
     copies: &'a [u64],
@@ -1023,7 +1021,7 @@ fn quotient(
     layers: &Layers,
     shift: &Shift,
 ) -> Option<Quotient> {
-    let order = shift.order;
+    let order = shift.rotation.copies();
     // The fabric's shape alone first: most candidates that fail do so here or at the flow
     // labels, before the routes are read.
     let shaped = node_image(graph, layers, shift.endpoint_image, None)?;
