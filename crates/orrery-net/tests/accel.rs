@@ -2013,7 +2013,7 @@ proptest::proptest! {
 
     /// Every GPU sends to (or all-reduces with) its counterpart some pods on, over random
     /// small rail-optimised fabrics with pinned paths: whatever rotations the symmetry
-    /// search finds (spines placed by the routes), the reduced run stays within the
+    /// search finds (spines and cables placed by the routes), the reduced run stays within the
     /// reference's bounds, accounts for every byte, and its rotations' copies multiply to
     /// its order.
     #[test]
