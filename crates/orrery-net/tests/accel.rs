@@ -10,7 +10,9 @@
 mod common;
 
 use common::{flow, flow_set, gbps, run, us};
-use orrery_net::flows::{collective_flows, CollectiveInfo, FlowAlgorithm, FlowSet};
+use orrery_net::flows::{
+    collective_flows, dependency_order, CollectiveInfo, FlowAlgorithm, FlowSet,
+};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, SymmetryShift, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, Routing};
@@ -1596,19 +1598,19 @@ fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
     // Four hosts alike: one host's worth of flows simulated, a quarter of the events.
     assert_reduced(&off, &on, &fs, 4, 4, "symmetric ring");
     // The flows simulated, those sent from the first host, are the reference's to the
-    // picosecond, and so are their delivered bytes at every trace sample; the rest are
-    // copies of them.
-    let first_host: Vec<usize> = (0..fs.flows.len())
-        .filter(|&f| fs.flows[f].src < 4)
-        .collect();
-    assert_eq!(first_host.len() as u64, on.stats.symmetry_flows);
-    for &f in &first_host {
+    // picosecond, and so are their delivered bytes at every trace sample. The rest are
+    // copies of them, and they are the reference's too: queue pairs that join a port
+    // together are served in an order the host shift keeps (tie keys), so the reference
+    // is as symmetric as its traffic.
+    let first_host = (0..fs.flows.len()).filter(|&f| fs.flows[f].src < 4).count();
+    assert_eq!(first_host as u64, on.stats.symmetry_flows);
+    for f in 0..fs.flows.len() {
         assert_eq!(on.report.flows[f], off.report.flows[f], "flow {f}");
     }
     assert_eq!(on.samples.len(), off.samples.len());
     for (a, b) in on.samples.iter().zip(&off.samples) {
         assert_eq!(a.delivered.len(), fs.flows.len());
-        for &f in &first_host {
+        for f in (0..fs.flows.len()).filter(|&f| fs.flows[f].src < 4) {
             assert_eq!(a.delivered[f], b.delivered[f], "flow {f} at {:?}", a.time);
         }
     }
@@ -1624,6 +1626,8 @@ fn a_ring_over_alike_hosts_and_gpus_is_simulated_once_per_gpu_within_bounds() {
     let off = run(PacketConfig::reference(), &g, &fs);
     let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
     assert_reduced(&off, &on, &fs, 16, 10, "ring, hosts and GPUs");
+    // Every flow is the reference's to the picosecond (no ECN marks to draw here).
+    assert_eq!(on.report.flows, off.report.flows);
     // The same with every other mechanism on.
     let all = run(PacketConfig::default(), &g, &fs);
     check_bounds(
@@ -1658,6 +1662,27 @@ fn a_ring_over_every_other_gpu_is_folded_by_a_strided_shift() {
     let off = run(PacketConfig::reference(), &g, &fs);
     let on = run(with_symmetry(PacketConfig::reference()), &g, &fs);
     assert_reduced(&off, &on, &fs, 8, 6, "ring over every other GPU");
+}
+
+#[test]
+fn the_reference_does_not_depend_on_how_its_flows_are_numbered() {
+    // Four ring channels over four hosts: every GPU's first sends of the channels join its
+    // ports at one picosecond, and which goes first decides single flows.
+    let (g, fs) = ring_over_hosts(4, 4, 1_000_000);
+    let deps = |i: usize| fs.flows[i].deps.iter().map(|d| d.index()).collect();
+    // The highest-numbered ready flow first: every channel's flows change places.
+    let old_of = dependency_order(fs.flows.len(), deps, true).unwrap();
+    assert_ne!(old_of, (0..fs.flows.len()).collect::<Vec<_>>());
+    let renumbered = fs.reordered(&old_of);
+    let a = run(PacketConfig::reference(), &g, &fs);
+    let b = run(PacketConfig::reference(), &g, &renumbered);
+    for (k, &i) in old_of.iter().enumerate() {
+        assert_eq!(
+            a.report.flows[i], b.report.flows[k],
+            "flow {i} (renumbered {k})"
+        );
+    }
+    assert_eq!(a.report.events, b.report.events);
 }
 
 /// The ring of [`ring_over_hosts`] with one more flow inside the first host.

@@ -265,6 +265,12 @@ pub(super) struct FlowState {
     /// The flow's identity in ECN marking draws: its index in the engine that built it, and
     /// in a replay the index of the flow it replays, so a replay draws what the flow drew.
     pub mark_key: u32,
+    /// Where the queue pair stands among those that join its port at the same picosecond
+    /// (see [`Engine::start_qp`]): a label of the flow's shape relative to its source, so
+    /// that copies of one flow in a symmetric run take the same place.
+    pub tie: u64,
+    /// When (local time) its queue pair joined its port.
+    pub joined: Picos,
     /// The last pacing gap the sender computed: (rate's bits, frame bytes, gap). Between
     /// two DCQCN rate changes a sender sends many frames of one size at one rate, and the
     /// gap is `ser` of them, which is worth not recomputing (see [`Port::ser_time`]).
@@ -334,6 +340,8 @@ impl FlowState {
             delivered: 0,
             delivered_at: Picos::ZERO,
             mark_key,
+            tie: 0,
+            joined: Picos(u64::MAX),
             gap_memo: (0, 0, Picos::ZERO),
         }
     }
@@ -575,19 +583,24 @@ impl<'a> Engine<'a> {
         flows.check()?;
         let routes = Routes::compute(graph, flows)?;
         let copies = vec![1; graph.num_nodes()];
-        Engine::with_routes(cfg, graph, flows, routes, &copies, trace, cache)
+        let ties = super::host::tie_keys(graph, flows);
+        Engine::with_routes(cfg, graph, flows, routes, &copies, &ties, trace, cache)
     }
 
     /// [`Engine::new`] on given routes (`routes.fwd[f]`, `routes.rev[f]` index
     /// `routes.paths`), with every switch buffer standing for `copies[node]` alike
     /// switches: each data byte it holds counts `copies` times against its pool (the
-    /// symmetry quotient's fixed switches, see the `symmetry` module; 1 elsewhere).
+    /// symmetry quotient's fixed switches, see the `symmetry` module; 1 elsewhere), and
+    /// flow `f`'s queue pair ordered by `ties[f]` among those joining its port together
+    /// ([`super::host::tie_keys`] of the run the flows stand for).
+    #[allow(clippy::too_many_arguments)]
     pub fn with_routes(
         cfg: &'a PacketConfig,
         graph: &NetGraph,
         flows: &FlowSet,
         routes: Routes,
         copies: &[u64],
+        ties: &[u64],
         trace: &'a TraceRequest,
         cache: Option<&'a mut MemoCache>,
     ) -> Result<Engine<'a>, SimError> {
@@ -666,6 +679,9 @@ impl<'a> Engine<'a> {
                 line,
                 i as u32,
             ));
+            if let (Some(state), Some(&tie)) = (states.last_mut(), ties.get(i)) {
+                state.tie = tie;
+            }
         }
         // Dependents in CSR form (a flow listed twice as a dependency is counted twice).
         let mut dependents_at = vec![0u32; flows.flows.len() + 1];
@@ -1060,7 +1076,7 @@ impl<'a> Engine<'a> {
     /// (any work given to the port since would have woken it), so it is dropped and the
     /// port is idle; otherwise, if the port has work ([`Engine::port_has_work`]), it is
     /// filed under its place. Returns whether the port is busy.
-    fn settle_dormant_free(&mut self, l: u32) -> bool {
+    pub(super) fn settle_dormant_free(&mut self, l: u32) -> bool {
         let port = &mut self.ports[l as usize];
         if let Some((at, key)) = port.dormant_free {
             if self.q.has_passed(key, at) {

@@ -8,8 +8,53 @@
 //! packets at most once per `cnp_interval` per flow.
 
 use super::engine::{Engine, Ev, Kind, Packet};
+use crate::flows::FlowSet;
+use crate::topology::{mix, NetGraph};
 use orrery_des::EventQueue;
 use orrery_units::Picos;
+
+/// Per flow, where its queue pair stands among those joining its port at the same
+/// picosecond (lower first; see [`Engine::start_qp`]): a hash of what the flow and the
+/// rest of its collective after it look like from the flow's own source. Each flow
+/// contributes its destination's offset from its source (in hosts, wrapping around the
+/// fabric, and in local index inside a host, wrapping around the host); a key sums its
+/// dependents' keys (those of its own collective) as a multiset. Sizes and delays are
+/// left out: they tell no ring channel from another, and with them a round of unequal
+/// all-to-all sends, or the first of a collective's repeats (released without a wait),
+/// would order its queue pairs otherwise than the next and not repeat in the memo.
+/// So:
+/// - a shift of the hosts or of the GPUs inside every host that maps the flows onto
+///   themselves maps each flow to one with the same key (a shift in blocks smaller than
+///   the fabric keeps offsets only within a block), and a symmetric run is symmetric;
+/// - the ring channels leaving one GPU, alike in everything but how far they are from the
+///   step that leaves the host, get different keys;
+/// - a collective repeated (a bucket after a bucket, an all-to-all round after a round)
+///   repeats its keys, so the memo's episodes repeat (what comes after the collective
+///   would tell the last repeat from the others);
+/// - a key does not depend on how the flows are numbered.
+pub(super) fn tie_keys(graph: &NetGraph, flows: &FlowSet) -> Vec<u64> {
+    let per_host = graph.endpoints_per_host().max(1) as u64;
+    let hosts = (graph.num_endpoints() as u64 / per_host).max(1);
+    let n = flows.flows.len();
+    let mut below = vec![(0u64, 0u64); n];
+    let mut keys = vec![0u64; n];
+    for i in (0..n).rev() {
+        let f = &flows.flows[i];
+        let (src, dst) = (u64::from(f.src), u64::from(f.dst));
+        let hop = (dst / per_host + hosts - src / per_host) % hosts;
+        let local = (dst % per_host + per_host - src % per_host) % per_host;
+        let (count, sum) = below[i];
+        let h = mix(hop ^ mix(local ^ mix(count ^ mix(sum))));
+        keys[i] = h;
+        for d in &f.deps {
+            if flows.flows[d.index()].collective == f.collective {
+                let slot = &mut below[d.index()];
+                *slot = (slot.0 + 1, slot.1.wrapping_add(mix(h)));
+            }
+        }
+    }
+    keys
+}
 
 impl Engine<'_> {
     /// A flow is released: its queue pair joins its NIC port.
@@ -38,13 +83,55 @@ impl Engine<'_> {
     }
 
     /// A released flow's queue pair joins its NIC port and may send now.
+    ///
+    /// Queue pairs that join one port at the same picosecond are served in the order of
+    /// their [`tie_keys`] (flow number among equal keys), and an idle port picks its next
+    /// frame once all of them are in, from a wake filed now (after every event of this
+    /// picosecond already filed). Before, they were served in the order their releases
+    /// were handled, which is flow number: a symmetric run then was not symmetric (on every
+    /// host the lowest-numbered ring channel went first, where a shift of the hosts maps
+    /// each channel to the next), and the run depended on how its flows were numbered.
     pub(super) fn start_qp(&mut self, f: u32) {
+        let now = self.now;
         let fl = &mut self.flows[f as usize];
-        fl.ready_at = self.now;
+        fl.ready_at = now;
+        fl.joined = now;
+        let key = (fl.tie, f);
         let l = fl.src_port;
         self.ff_on_release(f);
-        self.ports[l as usize].qps.push(f);
-        self.try_send(l);
+        let port = &self.ports[l as usize];
+        let mut at = port.qps.len();
+        while at > 0 {
+            let q = port.qps[at - 1];
+            let other = &self.flows[q as usize];
+            if other.joined != now || (other.tie, q) < key {
+                break;
+            }
+            at -= 1;
+        }
+        let port = &mut self.ports[l as usize];
+        port.qps.insert(at, f);
+        if at < port.rr {
+            port.rr += 1;
+        }
+        if !self.settle_dormant_free(l) {
+            self.wake_port_at(l, now);
+        }
+    }
+
+    /// Files a wake of port `l` at `t` unless one at or before `t` is pending (a later one
+    /// is moved to `t`).
+    fn wake_port_at(&mut self, l: u32, t: Picos) {
+        match self.ports[l as usize].wake {
+            Some((w, _)) if w <= t => {}
+            old => {
+                if let Some((_, key)) = old {
+                    self.q.cancel(key);
+                }
+                let key = self.sched(t, Ev::PortWake(l));
+                self.ports[l as usize].wake = Some((t, key));
+            }
+        }
     }
 
     /// Picks the next queue pair on host port `l` (idle, not paused) that may send now,
@@ -72,17 +159,7 @@ impl Engine<'_> {
             earliest = Some(earliest.map_or(fl.ready_at, |e| e.min(fl.ready_at)));
         }
         if let Some(t) = earliest {
-            let port = &mut self.ports[l as usize];
-            match port.wake {
-                Some((w, _)) if w <= t => {}
-                old => {
-                    if let Some((_, key)) = old {
-                        self.q.cancel(key);
-                    }
-                    let key = self.sched(t, Ev::PortWake(l));
-                    self.ports[l as usize].wake = Some((t, key));
-                }
-            }
+            self.wake_port_at(l, t);
         }
     }
 

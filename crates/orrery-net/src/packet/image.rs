@@ -315,6 +315,9 @@ impl Engine<'_> {
                 line,
                 fl.mark_key,
             ));
+            if let Some(state) = states.last_mut() {
+                state.tie = fl.tie;
+            }
             if fl.released {
                 let at = Picos(fl.start.0.saturating_sub(self.offset.0));
                 q.schedule(at, Ev::Release(k as u32));

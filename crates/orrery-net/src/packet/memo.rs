@@ -159,7 +159,7 @@ use thiserror::Error;
 
 const NONE: u32 = u32::MAX;
 /// Certificate format; bump when its layout or the meaning of a stored result changes.
-const CERT_VERSION: u64 = 2;
+const CERT_VERSION: u64 = 3;
 const FILE_MAGIC: &[u8; 8] = b"ORRYMEMO";
 /// Kinds of join in an entry's shape.
 const JOIN_DEPENDENT: u64 = 0;
@@ -1821,12 +1821,37 @@ impl Engine<'_> {
         let hop = |l: u32| hash_words(&link_attrs(&self.ports[l as usize]));
         let n = flows.len();
         let links: Vec<Vec<u32>> = flows.iter().map(|&f| self.links_of(f)).collect();
+        // Queue pairs that join a port together are served in the order of their tie keys
+        // (`Engine::start_qp`), so each flow's place in that order among the group's flows
+        // on its port is part of the shape: a group whose flows share a port in another
+        // order would run otherwise.
+        let mut by_port: Vec<(u32, u64, u32, usize)> = flows
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let fl = &self.flows[f as usize];
+                (fl.src_port, fl.tie, f, i)
+            })
+            .collect();
+        by_port.sort_unstable();
+        let mut place = vec![0u64; n];
+        for k in 1..by_port.len() {
+            if by_port[k].0 == by_port[k - 1].0 {
+                place[by_port[k].3] = place[by_port[k - 1].3] + 1;
+            }
+        }
         let mut colour: Vec<u64> = flows
             .iter()
             .zip(&links)
-            .map(|(&f, ls)| {
+            .zip(&place)
+            .map(|((&f, ls), &place)| {
                 let fl = &self.flows[f as usize];
-                let mut w = vec![fl.npkts, u64::from(fl.last_payload), u64::from(fl.fwd.1)];
+                let mut w = vec![
+                    fl.npkts,
+                    u64::from(fl.last_payload),
+                    u64::from(fl.fwd.1),
+                    place,
+                ];
                 w.extend(ls.iter().map(|&l| hop(l)));
                 hash_words(&w)
             })
@@ -1877,7 +1902,12 @@ impl Engine<'_> {
         let mut link_order = Vec::new();
         for &i in &idx {
             let fl = &self.flows[flows[i] as usize];
-            cert.extend([fl.npkts, u64::from(fl.last_payload), u64::from(fl.fwd.1)]);
+            cert.extend([
+                fl.npkts,
+                u64::from(fl.last_payload),
+                u64::from(fl.fwd.1),
+                place[i],
+            ]);
             cert.push(links[i].len() as u64);
             for &l in &links[i] {
                 let next = link_name.len() as u64;

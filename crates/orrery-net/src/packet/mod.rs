@@ -165,7 +165,11 @@
 //! nanoseconds ahead, so the calendar's O(1) filing beats the heap's O(log n), and the
 //! reference run of a 64 MiB ring all-reduce on 32 GPUs gives byte-identical flows in 5.04 s
 //! of CPU instead of 6.84 s, medians of three); floats (rates, alpha, marking probabilities) never order
-//! events, they only produce integer times by rounding. The only randomness is ECN marking,
+//! events, they only produce integer times by rounding. Queue pairs that join one NIC port
+//! at the same picosecond are served in the order of keys drawn from the shape of their
+//! collective as seen from their source (`host::tie_keys`), not of flow numbers, so a run
+//! does not depend on how its flows are numbered and a run that repeats itself host by
+//! host does so to the picosecond. The only randomness is ECN marking,
 //! from `seed`. Events are a small `Copy` enum of arena indices; packets live in a reused
 //! arena and per-port `VecDeque`s, so steady-state simulation allocates nothing per event.
 //! DCQCN's periodic clocks are evaluated lazily (alpha decay in closed form, a decrease tick
@@ -474,6 +478,7 @@ impl PacketSimulator {
         flows.check()?;
         let routes = engine::Routes::compute(graph, flows)?;
         let ones = vec![1; graph.num_nodes()];
+        let ties = host::tie_keys(graph, flows);
         let exempt_bytes = if cfg.accel.symmetry_exempt {
             u64::from(cfg.mtu_payload)
         } else {
@@ -496,8 +501,10 @@ impl PacketSimulator {
                 };
                 let next = match levels.last() {
                     _ if !cfg.accel.symmetry => None,
-                    Some(q) => symmetry::find(graph, &q.flows, &q.routes, &q.copies, exempt),
-                    None => symmetry::find(graph, flows, &routes, &ones, exempt),
+                    Some(q) => {
+                        symmetry::find(graph, &q.flows, &q.routes, &q.copies, &q.ties, exempt)
+                    }
+                    None => symmetry::find(graph, flows, &routes, &ones, &ties, exempt),
                 };
                 match next {
                     Some(q) => levels.push(q),
@@ -511,6 +518,7 @@ impl PacketSimulator {
                     flows,
                     routes,
                     &ones,
+                    &ties,
                     trace,
                     Some(&mut cache),
                 )?
@@ -525,6 +533,7 @@ impl PacketSimulator {
                 &last.flows,
                 last.routes.clone(),
                 &last.copies,
+                &last.ties,
                 &q_trace,
                 Some(&mut cache),
             )?

@@ -116,26 +116,23 @@
 //! ## What is exact and what is not
 //!
 //! The flows simulated are those sent from each block's first host, on that host's own
-//! links, so that host's ports serve the same queue pairs in the same order as in the full
-//! run. Without ECN marking draws (queues below Kmin, or marking certain above Kmax) they
-//! are the full run's flows to the picosecond: `tests/accel.rs` checks every one of them
-//! on a ring over four hosts, and on the 64 MiB ring over 128 GPUs of `orrery bench
-//! --accel` all 16,256 were (the host shift alone, every other mechanism off). With marking
-//! draws they are the full run with other draws, which is what another seed gives. A
-//! shift of the GPUs inside a host folds each GPU's port onto its neighbour's, and events
-//! of one picosecond on it (an acknowledgement queued as the port frees) can then come in
-//! another order: with both shifts, 1,497 of the ring's 2,032 flows simulated are exact
-//! (`cargo run --release -p orrery-net --example ring_symmetry`).
+//! links. Queue pairs that join a port at the same picosecond are served in the order of
+//! their tie keys ([`super::host::tie_keys`]), which the shift keeps and the quotient's
+//! flows carry over from the run's, so that host's ports serve the same queue pairs in
+//! the same order as in the full run, and so does every other host's: the full run is
+//! symmetric itself. Without ECN marking draws (queues below Kmin, or marking certain
+//! above Kmax) every flow of the expanded run is then the full run's to the picosecond:
+//! `tests/accel.rs` checks every one on a ring over four hosts, and on the 64 MiB ring
+//! over 128 GPUs of `orrery bench --accel`, with both shifts and every other mechanism
+//! off, all 260,096 are (`cargo run --release -p orrery-net --example ring_symmetry`).
+//! With marking draws they are the full run with other draws, which is what another seed
+//! gives.
 //!
-//! The copies take those times, and that is where the quotient and the full run part:
-//! the full run is not quite symmetric itself. It breaks ties between events of the same
-//! picosecond by flow number (queue pairs released together on a port are served in flow
-//! order), so on every host the lowest-numbered ring channel goes first, while the shifts
-//! map each channel to the next one. On that 128-GPU ring this moves single flows by
-//! 0.57% in mean and 22.2% at the 99th percentile (0.62% and 26.7% with the host shift
-//! alone and no other mechanism), and the collective's completion not at all; numbering the reference's own flows
-//! in another order moves them by as much (0.53% and 22.1%; `orrery bench --accel
-//! --label-spread`).
+//! Until 2026-12-05 such queue pairs were served in flow order, so on every host the
+//! lowest-numbered ring channel went first while the shifts map each channel to the
+//! next: on that ring single flows moved by 0.57% in mean and 22.2% at the 99th
+//! percentile, as much as numbering the reference's own flows in another order moved
+//! them (`orrery bench --accel --label-spread`, now 0 on it).
 //!
 //! The report expands the quotient: every flow of an orbit gets its simulated flow's start
 //! and finish, every link of an orbit its link's bytes and pause frames, and the network's
@@ -216,6 +213,9 @@ pub(super) struct Quotient {
     pub routes: Routes,
     /// Per node, the copies its buffer stands for.
     pub copies: Vec<u64>,
+    /// Per quotient flow, the [`super::host::tie_keys`] of the run's flow it is (the
+    /// quotient's own flows would hash otherwise: their dependents are representatives).
+    pub ties: Vec<u64>,
     /// Per exempt flow (simulated each on its own), its bytes and the links of its data
     /// route (to count them on those links only).
     pub exempt_routes: Vec<(u64, Vec<u32>)>,
@@ -247,6 +247,7 @@ pub(super) fn find(
     flows: &FlowSet,
     routes: &Routes,
     copies: &[u64],
+    ties: &[u64],
     exempt_bytes: u64,
 ) -> Option<Quotient> {
     let per_host = graph.endpoints_per_host();
@@ -298,6 +299,7 @@ pub(super) fn find(
                     },
                     endpoint_image: &endpoint_image,
                     copies,
+                    ties,
                 };
                 // The flow that broke the last candidate usually breaks this one too (the
                 // tree of a gradient norm breaks every shift of hosts), and whether its image
@@ -345,6 +347,8 @@ struct Shift<'a> {
     rotation: SymmetryShift,
     endpoint_image: &'a [u32],
     copies: &'a [u64],
+    /// The run's [`super::host::tie_keys`], which the quotient's flows keep.
+    ties: &'a [u64],
 }
 
 /// Structural labels of the flows, from which an image is found: a flow's *up* label
@@ -1167,6 +1171,10 @@ fn quotient(
             });
         }
     }
+    let ties = reps
+        .iter()
+        .map(|&r| shift.ties.get(r as usize).copied().unwrap_or(0))
+        .collect();
     let exempt_routes: Vec<(u64, Vec<u32>)> = (0..flows.flows.len())
         .filter(|&i| keys.is_exempt(i))
         .map(|i| (flows.flows[i].bytes.0, routes.of(i).0.to_vec()))
@@ -1185,6 +1193,7 @@ fn quotient(
         },
         routes: q_routes,
         copies,
+        ties,
     })
 }
 
@@ -1387,7 +1396,7 @@ mod tests {
         )
         .unwrap();
         let routes = Routes::compute(&graph, &flows).unwrap();
-        let q = find(&graph, &flows, &routes, &vec![1; graph.num_nodes()], 0).unwrap();
+        let q = find(&graph, &flows, &routes, &vec![1; graph.num_nodes()], &[], 0).unwrap();
         assert_eq!(q.order, 4);
         assert_eq!(q.reps.len() * 4, flows.flows.len());
         // Every simulated flow is sent from the first host, and its dependencies come
