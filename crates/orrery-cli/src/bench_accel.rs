@@ -313,10 +313,10 @@ struct AccelRow {
     /// (random ECN marks decide them) and per-flow errors measure that, not acceleration.
     reference_seed_spread: Option<AccelErrors>,
     /// With `--label-spread`: the reference run on the same flows numbered in another order
-    /// that keeps every dependency before its dependents, against the reference. The
-    /// reference breaks ties between events of the same picosecond (which queue pair a port
-    /// serves first) by flow number; where this is as large as `errors`, per-flow errors
-    /// measure those ties.
+    /// that keeps every dependency before its dependents, against the reference. Queue
+    /// pairs joining a port together are ordered by their collective's shape, not their
+    /// numbers, but other events of one picosecond still go in the order they were filed;
+    /// where this is as large as `errors`, per-flow errors measure those ties.
     reference_label_spread: Option<AccelErrors>,
 }
 

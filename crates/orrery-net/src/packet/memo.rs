@@ -54,8 +54,10 @@
 //! sharing links, weighted by how many) in a canonical form, plus a hash of what the graph
 //! does not capture. The key here is a *certificate*: the flows are ordered by a
 //! Weisfeiler-Lehman colour refinement of the conflict graph (initial colours from each
-//! flow's size and the speed, delay and kind of every hop of both its paths; two rounds of
-//! refinement over weighted neighbours), ties broken by release order; then links and nodes
+//! flow's size, the speed, delay and kind of every hop of both its paths, and its place
+//! among the group's flows on its NIC port in the order that port serves queue pairs
+//! joining together, see `Engine::start_qp`; two rounds of refinement over weighted
+//! neighbours), ties broken by release order; then links and nodes
 //! are renamed in order of first appearance along the ordered flows' paths, and the
 //! certificate lists every flow's size and renamed paths, every renamed link's endpoints,
 //! speed, delay and PFC headroom, every renamed switch's free-buffer bucket (sixteenths of
