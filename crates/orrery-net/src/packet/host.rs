@@ -18,11 +18,7 @@ use orrery_units::Picos;
 /// rest of its collective after it look like from the flow's own source. Each flow
 /// contributes its destination's offset from its source (in hosts, wrapping around the
 /// fabric, and in local index inside a host, wrapping around the host); a key sums its
-/// dependents' keys (those of its own collective) as a multiset. Sizes and delays are
-/// left out: they tell no ring channel from another, and with them a round of unequal
-/// all-to-all sends, or the first of a collective's repeats (released without a wait),
-/// would order its queue pairs otherwise than the next and not repeat in the memo.
-/// So:
+/// dependents' keys (those of its own collective) as a multiset. So:
 /// - a shift of the hosts or of the GPUs inside every host that maps the flows onto
 ///   themselves maps each flow to one with the same key (a shift in blocks smaller than
 ///   the fabric keeps offsets only within a block), and a symmetric run is symmetric;
@@ -31,7 +27,13 @@ use orrery_units::Picos;
 /// - a collective repeated (a bucket after a bucket, an all-to-all round after a round)
 ///   repeats its keys, so the memo's episodes repeat (what comes after the collective
 ///   would tell the last repeat from the others);
-/// - a key does not depend on how the flows are numbered.
+/// - a key does not depend on how the flows are numbered (flows with equal keys, alike
+///   in all of the above, still go in flow order).
+///
+/// Sizes and delays are left out: they tell no ring channel from another, and with them
+/// a round of unequal all-to-all sends, or the first of a collective's repeats (released
+/// without a wait), would order its queue pairs otherwise than the next and not repeat in
+/// the memo.
 pub(super) fn tie_keys(graph: &NetGraph, flows: &FlowSet) -> Vec<u64> {
     let per_host = graph.endpoints_per_host().max(1) as u64;
     let hosts = (graph.num_endpoints() as u64 / per_host).max(1);
