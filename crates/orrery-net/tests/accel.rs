@@ -1685,6 +1685,39 @@ fn the_reference_does_not_depend_on_how_its_flows_are_numbered() {
     assert_eq!(a.report.events, b.report.events);
 }
 
+#[test]
+fn an_incast_does_not_depend_on_how_its_flows_are_numbered() {
+    // GPU 0 of hosts 1 to 5 sends to GPU 0 of host 0 at once: their frames reach the rail
+    // leaf's port to host 0 in the same picoseconds, and the order those arrivals are
+    // handled in decides who queues first. Without DCQCN, so that no ECN marking draw,
+    // keyed by flow number, tells the two numberings apart; PFC holds the senders back.
+    let g = four_gpu_hosts(6);
+    let fs = flow_set((1..6u32).map(|h| flow(4 * h, 0, 2_000_000)).collect());
+    let reversed: Vec<usize> = (0..fs.flows.len()).rev().collect();
+    let renumbered = fs.reordered(&reversed);
+    let mut cfg = PacketConfig::reference();
+    cfg.dcqcn = false;
+    let a = run(cfg.clone(), &g, &fs);
+    let b = run(cfg, &g, &renumbered);
+    assert!(
+        a.stats.peak_switch_bytes > 100_000,
+        "the queue builds: {:?}",
+        a.stats
+    );
+    let finish: Vec<_> = a.report.flows.iter().map(|f| f.finish).collect();
+    assert!(
+        finish.iter().any(|&t| t != finish[0]),
+        "some flow wins a tie"
+    );
+    for (k, &i) in reversed.iter().enumerate() {
+        assert_eq!(
+            a.report.flows[i], b.report.flows[k],
+            "flow {i} (renumbered {k})"
+        );
+    }
+    assert_eq!(a.report.events, b.report.events);
+}
+
 /// The ring of [`ring_over_hosts`] with one more flow inside the first host.
 #[test]
 fn one_flow_out_of_step_leaves_the_run_unreduced_and_unchanged() {

@@ -696,15 +696,27 @@ impl<'a> Engine<'a> {
                 fill[dep.index()] += 1;
             }
         }
+        // Releases of one instant are handled in tie-key order, like the queue pairs they
+        // start (see `host::tie_keys`), so that what they set off downstream (frames
+        // meeting at a switch in one picosecond) is filed in an order that does not
+        // depend on flow numbers either.
+        let tie_order = |v: &mut [u32]| v.sort_by_key(|&d| (states[d as usize].tie, d));
+        for i in 0..flows.flows.len() {
+            let (a, b) = (dependents_at[i] as usize, dependents_at[i + 1] as usize);
+            tie_order(&mut dependents[a..b]);
+        }
 
         let n_links = ports.len();
         let mut q = CalendarQueue::new();
         let mut pending_rel = vec![None; states.len()];
-        for (i, f) in states.iter().enumerate() {
-            if f.waiting == 0 {
-                let key = q.schedule(f.delay, Ev::Release(i as u32));
-                pending_rel[i] = Some((f.delay, key));
-            }
+        let mut ready: Vec<u32> = (0..states.len() as u32)
+            .filter(|&i| states[i as usize].waiting == 0)
+            .collect();
+        ready.sort_by_key(|&i| (states[i as usize].delay, states[i as usize].tie, i));
+        for i in ready {
+            let delay = states[i as usize].delay;
+            let key = q.schedule(delay, Ev::Release(i));
+            pending_rel[i as usize] = Some((delay, key));
         }
         let trace_pending = trace.interval > Picos::ZERO;
         if trace_pending {
