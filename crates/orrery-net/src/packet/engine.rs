@@ -696,10 +696,12 @@ impl<'a> Engine<'a> {
                 fill[dep.index()] += 1;
             }
         }
-        // Releases of one instant are handled in tie-key order, like the queue pairs they
-        // start (see `host::tie_keys`), so that what they set off downstream (frames
-        // meeting at a switch in one picosecond) is filed in an order that does not
-        // depend on flow numbers either.
+        // The releases filed together (the first ones here, a finishing flow's dependents
+        // in `finish_flow`) are filed in tie-key order, like the queue pairs they start
+        // (see `host::tie_keys`), so that what they set off downstream (frames meeting at
+        // a switch in one picosecond) is filed in an order flow numbers do not decide.
+        // Releases filed by two flows finishing in one picosecond still go in the order
+        // those finishes were handled.
         let tie_order = |v: &mut [u32]| v.sort_by_key(|&d| (states[d as usize].tie, d));
         for i in 0..flows.flows.len() {
             let (a, b) = (dependents_at[i] as usize, dependents_at[i + 1] as usize);

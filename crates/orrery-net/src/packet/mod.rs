@@ -168,8 +168,10 @@
 //! events, they only produce integer times by rounding. Queue pairs that join one NIC port
 //! at the same picosecond are served in the order of keys drawn from the shape of their
 //! collective as seen from their source (`host::tie_keys`), not of flow numbers, so a run
-//! does not depend on how its flows are numbered and a run that repeats itself host by
-//! host does so to the picosecond. The only randomness is ECN marking,
+//! that repeats itself host by host does so to the picosecond, and renumbering the flows
+//! no longer decides which of them goes first (ECN marking draws are keyed by flow
+//! number, and ties between other events of one picosecond still go in the order they
+//! were filed). The only randomness is ECN marking,
 //! from `seed`. Events are a small `Copy` enum of arena indices; packets live in a reused
 //! arena and per-port `VecDeque`s, so steady-state simulation allocates nothing per event.
 //! DCQCN's periodic clocks are evaluated lazily (alpha decay in closed form, a decrease tick
