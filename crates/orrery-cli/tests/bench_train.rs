@@ -486,6 +486,10 @@ fn accel_json_report_has_the_row_and_its_errors() {
     let wall = r["wall_speedup"].as_f64().unwrap();
     let secs = r["reference_secs"].as_f64().unwrap() / r["accelerated_secs"].as_f64().unwrap();
     assert!((wall - secs).abs() < 1e-9 * wall, "{r}");
+    // A short accelerated run is repeated (each repeat must give the same report) and its
+    // median taken.
+    let runs = r["accelerated_runs"].as_u64().unwrap();
+    assert!((1..=5).contains(&runs), "{r}");
     assert_eq!(r["drops"], 0, "{r}");
     assert_eq!(r["reference_drops"], 0, "{r}");
     let hits = r["memo_hits"].as_f64().unwrap();
