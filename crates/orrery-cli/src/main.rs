@@ -85,7 +85,9 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         runs: u32,
         /// Instead: the accelerated packet model against the packet-by-packet reference on
-        /// training traffic (ring all-reduce, GPT steps, an MoE step): the reference once, the accelerated model once or, when a run takes under a second, the median of up to five.
+        /// training traffic (ring all-reduce, GPT steps, an MoE step): the reference once,
+        /// the accelerated model once or, when a run takes under a second, the median of up
+        /// to five.
         #[arg(long, conflicts_with_all = ["emulate", "emulate_fidelity"])]
         accel: bool,
         /// With --accel: MiB of the 128-GPU ring all-reduce (0: leave it out).
