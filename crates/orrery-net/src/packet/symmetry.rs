@@ -483,8 +483,8 @@ fn sort_labelled(labels: &[u64], keep: impl Fn(usize) -> bool) -> Vec<(u64, u32)
     sorted
 }
 
-/// Sorts a bucket of [`sort_labelled`]: a handful of pairs, for which a call into the
-/// library's sort costs more than the sorting (it took half of the buckets' time).
+/// Sorts a bucket of [`sort_labelled`]: a handful of pairs, too few for the library's
+/// sort to pay for its call (larger buckets, from labels that are not spread, go to it).
 fn insertion_sort(v: &mut [(u64, u32)]) {
     if v.len() > 32 {
         v.sort_unstable();
@@ -535,8 +535,6 @@ impl FlowKeys {
             up: LabelFilter::new(n),
             base: LabelFilter::new(n),
             last_reject: std::cell::Cell::new(None),
-            // Sized for every flow up front: growing a table of tens of thousands of
-            // labels rehashes it a dozen times.
             by_down: Vec::new(),
             dependents_at: count,
             dependents,
