@@ -1386,6 +1386,65 @@ fn a_collective_goes_periodic_on_its_started_lanes_before_its_later_phase_starts
     check_bounds(&base, &off, &on, &fs, "hierarchical all-gather");
 }
 
+/// A one-channel 16 MB ring all-reduce over 16 hosts of one GPU at 100 Gb/s in two pods
+/// of eight, paths pinned: the two hops between the pods take longer than the others, and
+/// the delay each adds travels round the ring one rank per step, moving every lane's
+/// period by a few percent once as it passes (30 steps per lane).
+fn two_pod_ring() -> (NetGraph, FlowSet) {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 1,
+        nic: gbps(100.0),
+        hosts_per_pod: 8,
+        spines: 4,
+        ..RailOptimizedSpec::dgx_h100(16)
+    };
+    let g = NetGraph::rail_optimized(&spec)
+        .unwrap()
+        .with_routing(Routing::Pinned);
+    let mut fs = FlowSet::default();
+    collective_flows(
+        &mut fs,
+        "ring",
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels: 1 },
+        &(0..16).collect::<Vec<u32>>(),
+        Bytes(16_000_000),
+        1,
+        Picos::from_nanos(2000),
+    )
+    .unwrap();
+    (g, fs)
+}
+
+#[test]
+fn a_ring_across_two_pods_goes_periodic_while_the_pods_delay_travels_round_it() {
+    let (g, fs) = two_pod_ring();
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_periodic(base.clone()), &g, &fs);
+    check_bounds(&base, &off, &on, &fs, "ring across two pods");
+    assert_eq!(on.stats.periodic_starts, 1, "{:?}", on.stats);
+    // Under the completion times' own 1% bound on the period, every lane waits for the
+    // delay to pass (19 of its 30 flows virtual, 304 in all); under the default 5% the
+    // ring goes periodic after its first window.
+    let mut strict = with_periodic(base.clone());
+    strict.accel.period_gap_theta = 0.01;
+    let held = run(strict, &g, &fs);
+    check_bounds(&base, &off, &held, &fs, "ring across two pods, 1% period");
+    assert!(
+        on.stats.periodic_flows >= held.stats.periodic_flows + 4 * 16,
+        "{} vs {}",
+        on.stats.periodic_flows,
+        held.stats.periodic_flows
+    );
+    assert!(
+        on.report.events * 3 < held.report.events * 2,
+        "{} vs {}",
+        on.report.events,
+        held.report.events
+    );
+}
+
 #[test]
 fn traffic_without_chains_is_never_extrapolated() {
     for (name, (g, fs)) in [

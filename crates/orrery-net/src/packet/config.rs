@@ -266,6 +266,15 @@ pub struct AccelConfig {
     /// Largest relative spread `(max - min) / mean` of a chain's last `period_window`
     /// completion times. Default 0.01, the mean FCT error bound the extrapolation must keep.
     pub period_theta: f64,
+    /// Largest relative spread `(max - min) / mean` of the gaps between a chain's last
+    /// `period_window` releases (its period). Default 0.05. A period that moves means the
+    /// chain's phase against its neighbours moves, and with it the contention its flows
+    /// will meet, which 1% would hold back longest; but a ring whose hops are not all alike
+    /// (the hops between two pods take a few microseconds more) sends a one-off shift of
+    /// about that much round the ring, one rank per step, and under a 1% bound each chain
+    /// waits for it to pass: a 64-rank ring reduce-scatter across two pods simulated 35 of
+    /// its 63 steps. See "Steady lanes" in the `periodic` module for the measurements.
+    pub period_gap_theta: f64,
     /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
     /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow
     /// delivers ~115 packets per sample, so packet quantisation moves a sample by under 1%
@@ -342,6 +351,7 @@ impl Default for AccelConfig {
             symmetry_exempt: true,
             period_window: 5,
             period_theta: 0.01,
+            period_gap_theta: 0.05,
             sample_interval: Picos::from_micros(10),
             window: 20,
             theta: 0.05,
@@ -526,6 +536,12 @@ impl PacketConfig {
                 "must be non-negative and finite (replaced by 0.01)",
             );
         }
+        if !(a.period_gap_theta.is_finite() && a.period_gap_theta >= 0.0) {
+            bad(
+                "accel.period_gap_theta",
+                "must be non-negative and finite (replaced by 0.05)",
+            );
+        }
         out
     }
 
@@ -583,6 +599,9 @@ impl PacketConfig {
         a.period_window = a.period_window.max(1);
         if !(a.period_theta.is_finite() && a.period_theta >= 0.0) {
             a.period_theta = 0.01;
+        }
+        if !(a.period_gap_theta.is_finite() && a.period_gap_theta >= 0.0) {
+            a.period_gap_theta = 0.05;
         }
         c
     }
@@ -736,6 +755,7 @@ mod tests {
         c.accel.theta = f64::NAN;
         c.accel.period_window = 0;
         c.accel.period_theta = -1.0;
+        c.accel.period_gap_theta = f64::INFINITY;
         let fields: Vec<String> = c.problems().into_iter().map(|p| p.field).collect();
         assert_eq!(
             fields,
@@ -744,7 +764,8 @@ mod tests {
                 "accel.window",
                 "accel.theta",
                 "accel.period_window",
-                "accel.period_theta"
+                "accel.period_theta",
+                "accel.period_gap_theta"
             ]
         );
         let s = c.sanitized();
@@ -752,6 +773,7 @@ mod tests {
         assert_eq!(s.accel.window, 2);
         assert_eq!(s.accel.period_window, 1);
         assert_eq!(s.accel.period_theta, 0.01);
+        assert_eq!(s.accel.period_gap_theta, 0.05);
     }
 
     #[test]

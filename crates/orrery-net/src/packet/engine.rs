@@ -743,6 +743,7 @@ impl<'a> Engine<'a> {
                 n_links,
                 cfg.accel.period_window,
                 cfg.accel.period_theta,
+                cfg.accel.period_gap_theta,
             )
         });
         let memo = cfg.accel.memoize.then(|| {
