@@ -267,13 +267,14 @@ pub struct AccelConfig {
     /// completion times. Default 0.01, the mean FCT error bound the extrapolation must keep.
     pub period_theta: f64,
     /// Largest relative spread `(max - min) / mean` of the gaps between a chain's last
-    /// `period_window` releases (its period). Default 0.05. A period that moves means the
-    /// chain's phase against its neighbours moves, and with it the contention its flows
-    /// will meet, which 1% would hold back longest; but a ring whose hops are not all alike
-    /// (the hops between two pods take a few microseconds more) sends a one-off shift of
-    /// about that much round the ring, one rank per step, and under a 1% bound each chain
-    /// waits for it to pass: a 64-rank ring reduce-scatter across two pods simulated 35 of
-    /// its 63 steps. See "Steady lanes" in the `periodic` module for the measurements.
+    /// `period_window` releases (its period). Default 0.05. A moving period means the
+    /// chain's phase against its neighbours is moving, and with it the contention its
+    /// flows will meet, so the period is bounded too, but more loosely than the completion
+    /// times: a ring whose hops are not all alike (the hops between two pods take a few
+    /// microseconds more) sends a one-off shift of its period round the ring, one rank per
+    /// step, which every chain would otherwise wait out. Under 1%, a 64-rank ring
+    /// reduce-scatter across two pods simulated 35 of its 63 steps. See "Steady lanes" in
+    /// the `periodic` module for the measurements.
     pub period_gap_theta: f64,
     /// Period of the delivered-rate samples. Default 10 us: a few base RTTs of a two- or
     /// three-tier fabric with 1 us cables (4-8 us), long enough that a 100 Gb/s flow
