@@ -419,11 +419,11 @@ impl Periodic {
     }
 
     /// When a collective whose started open lanes are `lanes`, going periodic now, would
-    /// see its last flow finish (global time), with slack: for each lane, its last release plus, per flow
-    /// left, its mean gap between releases and an eighth, plus its longest completion
-    /// time; the latest of these, and a quarter of the time left on top. A steady lane's
-    /// completion times are within `theta` of each other and its gaps within `gap_theta`
-    /// (both well under the eighth), and the extrapolation repeats them, so a release of
+    /// see its last flow finish (global time), with slack: for each lane, its last release
+    /// plus, per flow left, its mean gap between releases and an eighth (or `gap_theta` of
+    /// it, if that bound is set looser), plus its longest completion time; the latest of
+    /// these, and a quarter of the time left on top. A steady lane's gaps are within
+    /// `gap_theta` of each other, and the extrapolation repeats them, so a release of
     /// another collective due after this finds no virtual flow of `c` on its links.
     fn projected_end(&self, lanes: &[u32], now: u64) -> u64 {
         let mut end = now;
@@ -438,7 +438,10 @@ impl Periodic {
             let last = starts.iter().copied().max().unwrap_or(now);
             let first = starts.iter().copied().min().unwrap_or(now);
             let mean_gap = (last - first) / (w as u64 - 1);
-            let gap = mean_gap.saturating_add(mean_gap / 8);
+            // The gap's slack follows its bound: a looser `gap_theta` admits lanes whose
+            // period moves by more than an eighth.
+            let spread = (mean_gap as f64 * self.gap_theta) as u64;
+            let gap = mean_gap.saturating_add((mean_gap / 8).max(spread));
             let fct = lane.fcts[..w].iter().copied().max().unwrap_or(0);
             let lane_end = last
                 .saturating_add(gap.saturating_mul(u64::from(lane.left)))
@@ -835,6 +838,19 @@ mod tests {
         // Last release 1200, three flows left at 112 (100 and an eighth), the last taking
         // 60: 1596; from 1300, a quarter of the 296 left on top.
         assert_eq!(p.projected_end(&lanes, 1300), 1596 + 74);
+        // A period allowed to move by 20% is projected with that much slack per flow
+        // instead of the eighth: three flows at 120, the last taking 60, from 1200: 1620,
+        // and a quarter of the 320 left on top.
+        let mut loose = Periodic::new(&set, 64, 3, 0.01, 0.2);
+        for k in 0..3u64 {
+            loose.lane_started(0);
+            loose.record(0, 1000 + 100 * k, 60);
+            loose.lane_done(0);
+        }
+        assert_eq!(
+            loose.projected_end(&loose.started_lanes(0), 1300),
+            1620 + 80
+        );
         // A lane that closes leaves the started count.
         for _ in 0..3 {
             p.lane_done(0);
