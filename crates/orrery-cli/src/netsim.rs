@@ -433,8 +433,12 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "periodic: {} collectives extrapolated ({} ended by an intruder), {} flows virtual, ~{} events skipped",
-            p.periodic_starts, p.periodic_aborts, p.periodic_flows, p.periodic_skipped_events
+            "periodic: {} collectives extrapolated ({} ended by an intruder, meeting {} flows in progress), {} flows virtual, ~{} events skipped",
+            p.periodic_starts,
+            p.periodic_aborts,
+            p.periodic_met,
+            p.periodic_flows,
+            p.periodic_skipped_events
         );
         if p.symmetry_order > 1 {
             let _ = writeln!(

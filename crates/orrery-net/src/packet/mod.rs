@@ -366,6 +366,8 @@ pub struct PacketStats {
     pub periodic_starts: u64,
     pub periodic_flows: u64,
     pub periodic_aborts: u64,
+    /// Virtual flows in progress that an intruder met: simulated from there on.
+    pub periodic_met: u64,
     /// Data packets virtual flows did not simulate (their bytes are in the report), and the
     /// events that saves (estimated as for fast-forwarding).
     pub periodic_skipped_packets: u64,
