@@ -366,7 +366,8 @@ pub struct PacketStats {
     pub periodic_starts: u64,
     pub periodic_flows: u64,
     pub periodic_aborts: u64,
-    /// Virtual flows in progress that an intruder met: simulated from there on.
+    /// Virtual flows in progress that an intruder met: simulated from there on, and so not
+    /// counted in `periodic_flows` (the packets they skipped are counted below).
     pub periodic_met: u64,
     /// Data packets virtual flows did not simulate (their bytes are in the report), and the
     /// events that saves (estimated as for fast-forwarding).

@@ -605,11 +605,16 @@ impl Engine<'_> {
                 0.0
             };
             let remaining = (1 + (spaced * share).round() as u64).min(fl.npkts);
-            let done = fl.npkts - remaining;
-            self.credit_packets(v, done.saturating_sub(self.flows[v as usize].snd_nxt));
+            let skipped = (fl.npkts - remaining).saturating_sub(fl.snd_nxt);
+            self.credit_packets(v, skipped);
             let fl = &mut self.flows[v as usize];
             fl.last_progress = self.now;
             fl.delivered_at = self.now;
+            // No longer a flow finished virtually; the packets it skipped still count.
+            let events = (skipped as f64 * self.run_events_per_packet()).round() as u64;
+            self.stats.periodic_flows -= 1;
+            self.stats.periodic_skipped_packets += skipped;
+            self.stats.periodic_skipped_events += events;
             self.stats.periodic_met += 1;
             self.start_qp(v);
         }
