@@ -2254,3 +2254,108 @@ proptest::proptest! {
         }
     }
 }
+
+/// A two-channel ring all-reduce of 8 MB over 16 GPUs (on five hosts of four, the fifth
+/// idle) and, released by a 1 MB transfer inside the fifth host that finishes `frac` of
+/// the ring's reference length in (so unannounced), either a transfer of `bytes` from
+/// rank 3 to rank 4 (on the path of a chain of the ring) or, with `second`, a second
+/// two-channel ring all-reduce of `bytes` on the same ranks.
+fn two_channel_ring_and(frac: (u64, u64), bytes: u64, second: bool) -> (NetGraph, FlowSet) {
+    let ranks: Vec<u32> = (0..16).collect();
+    let add = |fs: &mut FlowSet, name: &str, bytes: u64| {
+        let ring = FlowAlgorithm::Ring { channels: 2 };
+        let gap = Picos::from_nanos(2000);
+        collective_flows(
+            fs,
+            name,
+            CollectiveKind::AllReduce,
+            ring,
+            &ranks,
+            Bytes(bytes),
+            4,
+            gap,
+        )
+        .unwrap();
+    };
+    let mut fs = FlowSet::default();
+    add(&mut fs, "ring", 8_000_000);
+    let g = four_gpu_hosts(5);
+    let plain = run(PacketConfig::reference(), &g, &fs);
+    let mut probe = flow(16, 17, 1_000_000);
+    let alone = run(
+        PacketConfig::reference(),
+        &g,
+        &flow_set(vec![probe.clone()]),
+    );
+    probe.delay = Picos(plain.report.end.0 / frac.1 * frac.0 - alone.report.flows[0].fct().0);
+    let mut own_collective = |fs: &mut FlowSet, name: &str, ranks: Vec<u32>| {
+        fs.collectives.push(CollectiveInfo {
+            name: name.to_string(),
+            kind: None,
+            ranks,
+            bytes: Bytes(0),
+        });
+        fs.collectives.len() as u32 - 1
+    };
+    probe.collective = own_collective(&mut fs, "probe", vec![16, 17]);
+    fs.flows.push(probe);
+    let probe = FlowId(fs.flows.len() as u32 - 1);
+    let first = fs.flows.len();
+    if second {
+        add(&mut fs, "second", bytes);
+    } else {
+        let mut late = flow(3, 4, bytes);
+        late.collective = own_collective(&mut fs, "late", vec![3, 4]);
+        fs.flows.push(late);
+    }
+    for f in fs.flows[first..].iter_mut().filter(|f| f.deps.is_empty()) {
+        f.deps = vec![probe].into();
+    }
+    (g, fs)
+}
+
+#[test]
+fn a_transfer_released_between_a_periodic_rings_steps_is_met_by_its_next_ones() {
+    // Released halfway (1 MB) and a third of the way (2 MB) through a two-channel ring,
+    // each transfer lands where no virtual flow of the ring is in progress, between two
+    // steps of the chain it shares links with. Before the chain's next virtual flow was
+    // checked for other traffic on its links, the two never met: the transfers ran alone,
+    // 39% and 36% early, and the ring ended 4.0% and 7.7% early.
+    let base = PacketConfig::reference();
+    for (frac, bytes) in [((1, 2), 1_000_000), ((1, 3), 2_000_000)] {
+        let (g, fs) = two_channel_ring_and(frac, bytes, false);
+        let off = run(base.clone(), &g, &fs);
+        let on = run(with_periodic(base.clone()), &g, &fs);
+        let name = format!("{bytes} B at {frac:?}");
+        assert!(on.stats.periodic_starts >= 1, "{name}: {:?}", on.stats);
+        assert_eq!(on.stats.periodic_aborts, 1, "{name}: {:?}", on.stats);
+        let e = check_bounds(&base, &off, &on, &fs, &name);
+        assert!(e.end < 0.001, "{name}: {e:?}");
+        let last = fs.flows.len() - 1;
+        let fct = |r: &PacketRun| r.report.flows[last].fct().0 as f64;
+        let err = (fct(&on) - fct(&off)).abs() / fct(&off);
+        assert!(err < 0.01, "{name}: transfer FCT error {err}");
+    }
+}
+
+#[test]
+fn a_second_two_channel_ring_on_a_periodic_one_ends_in_time_but_is_not_exact_flow_by_flow() {
+    // The second ring of [`a_second_ring_released_onto_a_periodic_ring_meets_its_flows_in_progress`]
+    // with two channels (4 MB released halfway, 8 MB two fifths in). Both rings end within
+    // 0.2% of the reference, but the flows simulated around the intrusion, among them
+    // those restarted where an intruder met them, are up to 10.6% off at p99 (the
+    // issue's bound is 5%): a known gap, held here so that it does not grow. Before
+    // intruders met the flows in progress, 32.8% and 42.0% at p99, the ends 0.77% and
+    // 1.13% early.
+    let base = PacketConfig::reference();
+    for (frac, bytes) in [((1, 2), 4_000_000), ((2, 5), 8_000_000)] {
+        let (g, fs) = two_channel_ring_and(frac, bytes, true);
+        let off = run(base.clone(), &g, &fs);
+        let on = run(with_periodic(base.clone()), &g, &fs);
+        let name = format!("second ring of {bytes} B at {frac:?}");
+        assert!(on.stats.periodic_met >= 1, "{name}: {:?}", on.stats);
+        let e = errors(&off, &on, &fs);
+        assert!(e.mean_fct < 0.011 && e.p99_fct < 0.12, "{name}: {e:?}");
+        assert!(e.end < 0.002 && e.collective < 0.002, "{name}: {e:?}");
+    }
+}

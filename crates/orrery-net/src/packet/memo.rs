@@ -716,6 +716,7 @@ impl Engine<'_> {
                 m.users[l as usize] -= 1;
             }
         }
+        self.periodic_on_idle(f);
     }
 
     /// The decision event: groups the flows deferred at this instant and, per group, starts

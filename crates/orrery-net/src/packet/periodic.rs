@@ -150,6 +150,20 @@
 //! Virtual flows in progress on links the intruder does not use stay virtual: nothing
 //! meets them directly, and what reaches them along their chains comes through the
 //! dependencies.
+//!
+//! A flow released where no virtual flow is in progress on its links (between two steps
+//! of the chain it shares them with) finds nothing to intrude on, and the chain's next
+//! virtual flow would not meet it. So a flow about to become virtual first looks for a
+//! flow of another collective that is not virtual on its links (per link, the count of
+//! such flows and the sum and the sum of squares of their collectives' numbers: all are
+//! of collective `c` exactly when those are `n c` and `n c^2`, an O(1) test); finding
+//! one, it ends the extrapolation as an intruder does and is simulated. On a two-channel
+//! 16-rank ring, 1 and 2 MB transfers released between steps ran alone 39% and 36% early
+//! without this, and the ring ended 4.0% and 7.7% early; with it, the ring's end is
+//! within 0.01% and the transfers within 1%. A known gap remains there: a second
+//! two-channel ring released onto a periodic one ends within 0.2%, but the flows around
+//! the intrusion, the restarted ones among them, are up to 10.6% off at p99 (32.8%
+//! before intruders met the flows in progress; `tests/accel.rs` holds both).
 
 //! ## What it does not do
 //!
@@ -230,6 +244,13 @@ pub(super) struct Periodic {
     hold: Vec<u64>,
     /// Scratch per-link marks.
     mark: Vec<bool>,
+    /// Per link, the flows on it that are not virtual (simulated, memoized or mirrored;
+    /// released and not yet drained): their count, and the sum and the sum of squares of
+    /// their collectives' numbers. They all belong to collective `c` exactly when the sum
+    /// is `n c` and the sum of squares `n c^2` (the numbers then spread by zero).
+    link_others: Vec<(u64, u64, u128)>,
+    /// Whether each flow is counted in `link_others`.
+    counted: Vec<bool>,
     /// Per link, the last time a flow left it (global), for the two collectives that did
     /// so most recently, newest first: the last departure of any collective but `c` is
     /// then the first entry not of `c` (see [`Periodic::foreign_left`]).
@@ -302,6 +323,8 @@ impl Periodic {
             virt: vec![false; n],
             hold: vec![0; n],
             mark: vec![false; links],
+            link_others: vec![(0, 0, 0); links],
+            counted: vec![false; n],
             left_by: vec![[(NONE, 0); 2]; links],
         }
     }
@@ -323,6 +346,30 @@ impl Periodic {
         } else {
             e[1].1
         }
+    }
+
+    /// Flow `f`, not virtual, now uses `links` (`on`) or has drained from them.
+    fn tally(&mut self, f: u32, links: impl Iterator<Item = u32>, on: bool) {
+        if self.counted[f as usize] == on {
+            return;
+        }
+        self.counted[f as usize] = on;
+        let c = u64::from(self.coll_of[f as usize]);
+        for l in links {
+            let t = &mut self.link_others[l as usize];
+            if on {
+                *t = (t.0 + 1, t.1 + c, t.2 + u128::from(c * c));
+            } else {
+                *t = (t.0 - 1, t.1 - c, t.2 - u128::from(c * c));
+            }
+        }
+    }
+
+    /// Whether a flow of another collective than `c` that is not virtual uses link `l`.
+    fn foreign_on(&self, l: u32, c: u32) -> bool {
+        let (n, sum, squares) = self.link_others[l as usize];
+        let c = u64::from(c);
+        sum != n * c || squares != u128::from(n) * u128::from(c * c)
     }
 
     /// Whether flow `f` is virtual (released by the extrapolation, not simulated).
@@ -506,7 +553,19 @@ impl Engine<'_> {
             return false;
         };
         p.lane_started(p.lane_of[f as usize]);
-        if let Some(fct) = p.claim(f) {
+        let c = p.coll_of[f as usize];
+        let mut claim = p.claim(f);
+        if claim.is_some() && links_of(&self.flows, &self.paths, f).any(|l| p.foreign_on(l, c)) {
+            // Another collective's traffic came onto the lane's links while none of the
+            // collective's virtual flows was in progress there, so its release found
+            // nothing to intrude on: the collective meets it now, and `f` is simulated.
+            claim = None;
+            self.periodic_abort(c);
+        }
+        let Some(p) = self.periodic.as_mut() else {
+            return false;
+        };
+        if let Some(fct) = claim {
             let links: Vec<u32> = links_of(&self.flows, &self.paths, f).collect();
             let c = p.coll_of[f as usize];
             for &l in &links {
@@ -534,11 +593,19 @@ impl Engine<'_> {
                 }
             }
         }
+        p.tally(f, links_of(&self.flows, &self.paths, f), true);
         for c in hit {
             self.periodic_materialize(c, f);
             self.periodic_abort(c);
         }
         false
+    }
+
+    /// Flow `f` finished and drained: it no longer uses its links.
+    pub(super) fn periodic_on_idle(&mut self, f: u32) {
+        if let Some(p) = self.periodic.as_mut() {
+            p.tally(f, links_of(&self.flows, &self.paths, f), false);
+        }
     }
 
     /// Flow `f`, not virtual, is released onto links carrying virtual flows of collective
@@ -617,6 +684,9 @@ impl Engine<'_> {
             self.stats.periodic_skipped_events += events;
             self.stats.periodic_met += 1;
             self.start_qp(v);
+            if let Some(p) = self.periodic.as_mut() {
+                p.tally(v, links_of(&self.flows, &self.paths, v), true);
+            }
         }
     }
 
