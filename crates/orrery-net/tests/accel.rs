@@ -1225,6 +1225,17 @@ fn ring_and_late_flow(announced: bool) -> (NetGraph, FlowSet) {
     ring_and_flow_at(announced, (4, 5), 20_000_000)
 }
 
+/// Adds a collective of its own (a lone transfer's) to `fs` and returns its number.
+fn own_collective(fs: &mut FlowSet, name: &str, ranks: Vec<u32>) -> u32 {
+    fs.collectives.push(CollectiveInfo {
+        name: name.to_string(),
+        kind: None,
+        ranks,
+        bytes: Bytes(0),
+    });
+    fs.collectives.len() as u32 - 1
+}
+
 /// [`ring_and_late_flow`] with the intruder of `bytes` released in the middle of the
 /// chain's first flow to end after `at.0 / at.1` of the ring's reference length.
 fn ring_and_flow_at(announced: bool, at: (u64, u64), bytes: u64) -> (NetGraph, FlowSet) {
@@ -1239,18 +1250,9 @@ fn ring_and_flow_at(announced: bool, at: (u64, u64), bytes: u64) -> (NetGraph, F
         .min_by_key(|&f| times[f].start)
         .unwrap();
     let middle = (times[chain].start.0 + times[chain].finish.0) / 2;
-    let mut own_collective = |name: &str, ranks: Vec<u32>| {
-        fs.collectives.push(CollectiveInfo {
-            name: name.to_string(),
-            kind: None,
-            ranks,
-            bytes: Bytes(0),
-        });
-        fs.collectives.len() as u32 - 1
-    };
     let next = fs.flows[chain].dst;
     let mut late = flow(3, next, bytes);
-    late.collective = own_collective("late", vec![3, next]);
+    late.collective = own_collective(&mut fs, "late", vec![3, next]);
     if announced {
         late.delay = Picos(middle);
     } else {
@@ -1262,7 +1264,7 @@ fn ring_and_flow_at(announced: bool, at: (u64, u64), bytes: u64) -> (NetGraph, F
             &flow_set(vec![probe.clone()]),
         );
         probe.delay = Picos(middle - alone.report.flows[0].fct().0);
-        probe.collective = own_collective("probe", vec![16, 17]);
+        probe.collective = own_collective(&mut fs, "probe", vec![16, 17]);
         fs.flows.push(probe);
         late.deps = vec![FlowId(fs.flows.len() as u32 - 1)].into();
     }
@@ -1303,19 +1305,45 @@ fn a_small_intruder_meets_the_virtual_flows_in_progress_on_its_links() {
     // the link as in the reference. Kept virtual (the rule before), it let the intruder
     // run alone past it: 4.7% and 2.5% early, the 1 MB transfer's completion 1.6% off and
     // the ring's end 0.56%.
-    let base = PacketConfig::reference();
-    for (at, bytes) in [((1, 4), 1_000_000), ((2, 5), 2_000_000)] {
-        let (g, fs) = ring_and_flow_at(false, at, bytes);
-        let off = run(base.clone(), &g, &fs);
-        let on = run(with_periodic(base.clone()), &g, &fs);
-        let name = format!("{bytes} B intruding at {at:?}");
-        assert_eq!(on.stats.periodic_aborts, 1, "{name}: {:?}", on.stats);
-        assert!(on.stats.periodic_met >= 1, "{name}: {:?}", on.stats);
-        let e = check_bounds(&base, &off, &on, &fs, &name);
-        assert!(e.end < 0.001, "{name}: {e:?}");
-        let err = late_flow_error(&off, &on);
-        assert!(err < 0.005, "{name}: intruder FCT error {err}");
+    let cases = [((1, 4), 1_000_000), ((2, 5), 2_000_000)];
+    let ring_and = |at, bytes| ring_and_flow_at(false, at, bytes);
+    for on in intruders_within(&cases, ring_and, 0.005) {
+        assert!(on.stats.periodic_met >= 1, "{:?}", on.stats);
     }
+}
+
+/// For each case (where, bytes) of an intruder built by `scenario`: one intrusion within
+/// the bounds ([`intruded_once`]) and the intruder, the scenario's last flow, within
+/// `bound` of the reference. Returns the accelerated runs.
+fn intruders_within(
+    cases: &[((u64, u64), u64)],
+    scenario: impl Fn((u64, u64), u64) -> (NetGraph, FlowSet),
+    bound: f64,
+) -> Vec<PacketRun> {
+    let mut runs = Vec::new();
+    for &(at, bytes) in cases {
+        let (g, fs) = scenario(at, bytes);
+        let name = format!("{bytes} B intruding at {at:?}");
+        let (off, on) = intruded_once(&g, &fs, &name);
+        let err = late_flow_error(&off, &on);
+        assert!(err < bound, "{name}: intruder FCT error {err}");
+        runs.push(on);
+    }
+    runs
+}
+
+/// Runs `fs` packet by packet and with periodic extrapolation, and checks that the
+/// extrapolation started and was ended by one intrusion, within the bounds and
+/// the end within 0.1%.
+fn intruded_once(g: &NetGraph, fs: &FlowSet, name: &str) -> (PacketRun, PacketRun) {
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), g, fs);
+    let on = run(with_periodic(base.clone()), g, fs);
+    assert!(on.stats.periodic_starts >= 1, "{name}: {:?}", on.stats);
+    assert_eq!(on.stats.periodic_aborts, 1, "{name}: {:?}", on.stats);
+    let e = check_bounds(&base, &off, &on, fs, name);
+    assert!(e.end < 0.001, "{name}: {e:?}");
+    (off, on)
 }
 
 #[test]
@@ -1326,32 +1354,7 @@ fn a_second_ring_released_onto_a_periodic_ring_meets_its_flows_in_progress() {
     // virtual flows in progress there are simulated from that instant. Kept virtual (the
     // rule before), they let the second ring's first step run alone: 39% p99 per-flow
     // error, 1.2% mean, the end 1.0% early.
-    let mut fs = FlowSet::default();
-    let ranks: Vec<u32> = (0..16).collect();
-    add_ring(&mut fs, "ring16", &ranks, 4_000_000);
-    let g = four_gpu_hosts(5);
-    let plain = run(PacketConfig::reference(), &g, &fs);
-    let mut probe = flow(16, 17, 1_000_000);
-    let alone = run(
-        PacketConfig::reference(),
-        &g,
-        &flow_set(vec![probe.clone()]),
-    );
-    probe.delay = Picos(plain.report.end.0 / 2 - alone.report.flows[0].fct().0);
-    fs.collectives.push(CollectiveInfo {
-        name: "probe".to_string(),
-        kind: None,
-        ranks: vec![16, 17],
-        bytes: Bytes(0),
-    });
-    probe.collective = fs.collectives.len() as u32 - 1;
-    fs.flows.push(probe);
-    let probe = FlowId(fs.flows.len() as u32 - 1);
-    let second = fs.flows.len();
-    add_ring(&mut fs, "ring16b", &ranks, 4_000_000);
-    for f in fs.flows[second..].iter_mut().filter(|f| f.deps.is_empty()) {
-        f.deps = vec![probe].into();
-    }
+    let (g, fs) = ring_then((1, 4_000_000), (1, 2), 4_000_000, true);
     let base = PacketConfig::reference();
     let off = run(base.clone(), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);
@@ -2255,15 +2258,20 @@ proptest::proptest! {
     }
 }
 
-/// A two-channel ring all-reduce of 8 MB over 16 GPUs (on five hosts of four, the fifth
-/// idle) and, released by a 1 MB transfer inside the fifth host that finishes `frac` of
-/// the ring's reference length in (so unannounced), either a transfer of `bytes` from
-/// rank 3 to rank 4 (on the path of a chain of the ring) or, with `second`, a second
-/// two-channel ring all-reduce of `bytes` on the same ranks.
-fn two_channel_ring_and(frac: (u64, u64), bytes: u64, second: bool) -> (NetGraph, FlowSet) {
+/// A ring all-reduce of `ring_bytes` over 16 GPUs with `channels` channels (on five
+/// hosts of four, the fifth idle) and, released by a 1 MB transfer inside the fifth host
+/// that finishes `frac` of the ring's reference length in (so unannounced), either a
+/// transfer of `bytes` from rank 3 to rank 4 (on the path of a chain of the ring) or, with
+/// `second`, a second ring all-reduce of `bytes` on the same ranks and channels.
+fn ring_then(
+    (channels, ring_bytes): (u32, u64),
+    frac: (u64, u64),
+    bytes: u64,
+    second: bool,
+) -> (NetGraph, FlowSet) {
     let ranks: Vec<u32> = (0..16).collect();
     let add = |fs: &mut FlowSet, name: &str, bytes: u64| {
-        let ring = FlowAlgorithm::Ring { channels: 2 };
+        let ring = FlowAlgorithm::Ring { channels };
         let gap = Picos::from_nanos(2000);
         collective_flows(
             fs,
@@ -2278,7 +2286,7 @@ fn two_channel_ring_and(frac: (u64, u64), bytes: u64, second: bool) -> (NetGraph
         .unwrap();
     };
     let mut fs = FlowSet::default();
-    add(&mut fs, "ring", 8_000_000);
+    add(&mut fs, "ring", ring_bytes);
     let g = four_gpu_hosts(5);
     let plain = run(PacketConfig::reference(), &g, &fs);
     let mut probe = flow(16, 17, 1_000_000);
@@ -2288,15 +2296,6 @@ fn two_channel_ring_and(frac: (u64, u64), bytes: u64, second: bool) -> (NetGraph
         &flow_set(vec![probe.clone()]),
     );
     probe.delay = Picos(plain.report.end.0 / frac.1 * frac.0 - alone.report.flows[0].fct().0);
-    let mut own_collective = |fs: &mut FlowSet, name: &str, ranks: Vec<u32>| {
-        fs.collectives.push(CollectiveInfo {
-            name: name.to_string(),
-            kind: None,
-            ranks,
-            bytes: Bytes(0),
-        });
-        fs.collectives.len() as u32 - 1
-    };
     probe.collective = own_collective(&mut fs, "probe", vec![16, 17]);
     fs.flows.push(probe);
     let probe = FlowId(fs.flows.len() as u32 - 1);
@@ -2321,21 +2320,9 @@ fn a_transfer_released_between_a_periodic_rings_steps_is_met_by_its_next_ones() 
     // steps of the chain it shares links with. Before the chain's next virtual flow was
     // checked for other traffic on its links, the two never met: the transfers ran alone,
     // 39% and 36% early, and the ring ended 4.0% and 7.7% early.
-    let base = PacketConfig::reference();
-    for (frac, bytes) in [((1, 2), 1_000_000), ((1, 3), 2_000_000)] {
-        let (g, fs) = two_channel_ring_and(frac, bytes, false);
-        let off = run(base.clone(), &g, &fs);
-        let on = run(with_periodic(base.clone()), &g, &fs);
-        let name = format!("{bytes} B at {frac:?}");
-        assert!(on.stats.periodic_starts >= 1, "{name}: {:?}", on.stats);
-        assert_eq!(on.stats.periodic_aborts, 1, "{name}: {:?}", on.stats);
-        let e = check_bounds(&base, &off, &on, &fs, &name);
-        assert!(e.end < 0.001, "{name}: {e:?}");
-        let last = fs.flows.len() - 1;
-        let fct = |r: &PacketRun| r.report.flows[last].fct().0 as f64;
-        let err = (fct(&on) - fct(&off)).abs() / fct(&off);
-        assert!(err < 0.01, "{name}: transfer FCT error {err}");
-    }
+    let cases = [((1, 2), 1_000_000), ((1, 3), 2_000_000)];
+    let ring_and = |at, bytes| ring_then((2, 8_000_000), at, bytes, false);
+    intruders_within(&cases, ring_and, 0.01);
 }
 
 #[test]
@@ -2349,7 +2336,7 @@ fn a_second_two_channel_ring_on_a_periodic_one_ends_in_time_but_is_not_exact_flo
     // 1.13% early.
     let base = PacketConfig::reference();
     for (frac, bytes) in [((1, 2), 4_000_000), ((2, 5), 8_000_000)] {
-        let (g, fs) = two_channel_ring_and(frac, bytes, true);
+        let (g, fs) = ring_then((2, 8_000_000), frac, bytes, true);
         let off = run(base.clone(), &g, &fs);
         let on = run(with_periodic(base.clone()), &g, &fs);
         let name = format!("second ring of {bytes} B at {frac:?}");
