@@ -251,8 +251,6 @@ pub(super) struct Periodic {
     /// their collectives' numbers. They all belong to collective `c` exactly when the sum
     /// is `n c` and the sum of squares `n c^2` (the numbers then spread by zero).
     link_others: Vec<(u64, u64, u128)>,
-    /// Whether each flow is counted in `link_others`.
-    counted: Vec<bool>,
     /// Per link, the last time a flow left it (global), for the two collectives that did
     /// so most recently, newest first: the last departure of any collective but `c` is
     /// then the first entry not of `c` (see [`Periodic::foreign_left`]).
@@ -326,7 +324,6 @@ impl Periodic {
             hold: vec![0; n],
             mark: vec![false; links],
             link_others: vec![(0, 0, 0); links],
-            counted: vec![false; n],
             left_by: vec![[(NONE, 0); 2]; links],
         }
     }
@@ -350,20 +347,16 @@ impl Periodic {
         }
     }
 
-    /// Flow `f`, not virtual, now uses `links` (`on`) or has drained from them.
-    fn tally(&mut self, f: u32, links: impl Iterator<Item = u32>, on: bool) {
-        if self.counted[f as usize] == on {
-            return;
-        }
-        self.counted[f as usize] = on;
-        let c = u64::from(self.coll_of[f as usize]);
-        for l in links {
-            let t = &mut self.link_others[l as usize];
-            if on {
-                *t = (t.0 + 1, t.1 + c, t.2 + u128::from(c * c));
-            } else {
-                *t = (t.0 - 1, t.1 - c, t.2 - u128::from(c * c));
-            }
+    /// A flow of collective `c` that is not virtual starts using link `l` (`on`) or has
+    /// drained from it. A flow is counted from its release, or from the instant it is met
+    /// if it was virtual, until it is idle; a virtual flow never is.
+    fn tally(&mut self, l: u32, c: u32, on: bool) {
+        let c = u64::from(c);
+        let t = &mut self.link_others[l as usize];
+        if on {
+            *t = (t.0 + 1, t.1 + c, t.2 + u128::from(c * c));
+        } else {
+            *t = (t.0 - 1, t.1 - c, t.2 - u128::from(c * c));
         }
     }
 
@@ -569,7 +562,6 @@ impl Engine<'_> {
         };
         if let Some(fct) = claim {
             let links: Vec<u32> = links_of(&self.flows, &self.paths, f).collect();
-            let c = p.coll_of[f as usize];
             for &l in &links {
                 p.link_virtual[l as usize] += 1;
                 p.link_coll[l as usize] = c;
@@ -588,14 +580,14 @@ impl Engine<'_> {
         // Every release passes here: no allocation unless it lands on virtual flows.
         let mut hit: Vec<u32> = Vec::new();
         for l in links_of(&self.flows, &self.paths, f) {
+            p.tally(l, c, true);
             if p.link_virtual[l as usize] > 0 {
-                let c = p.link_coll[l as usize];
-                if !hit.contains(&c) {
-                    hit.push(c);
+                let other = p.link_coll[l as usize];
+                if !hit.contains(&other) {
+                    hit.push(other);
                 }
             }
         }
-        p.tally(f, links_of(&self.flows, &self.paths, f), true);
         for c in hit {
             self.periodic_materialize(c, f);
             self.periodic_abort(c);
@@ -605,8 +597,15 @@ impl Engine<'_> {
 
     /// Flow `f` finished and drained: it no longer uses its links.
     pub(super) fn periodic_on_idle(&mut self, f: u32) {
-        if let Some(p) = self.periodic.as_mut() {
-            p.tally(f, links_of(&self.flows, &self.paths, f), false);
+        let Some(p) = self.periodic.as_mut() else {
+            return;
+        };
+        if p.virt[f as usize] {
+            return; // never counted
+        }
+        let c = p.coll_of[f as usize];
+        for l in links_of(&self.flows, &self.paths, f) {
+            p.tally(l, c, false);
         }
     }
 
@@ -687,7 +686,9 @@ impl Engine<'_> {
             self.stats.periodic_met += 1;
             self.start_qp(v);
             if let Some(p) = self.periodic.as_mut() {
-                p.tally(v, links_of(&self.flows, &self.paths, v), true);
+                for l in links_of(&self.flows, &self.paths, v) {
+                    p.tally(l, c, true);
+                }
             }
         }
     }
