@@ -275,6 +275,10 @@ pub(super) struct FlowState {
     /// two DCQCN rate changes a sender sends many frames of one size at one rate, and the
     /// gap is `ser` of them, which is worth not recomputing (see [`Port::ser_time`]).
     pub gap_memo: (u64, u64, Picos),
+    /// The fastest the sender may send, wire bytes per second (infinite: no cap). A flow
+    /// in progress when its collective goes periodic is held to its lane's pace (see
+    /// [`Engine::periodic_try_start`]).
+    pub pace_cap: f64,
 }
 
 /// What of a flow's state evolves as it runs (everything but its identity, route, size
@@ -296,6 +300,7 @@ pub(super) struct FlowDynamics {
     last_cnp: Option<Picos>,
     delivered: u64,
     delivered_at: Picos,
+    pace_cap: f64,
 }
 
 impl FlowState {
@@ -343,6 +348,7 @@ impl FlowState {
             tie: 0,
             joined: Picos(u64::MAX),
             gap_memo: (0, 0, Picos::ZERO),
+            pace_cap: f64::INFINITY,
         }
     }
 
@@ -376,6 +382,7 @@ impl FlowState {
             last_cnp: self.last_cnp,
             delivered: self.delivered,
             delivered_at: self.delivered_at,
+            pace_cap: self.pace_cap,
         }
     }
 
@@ -395,6 +402,7 @@ impl FlowState {
         self.last_cnp = d.last_cnp;
         self.delivered = d.delivered;
         self.delivered_at = d.delivered_at;
+        self.pace_cap = d.pace_cap;
     }
 }
 
