@@ -1189,6 +1189,17 @@ fn long_ring(bytes: u64) -> (NetGraph, FlowSet) {
     (four_gpu_hosts(4), fs)
 }
 
+/// The run went periodic once and stayed so: no abort, and most of its flows virtual.
+fn assert_periodic_throughout(on: &PacketRun, fs: &FlowSet) {
+    assert_eq!(on.stats.periodic_starts, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
+    assert!(
+        on.stats.periodic_flows * 2 > fs.flows.len() as u64,
+        "{:?}",
+        on.stats
+    );
+}
+
 #[test]
 fn a_periodic_ring_is_extrapolated_within_bounds() {
     let (g, fs) = long_ring(4_000_000);
@@ -1197,15 +1208,9 @@ fn a_periodic_ring_is_extrapolated_within_bounds() {
     let memo = run(with_memo(base.clone()), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);
     assert_eq!(memo.stats.periodic_flows, 0);
-    assert_eq!(on.stats.periodic_starts, 1, "{:?}", on.stats);
-    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
     // Most of the 480 flows are extrapolated, and the run processes a fraction of the
     // events of the reference and of memoization alone.
-    assert!(
-        on.stats.periodic_flows * 2 > fs.flows.len() as u64,
-        "{:?}",
-        on.stats
-    );
+    assert_periodic_throughout(&on, &fs);
     assert!(on.report.events * 3 < off.report.events, "{:?}", on.stats);
     assert!(on.report.events * 2 < memo.report.events, "{:?}", on.stats);
     assert!(on.stats.periodic_skipped_events > 0);
@@ -1252,14 +1257,8 @@ fn a_flow_in_progress_when_its_ring_goes_periodic_keeps_its_lanes_pace() {
     let off = run(base.clone(), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);
     assert_eq!(off.stats.ecn_marks, 0, "{:?}", off.stats);
-    assert_eq!(on.stats.periodic_starts, 1, "{:?}", on.stats);
-    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
     assert_eq!(on.stats.ecn_marks, 0, "{:?}", on.stats);
-    assert!(
-        on.stats.periodic_flows * 2 > fs.flows.len() as u64,
-        "{:?}",
-        on.stats
-    );
+    assert_periodic_throughout(&on, &fs);
     let e = check_bounds(&base, &off, &on, &fs, "rail ring across pods");
     assert!(e.end < 0.001 && e.p99_fct < 0.01, "{e:?}");
 }
