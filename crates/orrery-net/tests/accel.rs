@@ -1222,7 +1222,7 @@ fn a_periodic_ring_is_extrapolated_within_bounds() {
 
 /// A one-channel ring all-reduce of 32 MB over the first GPU of each of eight hosts of
 /// four, in two pods of four hosts with four spines (each leaf's uplinks as fast as its
-/// hosts' NICs), and ECN marking from 100 KB at 400 Gb/s (a quarter of the default
+/// hosts' NICs), and ECN marking from 100 KB at 400 Gb/s (an eighth of the default
 /// thresholds). The ring's two hops between pods take longer than the others, so its
 /// steps fall out of line and a step's flows are still starting when the ring goes
 /// periodic.

@@ -187,7 +187,8 @@ impl Engine<'_> {
         fl.snd_nxt += 1;
         self.data_packets += 1;
         let frame = payload + cfg.header_bytes;
-        let rate = if cfg.dcqcn { fl.rp.rate } else { fl.rp.line }.min(fl.pace_cap);
+        let rate = if cfg.dcqcn { fl.rp.rate } else { fl.rp.line };
+        let rate = rate.min(fl.pace_cap);
         let gap = fl.pacing_gap(u64::from(frame) + u64::from(cfg.framing_bytes), rate);
         fl.ready_at = Picos(now.0 + gap.0);
         let arm_rto = !fl.rto_pending;
