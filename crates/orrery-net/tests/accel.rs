@@ -1415,18 +1415,23 @@ fn a_second_ring_released_onto_a_periodic_ring_meets_its_flows_in_progress() {
 }
 
 #[test]
-fn a_ring_with_a_release_scheduled_onto_its_links_waits_for_it_instead_of_going_periodic() {
-    // The late flow's release is known from the start: the ring does not go periodic
-    // before it (the virtual flows in progress would not meet it), and after it the
-    // flow's packets are on the chain's path, so the ring is simulated to the end.
+fn a_release_scheduled_onto_a_rings_links_meets_it_once_periodic() {
+    // The late flow's release is known from the start. The ring goes periodic all the
+    // same (it used to wait, when the virtual flows in progress did not meet an intruder),
+    // and the flow, when it comes, meets the virtual flow in progress on its path and ends
+    // the extrapolation as an unannounced one does.
     let (g, fs) = ring_and_late_flow(true);
     let base = PacketConfig::reference();
     let off = run(base.clone(), &g, &fs);
     let on = run(with_periodic(base.clone()), &g, &fs);
-    assert_eq!(on.stats.periodic_aborts, 0, "{:?}", on.stats);
-    assert_eq!(on.stats.periodic_flows, 0, "{:?}", on.stats);
-    check_bounds(&base, &off, &on, &fs, "announced intruder");
-    assert!(late_flow_error(&off, &on) < 0.01);
+    assert!(on.stats.periodic_starts >= 1, "{:?}", on.stats);
+    assert_eq!(on.stats.periodic_aborts, 1, "{:?}", on.stats);
+    assert!(on.stats.periodic_met >= 1, "{:?}", on.stats);
+    assert!(on.stats.periodic_flows > 0, "{:?}", on.stats);
+    let e = check_bounds(&base, &off, &on, &fs, "announced intruder");
+    assert!(e.end < 0.001 && e.collective < 0.001, "{e:?}");
+    let err = late_flow_error(&off, &on);
+    assert!(err < 0.005, "intruder FCT error {err}");
 }
 
 /// The ring of [`long_ring`] alone, and with, announced from the start, a 20 MB flow
@@ -1454,10 +1459,10 @@ fn ring_and_next_transfer() -> (NetGraph, FlowSet, FlowSet) {
 fn a_release_scheduled_after_a_rings_end_does_not_hold_it_back() {
     // Due half the ring's length after its end, the next transfer finds the ring's links
     // free whether the ring is simulated or extrapolated: the ring goes periodic as it
-    // does alone. (Before the isolation check looked at when a scheduled release is due,
-    // any release scheduled onto the ring's links kept it from going periodic: on the GPT
-    // 350M step at 1,024 GPUs, 31 identical reduce-scatter steps were simulated one by one
-    // because of the next bucket, due 0.67 ms after their end.)
+    // does alone and is never intruded on. (When a scheduled release held a collective
+    // back, one due after it ended still did until the check looked at when it was due:
+    // on the GPT 350M step at 1,024 GPUs, 31 identical reduce-scatter steps were simulated
+    // one by one because of the next bucket, due 0.67 ms after their end.)
     let (g, alone, fs) = ring_and_next_transfer();
     let base = PacketConfig::reference();
     let off = run(base.clone(), &g, &fs);

@@ -604,11 +604,6 @@ impl Memo<'_> {
         self.idle[f as usize]
     }
 
-    /// Flows whose release is scheduled and whose routes use link `l`.
-    pub(super) fn pending_on(&self, l: u32) -> &[u32] {
-        &self.pending_on[l as usize]
-    }
-
     /// Flows using link `l` (active, draining, deferred or memoized).
     pub(super) fn users_of(&self, l: u32) -> u32 {
         self.users[l as usize]

@@ -43,31 +43,28 @@
 //!   middle ones: on an 8-rank two-channel ring, switching with a step or two left gave a
 //!   5.3% p99 flow error), and
 //! - it is *isolated*: every flow using the links of those lanes (active, draining or
-//!   memoized), and every flow whose release onto them is already scheduled before the
-//!   collective's projected end, belongs to the collective, and no flow of another
-//!   collective left them since the oldest of the completion times it learned was
-//!   released. Other traffic on its links shaped the
-//!   completion times it learned and could change them when it ends, so the collective
-//!   waits (re-checking after each further round of completions). The second half matters
-//!   where the other traffic ends with a round: on the GPT 350M step at 512 GPUs with paths
-//!   pinned, data-parallel reduce-scatters went periodic on steps of 28.5 us where the
-//!   reference, alone on the links by then, took 15.7 us, and finished 49% of their length
-//!   late (82% p99 per-flow error over the step; 0.05% with the rule; which traffic had
-//!   shared their links was not traced). A scheduled release would come as an intruder that
-//!   the virtual flows in progress do not meet (below). On the 350M step at 128 GPUs with
-//!   `release = "dependencies"`, before this rule, the embedding all-reduce's groups
-//!   finished 0.85 to 1.07 ms (of 3.4 ms) before the reference's and the step 1.49%
-//!   early; with it, the step's end is 0.30% off, as with no periodic extrapolation at all
-//!   (`orrery netsim --no-symmetry` against `--reference`). Which collective and which
-//!   release were involved was not traced. Releases that are not scheduled yet do not
-//!   hold it back: when they come they are intrusions. Nor does a release due after the
-//!   projected end: each started lane's last release plus, per flow left, its mean gap
-//!   between releases and an eighth, plus its longest completion time, the latest over
-//!   the lanes, and a quarter of the time left on top. Such a release finds the
-//!   collective's links free whether it was simulated or extrapolated; on the 350M step at
-//!   1,024 GPUs the next bucket of a data-parallel group, due 0.67 ms after the end of a
-//!   1.6 ms reduce-scatter, had kept all 31 steps of each ring simulated (4.7M events of
-//!   its flows, 9.2M with the ports' events).
+//!   memoized) belongs to the collective, and no flow of another collective left them
+//!   since the oldest of the completion times it learned was released. Other traffic on
+//!   its links shaped the completion times it learned and could change them when it ends,
+//!   so the collective waits (re-checking after each further round of completions). The
+//!   second half matters where the other traffic ends with a round: on the GPT 350M step
+//!   at 512 GPUs with paths pinned, data-parallel reduce-scatters went periodic on steps
+//!   of 28.5 us where the reference, alone on the links by then, took 15.7 us, and
+//!   finished 49% of their length late (82% p99 per-flow error over the step; 0.05% with
+//!   the rule; which traffic had shared their links was not traced).
+//!
+//! Flows of other collectives not released yet do not hold it back, even those whose
+//! release onto its links is already scheduled: when they come they are intrusions, and
+//! they meet the virtual flows in progress on their links (below). Before intruders met
+//! those flows, a release scheduled before the collective's projected end held it back
+//! (on the 350M step at 128 GPUs with `release = "dependencies"`, the embedding
+//! all-reduce's groups had finished 0.85 to 1.07 ms of 3.4 ms early without that). With
+//! them met, waiting only kept steps simulated: on the 8,192-GPU 405B step (pinned) the
+//! gradient reduce-scatters, which overlap the last micro-batches' pipeline sends,
+//! simulated 1,372 of their 4,032 flows each while they waited, and 376 without the wait
+//! (5.80G events for the step against 4.20G), and the 350M step at 128 GPUs with
+//! `release = "dependencies"` kept its errors against the reference (0.347% mean, 9.374%
+//! p99, the worst collective 0.456%, within what another seed moves the reference).
 //!
 //! The live memo episodes holding flows of the collective are settled first: a mirror is
 //! broken (it takes its leader's exact state and is simulated), a recording is marked
@@ -493,41 +490,6 @@ impl Periodic {
             .collect()
     }
 
-    /// When a collective whose started open lanes are `lanes`, going periodic now, would
-    /// see its last flow finish (global time), with slack: for each lane, its last release
-    /// plus, per flow left, its mean gap between releases and an eighth (or `gap_theta` of
-    /// it, if that bound is set looser), plus its longest completion time; the latest of
-    /// these, and a quarter of the time left on top. A steady lane's gaps are within
-    /// `gap_theta` of each other, and the extrapolation repeats them, so a release of
-    /// another collective due after this finds no virtual flow of `c` on its links.
-    fn projected_end(&self, lanes: &[u32], now: u64) -> u64 {
-        let mut end = now;
-        for lane in lanes.iter().map(|&l| &self.lanes[l as usize]) {
-            let w = self.window.min(lane.recorded as usize);
-            if w < 2 {
-                // No gap learned (a window of one): no projection, every scheduled
-                // release counts.
-                return u64::MAX;
-            }
-            let starts = &lane.starts[..w];
-            let last = starts.iter().copied().max().unwrap_or(now);
-            let first = starts.iter().copied().min().unwrap_or(now);
-            let mean_gap = (last - first) / (w as u64 - 1);
-            // The gap's slack follows its bound: a looser `gap_theta` admits lanes whose
-            // period moves by more than an eighth.
-            let spread = (mean_gap as f64 * self.gap_theta) as u64;
-            let gap = mean_gap.saturating_add((mean_gap / 8).max(spread));
-            let fct = lane.fcts[..w].iter().copied().max().unwrap_or(0);
-            let lane_end = last
-                .saturating_add(gap.saturating_mul(u64::from(lane.left)))
-                .saturating_add(fct);
-            end = end.max(lane_end);
-        }
-        // Slack for what the extrapolation cannot see coming (a held flow finishing a
-        // little after its lane's mean): a quarter of what is left.
-        end.saturating_add(end.saturating_sub(now) / 4)
-    }
-
     /// Forgets every completion time of collective `c`'s lanes (after an intrusion).
     fn forget(&mut self, c: u32) {
         if let Some(coll) = self.colls.get_mut(c as usize) {
@@ -786,22 +748,6 @@ impl Engine<'_> {
                 }
             }
         }
-        // A release of another collective already scheduled onto these links while the
-        // collective still runs would come as an intruder that the virtual flows in
-        // progress do not meet, and under DCQCN what a flow meets at its start (the cut
-        // after the first marks) lasts far longer than one completion time of a lane: the
-        // collective waits for it instead. One due after the collective's projected end
-        // (the next bucket of a data-parallel group, released at a time the predictor
-        // fixed) finds its links free either way: on the GPT 350M step at 1,024 GPUs the
-        // first gradient reduce-scatter of the last pipeline stage, 31 identical ring steps,
-        // was simulated step by step because of one due 0.67 ms after its end.
-        let offset = self.offset.0;
-        let end = p.projected_end(&lanes, self.now.0.saturating_add(offset));
-        let pending_rel = &self.pending_rel;
-        let foreign = |g: &u32| {
-            p.coll_of[*g as usize] != c
-                && pending_rel[*g as usize].is_none_or(|(t, _)| t.0.saturating_add(offset) < end)
-        };
         // The completion times learned must all be of the collective alone: a flow of
         // another collective that left these links after the oldest of them was released
         // may have slowed every one of them and none of the steps to come (see the module
@@ -815,7 +761,6 @@ impl Engine<'_> {
         for (i, &l) in marked.iter().enumerate() {
             if m.users_of(l) != own[i]
                 || p.link_virtual[l as usize] > 0
-                || m.pending_on(l).iter().any(foreign)
                 || p.foreign_left(l, c) > learned_from
             {
                 isolated = false;
@@ -1034,7 +979,7 @@ mod tests {
     }
 
     #[test]
-    fn only_started_lanes_count_and_project_the_end() {
+    fn only_started_lanes_count() {
         // A 4-rank one-channel ring all-reduce: 4 lanes of 6 flows each.
         let set = ring(4, 1, 1 << 20);
         let mut p = Periodic::new(&set, 64, 3, 0.01, 0.05);
@@ -1052,22 +997,6 @@ mod tests {
         assert_eq!(p.colls[0].steady_open, p.colls[0].started_open);
         let lanes = p.started_lanes(0);
         assert_eq!((lanes[0], p.lanes[lanes[0] as usize].left), (0, 3));
-        // Last release 1200, three flows left at 112 (100 and an eighth), the last taking
-        // 60: 1596; from 1300, a quarter of the 296 left on top.
-        assert_eq!(p.projected_end(&lanes, 1300), 1596 + 74);
-        // A period allowed to move by 20% is projected with that much slack per flow
-        // instead of the eighth: three flows at 120, the last taking 60, from 1200: 1620,
-        // and a quarter of the 320 left on top.
-        let mut loose = Periodic::new(&set, 64, 3, 0.01, 0.2);
-        for k in 0..3u64 {
-            loose.lane_started(0);
-            loose.record(0, 1000 + 100 * k, 60);
-            loose.lane_done(0);
-        }
-        assert_eq!(
-            loose.projected_end(&loose.started_lanes(0), 1300),
-            1620 + 80
-        );
         // A lane that closes leaves the started count.
         for _ in 0..3 {
             p.lane_done(0);
