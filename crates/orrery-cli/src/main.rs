@@ -786,6 +786,15 @@ fn progress_spinner(msg: &'static str) -> indicatif::ProgressBar {
 /// Writes a file atomically: a temporary file in the same folder, fsync, then rename, so a
 /// crash never leaves a half-written trace or chart behind.
 fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    atomic_write_with(path, |w| w.write_all(bytes))
+}
+
+/// [`atomic_write`] of what `fill` writes, streamed through a buffer rather than built in
+/// memory first (a flow report of millions of flows is gigabytes of text).
+fn atomic_write_with(
+    path: &Path,
+    fill: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -796,8 +805,9 @@ fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        fill(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)
     };
