@@ -482,6 +482,15 @@ fn render(s: &NetsimSummary) -> String {
             p.periodic_flows,
             p.periodic_skipped_events
         );
+        let _ = writeln!(
+            out,
+            "collective memo: {} collectives kept, {} repeated ({} ended early), {} flows finished at kept times, ~{} events skipped",
+            p.collective_memo_records,
+            p.collective_memo_repeats,
+            p.collective_memo_aborts,
+            p.collective_memo_flows,
+            p.collective_memo_skipped_events
+        );
         if p.symmetry_order > 1 {
             let _ = writeln!(
                 out,

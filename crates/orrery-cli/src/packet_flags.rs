@@ -30,6 +30,11 @@ pub struct PacketFlags {
     /// periodic regime instead of extrapolating them (`accel.periodic = false`).
     #[arg(long)]
     no_periodic: bool,
+    /// Packet model: simulate every collective that repeats an earlier one of the same
+    /// shape instead of finishing its flows at the earlier one's times
+    /// (`accel.collective_memo = false`).
+    #[arg(long)]
+    no_collective_memo: bool,
     /// Packet model: simulate every host of traffic that repeats itself host by host
     /// instead of one copy per orbit (`accel.symmetry = false`).
     #[arg(long)]
@@ -62,6 +67,7 @@ impl PacketFlags {
         a.memoize &= !(self.no_memo || off);
         a.mirror &= !(self.no_mirror || off);
         a.periodic &= !(self.no_periodic || off);
+        a.collective_memo &= !(self.no_collective_memo || off);
         a.symmetry &= !(self.no_symmetry || off);
         a.symmetry_exempt &= !(self.strict_symmetry || off);
     }
@@ -83,6 +89,7 @@ impl PacketFlags {
             (self.no_memo, "--no-memo"),
             (self.no_mirror, "--no-mirror"),
             (self.no_periodic, "--no-periodic"),
+            (self.no_collective_memo, "--no-collective-memo"),
             (self.no_symmetry, "--no-symmetry"),
             (self.strict_symmetry, "--strict-symmetry"),
             (self.reference, "--reference"),
@@ -140,6 +147,14 @@ mod tests {
         .config();
         assert_eq!(quiet.accel.quiet_window, 0);
         assert!(quiet.accel.fast_forward && quiet.accel.partitioning);
+        let mut repeats = PacketFlags {
+            no_collective_memo: true,
+            ..PacketFlags::default()
+        }
+        .config();
+        assert!(!repeats.accel.collective_memo && repeats.accel.periodic);
+        repeats.accel.collective_memo = true;
+        assert_eq!(repeats, on);
         assert_eq!(PacketFlags::default().config(), on);
     }
 

@@ -2384,3 +2384,233 @@ fn a_second_two_channel_ring_on_a_periodic_one_ends_in_time_but_is_not_exact_flo
         assert!(e.end < 0.002 && e.collective < 0.002, "{name}: {e:?}");
     }
 }
+
+// ---- Collective memo ------------------------------------------------------------------
+
+fn with_collective_memo(mut c: PacketConfig) -> PacketConfig {
+    c = with_periodic(c);
+    c.accel.collective_memo = true;
+    c
+}
+
+/// One-channel ring all-reduces of `bytes` over the 16 hosts of [`two_pod_ring`], one per
+/// entry of `starts`, each its own collective, whose first steps wait for zero-byte marker
+/// flows released at `starts[r][k]` for rank `k` of ring `r` (a zero-byte flow uses no
+/// link): a bucket after bucket, released by compute that ends at given times.
+fn rings_released_at(starts: &[Vec<Picos>], bytes: u64) -> (NetGraph, FlowSet) {
+    let (g, _) = two_pod_ring();
+    let mut fs = FlowSet::default();
+    let ranks: Vec<u32> = (0..16).collect();
+    for (r, at) in starts.iter().enumerate() {
+        let marker = own_collective(&mut fs, &format!("compute {r}"), vec![0, 1]);
+        let first_marker = fs.flows.len();
+        for &t in at {
+            let mut m = flow(0, 1, 0);
+            m.delay = t;
+            m.collective = marker;
+            fs.flows.push(m);
+        }
+        let range = collective_flows(
+            &mut fs,
+            &format!("ring {r}"),
+            CollectiveKind::AllReduce,
+            FlowAlgorithm::Ring { channels: 1 },
+            &ranks,
+            Bytes(bytes),
+            1,
+            Picos::from_nanos(2000),
+        )
+        .unwrap();
+        let roots: Vec<usize> = range.filter(|&f| fs.flows[f].deps.is_empty()).collect();
+        assert_eq!(roots.len(), at.len());
+        for (k, f) in roots.into_iter().enumerate() {
+            fs.flows[f].deps = vec![FlowId((first_marker + k) as u32)].into();
+        }
+    }
+    (g, fs)
+}
+
+/// Every ring of [`rings_released_at`] starting on idle links at `t0 + r * period`.
+fn rings_every(reps: usize, period: Picos, bytes: u64) -> (NetGraph, FlowSet) {
+    let starts: Vec<Vec<Picos>> = (0..reps)
+        .map(|r| vec![Picos(r as u64 * period.0); 16])
+        .collect();
+    rings_released_at(&starts, bytes)
+}
+
+/// The flows of collective `name`, in flow order.
+fn flows_of(fs: &FlowSet, name: &str) -> Vec<usize> {
+    let c = fs.collectives.iter().position(|c| c.name == name).unwrap();
+    (0..fs.flows.len())
+        .filter(|&f| fs.flows[f].collective as usize == c)
+        .collect()
+}
+
+#[test]
+fn a_collective_repeating_an_earlier_ones_shape_finishes_at_its_times() {
+    // Three rings, each released 1 ms after the last started (each takes about 0.6 ms):
+    // the first is simulated (and goes periodic) and kept, the next two finish every flow
+    // at the first's times without a packet.
+    let (g, fs) = rings_every(3, us(ONE_RING), RING_BYTES);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let periodic = run(with_periodic(base.clone()), &g, &fs);
+    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    let per = flows_of(&fs, "ring 0").len() as u64;
+    assert_eq!(on.stats.collective_memo_repeats, 2, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_aborts, 0, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_flows, 2 * per, "{:?}", on.stats);
+    assert!(on.stats.collective_memo_skipped_events > 0);
+    // Only the first ring is kept: each ring ends well before the next starts, so nothing
+    // spoils it, and the zero-byte markers finish at their release, before any check.
+    assert_eq!(on.stats.collective_memo_records, 1, "{:?}", on.stats);
+    // Kept times, to the picosecond: every repeated flow takes what its counterpart did.
+    let fct = |r: &PacketRun, f: usize| r.report.flows[f].fct();
+    let first = flows_of(&fs, "ring 0");
+    for name in ["ring 1", "ring 2"] {
+        for (&a, &b) in first.iter().zip(&flows_of(&fs, name)) {
+            assert_eq!(fct(&on, a), fct(&on, b), "{name}");
+        }
+        assert!(flows_of(&fs, name).iter().all(|&f| on.flow_events[f] == 0));
+    }
+    // The first ring is the periodic run's, and the whole run within the bounds of the
+    // reference, where the rings themselves repeat to within 0.01%.
+    for &f in &first {
+        assert_eq!(fct(&on, f), fct(&periodic, f));
+    }
+    check_bounds(&base, &off, &on, &fs, "repeated rings");
+    let e = errors(&periodic, &on, &fs);
+    assert!(e.mean_fct < 1e-4 && e.end < 1e-6, "{e:?}");
+    assert!(
+        on.report.events * 2 < periodic.report.events,
+        "{:?}",
+        on.stats
+    );
+    // Same input, same output.
+    let again = run(with_collective_memo(base.clone()), &g, &fs);
+    assert_eq!(again.report, on.report);
+}
+
+#[test]
+fn a_collective_released_out_of_its_recorded_step_stops_repeating_within_bounds() {
+    // The second ring has the first's shape, but one rank's compute ends 3 us after the
+    // others': the repeat ends at that rank's release (no virtual flow in progress shares
+    // its links: its predecessor's NVLink hop has finished) and the rest of the ring is
+    // simulated.
+    let late = |t: u64, k: usize| Picos(us(t).0 + if k == 5 { us(3).0 } else { 0 });
+    let starts = vec![
+        vec![Picos::ZERO; 16],
+        (0..16).map(|k| late(ONE_RING, k)).collect(),
+    ];
+    let (g, fs) = rings_released_at(&starts, RING_BYTES);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_aborts, 1, "{:?}", on.stats);
+    assert!(
+        on.stats.collective_memo_flows < 16,
+        "at most the first step: {:?}",
+        on.stats
+    );
+    check_bounds(&base, &off, &on, &fs, "a ring released out of step");
+}
+
+#[test]
+fn a_collective_starting_on_busy_links_is_simulated_and_one_they_touched_is_not_kept() {
+    // A 2 MB transfer from GPU 3 to GPU 4 (the ring's hop between the first two hosts) is
+    // released 10 us before the second ring and is still running when it starts: the
+    // second ring is simulated, not repeated, and not kept (other traffic shaped it); the
+    // third, on idle links again, repeats the first.
+    let (g, mut fs) = rings_every(3, us(ONE_RING), RING_BYTES);
+    let mut transfer = flow(3, 4, 2_000_000);
+    transfer.delay = us(ONE_RING - 10);
+    transfer.collective = own_collective(&mut fs, "transfer", vec![3, 4]);
+    fs.flows.push(transfer);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_aborts, 0, "{:?}", on.stats);
+    let fct = |f: usize| on.report.flows[f].fct();
+    let (first, second, third) = (
+        flows_of(&fs, "ring 0"),
+        flows_of(&fs, "ring 1"),
+        flows_of(&fs, "ring 2"),
+    );
+    assert!(second.iter().any(|&f| on.flow_events[f] > 0));
+    assert!(first.iter().zip(&second).any(|(&a, &b)| fct(a) != fct(b)));
+    assert!(first.iter().zip(&third).all(|(&a, &b)| fct(a) == fct(b)));
+    check_bounds(&base, &off, &on, &fs, "a ring started on busy links");
+}
+
+#[test]
+fn a_transfer_released_onto_a_repeating_collective_ends_the_repeat_within_bounds() {
+    // A 1 MB transfer on a ring hop, released by a transfer elsewhere (so unannounced)
+    // halfway through the second ring: the repeat ends, the flows in progress on its
+    // links meet it, and the ring's later steps are simulated.
+    let (g, mut fs) = rings_every(2, us(ONE_RING), RING_BYTES);
+    let plain = run(PacketConfig::reference(), &g, &fs);
+    let second = flows_of(&fs, "ring 1");
+    let start = second
+        .iter()
+        .map(|&f| plain.report.flows[f].start)
+        .min()
+        .unwrap();
+    let end = second
+        .iter()
+        .map(|&f| plain.report.flows[f].finish)
+        .max()
+        .unwrap();
+    let mut transfer = flow(3, 4, 1_000_000);
+    transfer.delay = Picos((start.0 + end.0) / 2);
+    transfer.collective = own_collective(&mut fs, "late", vec![3, 4]);
+    fs.flows.push(transfer);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_aborts, 1, "{:?}", on.stats);
+    assert!(on.stats.periodic_met >= 1, "{:?}", on.stats);
+    check_bounds(&base, &off, &on, &fs, "a transfer onto a repeating ring");
+    let err = late_flow_error(&off, &on);
+    assert!(err < 0.005, "transfer FCT error {err}");
+}
+
+#[test]
+fn collectives_without_chains_are_left_to_memoization() {
+    // Rounds of a 4-to-1 incast of 2 MB flows on one switch, each round its own
+    // collective released 30 us after the last one's flows finished (DCQCN cuts them in
+    // every round). Rounds 1 to 3 have one shape, but no flow of a round waits for another
+    // of it: memoization's hits take them (and roll an intrusion back exactly, where a
+    // repeat could only end), and the collective memo changes nothing.
+    let g = NetGraph::single_switch(5, gbps(100.0), us(1)).unwrap();
+    let mut fs = FlowSet::default();
+    for r in 0..4u32 {
+        let c = own_collective(&mut fs, &format!("incast {r}"), vec![0, 1, 2, 3, 4]);
+        let previous = fs.flows.len() as u32;
+        for i in 0..4 {
+            let mut f = flow(i, 4, 2_000_000);
+            f.collective = c;
+            if r > 0 {
+                f.deps = (previous - 4..previous).map(FlowId).collect();
+                f.delay = us(30);
+            }
+            fs.flows.push(f);
+        }
+    }
+    let base = PacketConfig::reference();
+    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    let without = run(with_periodic(base.clone()), &g, &fs);
+    assert!(
+        on.stats.ecn_marks > 0 && on.stats.memo_hits == 3,
+        "{:?}",
+        on.stats
+    );
+    assert_eq!(on.stats.collective_memo_records, 0, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_repeats, 0, "{:?}", on.stats);
+    assert_eq!(on.report, without.report);
+}
+
+const ONE_RING: u64 = 5000;
+const RING_BYTES: u64 = 16_000_000;

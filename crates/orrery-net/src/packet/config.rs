@@ -234,6 +234,15 @@ pub struct AccelConfig {
     /// its further flows finish after that time without being simulated (see the
     /// `periodic` module). Default true.
     pub periodic: bool,
+    /// Memoization of whole collectives (with `periodic`): a collective that started on
+    /// idle links and ran to its end with nothing else on them leaves its flows' release
+    /// offsets and completion times; a later
+    /// collective of the same shape (endpoints, sizes, routes, delays and dependencies
+    /// among its flows) that starts on idle links finishes each flow at the recorded time
+    /// after its release, without packets, for as long as every flow is released at its
+    /// recorded offset and nothing else comes onto its links (see "Repeated collectives"
+    /// in the `periodic` module). Default true.
+    pub collective_memo: bool,
     /// Symmetry reduction: when shifting every host (or every GPU of a host) to the next
     /// one of its block leaves the fabric, the flows and their routes unchanged (a ring
     /// over hosts that all do the same), only one copy of each orbit of flows is simulated
@@ -333,6 +342,7 @@ impl AccelConfig {
             memoize: false,
             mirror: false,
             periodic: false,
+            collective_memo: false,
             symmetry: false,
             symmetry_exempt: false,
             ..AccelConfig::default()
@@ -348,6 +358,7 @@ impl Default for AccelConfig {
             memoize: true,
             mirror: true,
             periodic: true,
+            collective_memo: true,
             symmetry: true,
             symmetry_exempt: true,
             period_window: 5,

@@ -746,13 +746,18 @@ impl<'a> Engine<'a> {
             || (cfg.accel.memoize && cfg.accel.mirror))
             .then(Vec::new);
         let periodic = (cfg.accel.memoize && cfg.accel.periodic).then(|| {
-            Periodic::new(
+            let p = Periodic::new(
                 flows,
                 n_links,
                 cfg.accel.period_window,
                 cfg.accel.period_theta,
                 cfg.accel.period_gap_theta,
-            )
+            );
+            if cfg.accel.collective_memo {
+                p.with_collective_memo(flows, |f| links_of(&states, &paths, f))
+            } else {
+                p
+            }
         });
         let memo = cfg.accel.memoize.then(|| {
             let mut m = Memo::new(cfg, flows, n_links, cache);

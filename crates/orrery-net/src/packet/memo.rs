@@ -407,7 +407,7 @@ fn hash_words(words: &[u64]) -> u64 {
     mix(h)
 }
 
-fn mix(mut x: u64) -> u64 {
+pub(super) fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;
@@ -1605,6 +1605,7 @@ impl Engine<'_> {
     pub(super) fn memo_finish(&mut self, f: u32) {
         let run_rate = self.run_events_per_packet();
         let periodic = self.periodic.as_ref().is_some_and(|p| p.is_virtual(f));
+        let repeated = self.periodic.as_ref().is_some_and(|p| p.is_repeated(f));
         let per_packet = match self.memo.as_mut() {
             Some(m) => {
                 m.finish_at[f as usize] = None;
@@ -1626,7 +1627,10 @@ impl Engine<'_> {
         let packets = npkts - from;
         self.credit_packets(f, packets);
         let events = (packets as f64 * per_packet).round() as u64;
-        if periodic {
+        if repeated {
+            self.stats.collective_memo_skipped_packets += packets;
+            self.stats.collective_memo_skipped_events += events;
+        } else if periodic {
             self.stats.periodic_skipped_packets += packets;
             self.stats.periodic_skipped_events += events;
         } else {

@@ -183,7 +183,8 @@
 //!
 //! Every mechanism is on by default; [`PacketConfig::reference`] turns them off
 //! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
-//! `--no-memo`, `--no-mirror`, `--no-periodic`, `--no-symmetry` one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
+//! `--no-memo`, `--no-mirror`, `--no-periodic`, `--no-collective-memo`, `--no-symmetry`
+//! one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
 //! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
 //! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
@@ -209,6 +210,9 @@
 //! again; see the `memo` module. `accel.periodic` finishes the flows of a collective whose
 //! chains (a ring rank's flows to its successor, step after step) all repeat the same
 //! completion time after that time, without packets; see the `periodic` module.
+//! `accel.collective_memo` keeps the outcome of a collective that ran alone on its links
+//! and finishes a later collective of the same shape, started on idle links, at its
+//! times; see "Repeated collectives" in the `periodic` module.
 //! `accel.symmetry` simulates one copy of traffic that repeats itself host by host (a
 //! ring over alike hosts) and gives the other copies its times; see the `symmetry` module,
 //! which runs before the engine is built. The
@@ -373,6 +377,18 @@ pub struct PacketStats {
     /// events that saves (estimated as for fast-forwarding).
     pub periodic_skipped_packets: u64,
     pub periodic_skipped_events: u64,
+    /// Collective memo (`accel.collective_memo`): collectives whose outcome was kept,
+    /// collectives that repeated a kept outcome from their first release, repeats ended
+    /// before their last flow (a release off its recorded offset, or other traffic on
+    /// their links), flows finished from a kept outcome (flows met by an intruder are not
+    /// counted), and the data packets and events those flows did not simulate (estimated
+    /// as for fast-forwarding).
+    pub collective_memo_records: u64,
+    pub collective_memo_repeats: u64,
+    pub collective_memo_aborts: u64,
+    pub collective_memo_flows: u64,
+    pub collective_memo_skipped_packets: u64,
+    pub collective_memo_skipped_events: u64,
     /// Copies of each simulated flow when the run was a symmetry quotient
     /// (`accel.symmetry`; 0 when it was not), the flows the quotient simulated, and the
     /// events of the copies it did not (estimated: `copies - 1` times the quotient's
@@ -407,6 +423,7 @@ impl PacketStats {
         self.skipped_events
             + self.memo_skipped_events
             + self.periodic_skipped_events
+            + self.collective_memo_skipped_events
             + self.symmetry_skipped_events
     }
 }
