@@ -192,9 +192,11 @@
 //! instance instead of simulating it again.
 //!
 //! - **Shape.** Each collective gets a 128-bit fingerprint of its flows in order: endpoints,
-//!   size, release delay, dependencies (a flow of the same collective by its place in it;
-//!   one outside it only as present, since when it releases the flow is checked at the
-//!   release), and every link of the flow's data and reverse routes.
+//!   size, dependencies on flows of the same collective (by their places in it) and the
+//!   delay after them, and every link of the flow's data and reverse routes. When a flow
+//!   is released after dependencies outside the collective, or at a time of its own, is
+//!   not part of the shape: it is checked at the release (below), so a first bucket
+//!   released at a given time and the later ones released after compute share a shape.
 //! - **Chains only.** Only a collective some flow of which depends on another of it takes
 //!   part. All-to-alls and lone sends are left to memoization, which rolls an intruded
 //!   hit back exactly where a repeat can only end: taken too, the Mixtral step on 64 GPUs
@@ -206,9 +208,16 @@
 //!   flow's release offset (from the first release) and completion time as it finishes
 //!   (simulated, memoized, mirrored or virtual: all are the accelerated model's answer). A
 //!   release of any other flow onto its links while it is live *spoils* the record, as it
-//!   does the other's; an unspoiled record is kept, by shape, when its last flow finishes.
-//! - **Repeats.** A collective whose links are idle at its first release and whose shape
-//!   has a kept outcome *repeats* it: each flow, when released at its recorded offset,
+//!   does the other's; an unspoiled record is kept, by shape, when its last flow finishes,
+//!   if the collective went periodic. One that did not was short enough, or its chains
+//!   irregular enough, for its steps to be memoized episodes, and memoization rolls an
+//!   intruded hit back exactly where a repeat can only end: on the 13B step at 128 GPUs
+//!   (4-rank rings, pinned), two repeats of such collectives that pipeline sends ended
+//!   partway cost 17% more events than none.
+//! - **Repeats.** A collective whose links are idle at its first release, whose shape has
+//!   a kept outcome, and whose every flow released from outside it is then due (released
+//!   now, or its release scheduled) at its recorded offset *repeats* that outcome: each
+//!   flow, when released at its recorded offset,
 //!   becomes virtual and finishes its recorded completion time later, so its dependents
 //!   are released as they were. A flow released at another offset (an outside dependency
 //!   finished at another time), or another collective's flow on its links, ends the repeat
@@ -304,6 +313,8 @@ struct Coll {
     /// Some flow of it depends on another: it has chains, and the collective memo takes
     /// it (see "Repeated collectives" in the module essay).
     chained: bool,
+    /// Its flows that depend on none of its own (released from outside it).
+    roots: Vec<u32>,
     /// When its first flow was released (global), once it was.
     first_release: Option<u64>,
     /// The links its flows use, from its first release until its last flow finishes.
@@ -314,6 +325,8 @@ struct Coll {
     /// The kept outcome (by shape) it repeats, until a release is off its recorded offset
     /// or something else comes onto its links.
     repeating: Option<u128>,
+    /// It went periodic at some point: only such a collective's outcome is kept.
+    went_periodic: bool,
 }
 
 /// Periodic extrapolation state (`accel.periodic` with `accel.memoize`).
@@ -450,19 +463,26 @@ impl Periodic {
                 print.add(u64::from(spec.src));
                 print.add(u64::from(spec.dst));
                 print.add(spec.bytes.0);
-                print.add(spec.delay.0);
-                print.add(spec.deps.len() as u64);
-                for d in spec.deps.iter() {
-                    // A dependency outside the collective is checked at the release
-                    // instead (its offset), so only its presence is part of the shape.
-                    let own = self.coll_of[d.0 as usize] as usize == c;
-                    coll.chained |= own;
-                    print.add(if own {
-                        u64::from(self.index_in_coll[d.0 as usize])
-                    } else {
-                        u64::MAX
-                    });
+                // When a flow is released after its dependencies outside the collective
+                // (or at a time of its own, without any) is checked at its release, as
+                // its offset from the collective's first: the shape holds only what the
+                // collective's own flows decide, its dependencies among them and the
+                // delay after those. So the first bucket, released at a given time,
+                // and the later ones, released after compute, share a shape.
+                let own: Vec<u64> = spec
+                    .deps
+                    .iter()
+                    .filter(|d| self.coll_of[d.0 as usize] as usize == c)
+                    .map(|d| u64::from(self.index_in_coll[d.0 as usize]))
+                    .collect();
+                if own.is_empty() {
+                    coll.roots.push(f);
+                } else {
+                    coll.chained = true;
+                    print.add(spec.delay.0);
                 }
+                print.add(own.len() as u64);
+                own.iter().for_each(|&d| print.add(d));
                 for l in flow_links(f) {
                     print.add(u64::from(l));
                 }
@@ -834,7 +854,25 @@ impl Engine<'_> {
         if !idle {
             return;
         }
-        if p.outcomes.contains_key(&coll.shape) {
+        if let Some(out) = p.outcomes.get(&coll.shape) {
+            // Every flow released from outside the collective must be due at its recorded
+            // offset already: one not scheduled yet, or due at another time, would end
+            // the repeat partway.
+            let offset = self.offset.0;
+            let due = |g: u32| {
+                if g == f {
+                    return Some(start);
+                }
+                let (at, _) = self.pending_rel[g as usize]?;
+                Some(at.0 + offset)
+            };
+            let on_time = coll.roots.iter().all(|&g| {
+                let i = p.index_in_coll[g as usize] as usize;
+                due(g).and_then(|t| t.checked_sub(start)) == out.offsets.get(i).copied()
+            });
+            if !on_time {
+                return;
+            }
             coll.repeating = Some(coll.shape);
             self.stats.collective_memo_repeats += 1;
         } else {
@@ -860,7 +898,7 @@ impl Engine<'_> {
         }
         coll.repeating = None;
         let links = std::mem::take(&mut coll.links);
-        if let Some(out) = coll.recording.take() {
+        if let Some(out) = coll.recording.take().filter(|_| coll.went_periodic) {
             // Two live collectives of one shape may both have recorded: the first kept
             // stays.
             if let std::collections::hash_map::Entry::Vacant(v) = p.outcomes.entry(coll.shape) {
@@ -1099,6 +1137,7 @@ impl Engine<'_> {
             return;
         }
         coll.on = true;
+        coll.went_periodic = true;
         for &lane in &lanes {
             p.lanes[lane as usize].vetted = true;
         }
