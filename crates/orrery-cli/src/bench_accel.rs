@@ -331,6 +331,8 @@ struct AccelRow {
     memo_hit_rate: f64,
     mirrored_groups: u64,
     virtual_flows: u64,
+    /// Flows finished at a kept collective's times (`accel.collective_memo`).
+    repeated_flows: u64,
     /// Copies of each simulated flow when the accelerated run was a symmetry quotient (0:
     /// no symmetry found).
     symmetry_copies: u64,
@@ -399,7 +401,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     }
     if !b.json {
         outln!(
-            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation, symmetry) vs the packet-by-packet reference"
+            "orrery bench --accel: accelerated packet model (fast-forward, partitioning, memo, mirrors, periodic extrapolation, collective memo, symmetry) vs the packet-by-packet reference"
         );
         outln!(
             "job steps' flows released {} (--release {})\n",
@@ -415,7 +417,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             "accel s: the median of up to {SHORT_RUN_REPEATS} runs when a run takes under {SHORT_RUN_SECS} s (a fresh simulator each); the reference runs once\n"
         );
         outln!(
-            "{:<46} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
+            "{:<46} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
             "scenario",
             "GPUs",
             "flows",
@@ -427,6 +429,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             "memo%",
             "mirror",
             "virtual",
+            "repeated",
             "sym",
             "meanFCT%",
             "p99FCT%",
@@ -555,6 +558,7 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         memo_hit_rate: st.memo_hit_rate(),
         mirrored_groups: st.memo_mirrored,
         virtual_flows: st.periodic_flows,
+        repeated_flows: st.collective_memo_flows,
         symmetry_copies: st.symmetry_order,
         drops: fast.report.drops,
         reference_drops: reference.as_ref().map(|(r, _)| r.report.drops),
@@ -576,7 +580,7 @@ fn table_line(r: &AccelRow) -> String {
     };
     let measured = match (&r.errors, r.reference_secs, r.wall_speedup) {
         (Some(e), Some(t_ref), Some(speedup)) => format!(
-            "{:>9.2} {:>9.3} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            "{:>9.2} {:>9.3} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
             t_ref,
             r.accelerated_secs,
             speedup,
@@ -585,6 +589,7 @@ fn table_line(r: &AccelRow) -> String {
             memo,
             r.mirrored_groups,
             r.virtual_flows,
+            r.repeated_flows,
             sym,
             100.0 * e.mean_fct,
             100.0 * e.p99_fct,
@@ -592,7 +597,7 @@ fn table_line(r: &AccelRow) -> String {
             100.0 * e.collective
         ),
         _ => format!(
-            "{:>9} {:>9.3} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
+            "{:>9} {:>9.3} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8}",
             "-",
             r.accelerated_secs,
             r.event_ratio,
@@ -601,6 +606,7 @@ fn table_line(r: &AccelRow) -> String {
             memo,
             r.mirrored_groups,
             r.virtual_flows,
+            r.repeated_flows,
             sym,
             "-",
             "-",
