@@ -226,18 +226,18 @@
 //!   is simulated (and may go periodic again).
 //!
 //! What a repeat stands for is the accelerated run of the same flows from the same state,
-//! which the engine would compute again, but for two things: ECN marking draws are keyed
-//! by flow number, so where packets were marked a repeat carries the kept instance's draws
-//! (as a memo hit does: on rounds of a 4-to-1 incast, taken before collectives without
-//! chains were left out, 3.2% mean and 11.6% p99 per-flow error against the reference,
-//! exactly what memoization alone gave, where another seed moves the reference by 3.6%
-//! and 13.0%), and the engine's own history: the
-//! fast-forwarding sample grid falls at another phase of the collective, and the memo
-//! holds more episodes the second time (on the 405B step above, the first all-gather's
-//! flows differed from the second's by up to 0.0023%, and the later ones from each other
-//! not at all). Switch buffer pools shared with other traffic are, as for virtual flows,
-//! not seen. On that step: 392.2M events before, 157.9M after; per flow 0.0006% mean and
-//! 0.003% p99 (at most 0.03%) from the run without it, the end 0.00005% later.
+//! which the engine would compute again, but for two things. ECN marking draws are keyed
+//! by flow number, so where packets were marked a repeat carries the kept instance's
+//! draws, as a memo hit does (on rounds of a 4-to-1 incast, taken before collectives
+//! without chains were left out: 3.2% mean and 11.6% p99 per-flow error against the
+//! reference, exactly what memoization alone gave, where another seed moves the reference
+//! by 3.6% and 13.0%). And the engine's own history: the fast-forwarding sample grid falls
+//! at another phase of the collective, and the memo may hold other episodes by then (on
+//! the 405B step above, without the collective memo, the first all-gather's flows
+//! differed from the second's by up to 0.0023%, the later ones from each other not at
+//! all). Switch buffer pools shared with other traffic are, as for virtual flows, not
+//! seen. On that step: 392.2M events before, 131.4M after; per flow 0.0007% mean and
+//! 0.003% p99 (at most 0.03%) from the run without it, the end 0.00006% later.
 
 //! ## What it does not do
 //!
