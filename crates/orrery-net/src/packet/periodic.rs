@@ -193,10 +193,11 @@
 //!
 //! - **Shape.** Each collective gets a 128-bit fingerprint of its flows in order: endpoints,
 //!   size, dependencies on flows of the same collective (by their places in it) and the
-//!   delay after them, and every link of the flow's data and reverse routes. When a flow
-//!   is released after dependencies outside the collective, or at a time of its own, is
-//!   not part of the shape: it is checked at the release (below), so a first bucket
-//!   released at a given time and the later ones released after compute share a shape.
+//!   delay after them, and every link of the flow's data and reverse routes. The time at
+//!   which a flow is released after dependencies outside the collective, or at a time of
+//!   its own, is not part of the shape: it is checked when a repeat begins (below), so a
+//!   first bucket released at a given time and the later ones released after compute
+//!   share a shape.
 //! - **Chains only.** Only a collective some flow of which depends on another of it takes
 //!   part. All-to-alls and lone sends are left to memoization, which rolls an intruded
 //!   hit back exactly where a repeat can only end: taken too, the Mixtral step on 64 GPUs
@@ -217,13 +218,13 @@
 //! - **Repeats.** A collective whose links are idle at its first release, whose shape has
 //!   a kept outcome, and whose every flow released from outside it is then due (released
 //!   now, or its release scheduled) at its recorded offset *repeats* that outcome: each
-//!   flow, when released at its recorded offset,
-//!   becomes virtual and finishes its recorded completion time later, so its dependents
-//!   are released as they were. A flow released at another offset (an outside dependency
-//!   finished at another time), or another collective's flow on its links, ends the repeat
-//!   the way an intrusion ends a periodic collective: the virtual flows in progress on the
-//!   intruder's links are met, the others keep their times, and from there the collective
-//!   is simulated (and may go periodic again).
+//!   flow, released at its recorded offset, becomes virtual and finishes its recorded
+//!   completion time later, so its dependents are released as they were. Another
+//!   collective's flow on its links ends the repeat the way an intrusion ends a periodic
+//!   collective: the virtual flows in progress on the intruder's links are met, the others
+//!   keep their times, and from there the collective is simulated (and may go periodic
+//!   again). So does a flow released at another offset, which the check at the start
+//!   leaves as a safeguard only: the others' releases follow from the recorded times.
 //!
 //! What a repeat stands for is the accelerated run of the same flows from the same state,
 //! which the engine would compute again, but for two things. ECN marking draws are keyed
@@ -307,8 +308,8 @@ struct Coll {
     recheck_at: u64,
     /// Every flow of the collective, in flow order.
     flows: Vec<u32>,
-    /// A fingerprint of the collective's flows: endpoints, sizes, routes, release delays
-    /// and dependencies among themselves (0 without the collective memo).
+    /// A fingerprint of the collective's flows: endpoints, sizes, routes, dependencies
+    /// among themselves and the delays after those (0 without the collective memo).
     shape: u128,
     /// Some flow of it depends on another: it has chains, and the collective memo takes
     /// it (see "Repeated collectives" in the module essay).
@@ -463,12 +464,10 @@ impl Periodic {
                 print.add(u64::from(spec.src));
                 print.add(u64::from(spec.dst));
                 print.add(spec.bytes.0);
-                // When a flow is released after its dependencies outside the collective
-                // (or at a time of its own, without any) is checked at its release, as
-                // its offset from the collective's first: the shape holds only what the
-                // collective's own flows decide, its dependencies among them and the
-                // delay after those. So the first bucket, released at a given time,
-                // and the later ones, released after compute, share a shape.
+                // The time a flow is released after dependencies outside the collective
+                // (or at a time of its own) is checked when a repeat begins, as its
+                // offset from the collective's first release; the shape holds what the
+                // collective's own flows decide.
                 let own: Vec<u64> = spec
                     .deps
                     .iter()
