@@ -2430,6 +2430,27 @@ fn rings_released_at(starts: &[Vec<Picos>], bytes: u64) -> (NetGraph, FlowSet) {
     (g, fs)
 }
 
+/// Adds a transfer of `bytes` from host 3 to host 4 (a hop of the rings of
+/// [`rings_released_at`]), a collective of its own, released at `at`.
+fn push_hop_transfer(fs: &mut FlowSet, bytes: u64, at: Picos) {
+    let mut transfer = flow(3, 4, bytes);
+    transfer.delay = at;
+    transfer.collective = own_collective(fs, "transfer", vec![3, 4]);
+    fs.flows.push(transfer);
+}
+
+/// Runs `fs` packet by packet and with the collective memo (and the memoization and
+/// periodic extrapolation it builds on), returning the base configuration and both runs.
+fn reference_and_collective_memo(
+    g: &NetGraph,
+    fs: &FlowSet,
+) -> (PacketConfig, PacketRun, PacketRun) {
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), g, fs);
+    let on = run(with_collective_memo(base.clone()), g, fs);
+    (base, off, on)
+}
+
 /// Every ring of [`rings_released_at`] starting on idle links at `t0 + r * period`.
 fn rings_every(reps: usize, period: Picos, bytes: u64) -> (NetGraph, FlowSet) {
     let starts: Vec<Vec<Picos>> = (0..reps)
@@ -2543,13 +2564,8 @@ fn a_collective_starting_on_busy_links_is_simulated_and_one_they_touched_is_not_
     // second ring is simulated, not repeated, and not kept (other traffic shaped it); the
     // third, on idle links again, repeats the first.
     let (g, mut fs) = rings_every(3, us(ONE_RING), RING_BYTES);
-    let mut transfer = flow(3, 4, 2_000_000);
-    transfer.delay = us(ONE_RING - 10);
-    transfer.collective = own_collective(&mut fs, "transfer", vec![3, 4]);
-    fs.flows.push(transfer);
-    let base = PacketConfig::reference();
-    let off = run(base.clone(), &g, &fs);
-    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    push_hop_transfer(&mut fs, 2_000_000, us(ONE_RING - 10));
+    let (base, off, on) = reference_and_collective_memo(&g, &fs);
     assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_aborts, 0, "{:?}", on.stats);
     let fct = |f: usize| on.report.flows[f].fct();
@@ -2566,9 +2582,10 @@ fn a_collective_starting_on_busy_links_is_simulated_and_one_they_touched_is_not_
 
 #[test]
 fn a_transfer_released_onto_a_repeating_collective_ends_the_repeat_within_bounds() {
-    // A 1 MB transfer on a ring hop, released by a transfer elsewhere (so unannounced)
-    // halfway through the second ring: the repeat ends, the flows in progress on its
-    // links meet it, and the ring's later steps are simulated.
+    // A 1 MB transfer on a ring hop, released halfway through the second ring (at a time
+    // of its own, scheduled from the start): the repeat begins all the same, ends when
+    // the transfer comes, the flows in progress on its links meet it, and the ring's
+    // later steps are simulated.
     let (g, mut fs) = rings_every(2, us(ONE_RING), RING_BYTES);
     let plain = run(PacketConfig::reference(), &g, &fs);
     let second = flows_of(&fs, "ring 1");
@@ -2582,13 +2599,8 @@ fn a_transfer_released_onto_a_repeating_collective_ends_the_repeat_within_bounds
         .map(|&f| plain.report.flows[f].finish)
         .max()
         .unwrap();
-    let mut transfer = flow(3, 4, 1_000_000);
-    transfer.delay = Picos((start.0 + end.0) / 2);
-    transfer.collective = own_collective(&mut fs, "late", vec![3, 4]);
-    fs.flows.push(transfer);
-    let base = PacketConfig::reference();
-    let off = run(base.clone(), &g, &fs);
-    let on = run(with_collective_memo(base.clone()), &g, &fs);
+    push_hop_transfer(&mut fs, 1_000_000, Picos((start.0 + end.0) / 2));
+    let (base, off, on) = reference_and_collective_memo(&g, &fs);
     assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_aborts, 1, "{:?}", on.stats);
     assert!(on.stats.periodic_met >= 1, "{:?}", on.stats);
