@@ -484,10 +484,11 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "collective memo: {} collectives kept, {} repeated ({} ended early), {} flows finished at kept times, ~{} events skipped",
+            "collective memo: {} collectives kept, {} repeated ({} ended early, meeting {} flows in progress), {} flows finished at kept times, ~{} events skipped",
             p.collective_memo_records,
             p.collective_memo_repeats,
             p.collective_memo_aborts,
+            p.collective_memo_met,
             p.collective_memo_flows,
             p.collective_memo_skipped_events
         );

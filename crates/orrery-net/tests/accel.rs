@@ -2484,6 +2484,8 @@ fn a_collective_repeating_an_earlier_ones_shape_finishes_at_its_times() {
     assert_eq!(on.stats.collective_memo_repeats, 2, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_aborts, 0, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_flows, 2 * per, "{:?}", on.stats);
+    // Repeated flows are counted apart from the first ring's virtual ones.
+    assert!(on.stats.periodic_flows < per, "{:?}", on.stats);
     assert!(on.stats.collective_memo_skipped_events > 0);
     // Only the first ring is kept: each ring ends well before the next starts, so nothing
     // spoils it, and the zero-byte markers finish at their release, before any check.
@@ -2542,8 +2544,9 @@ fn a_collective_released_out_of_its_recorded_step_is_not_repeated() {
     for (name, fs) in [("marker", by_markers), ("own time", at_own_times)] {
         let off = run(base.clone(), &g, &fs);
         let on = run(with_collective_memo(base.clone()), &g, &fs);
+        // Both rings are kept: one shape, two patterns of first-step offsets.
         assert_eq!(
-            on.stats.collective_memo_records, 1,
+            on.stats.collective_memo_records, 2,
             "{name}: {:?}",
             on.stats
         );
@@ -2558,11 +2561,11 @@ fn a_collective_released_out_of_its_recorded_step_is_not_repeated() {
 }
 
 #[test]
-fn a_collective_starting_on_busy_links_is_simulated_and_one_they_touched_is_not_kept() {
+fn a_collective_starting_on_busy_links_is_simulated_and_the_next_idle_one_repeats() {
     // A 2 MB transfer from GPU 3 to GPU 4 (the ring's hop between the first two hosts) is
     // released 10 us before the second ring and is still running when it starts: the
-    // second ring is simulated, not repeated, and not kept (other traffic shaped it); the
-    // third, on idle links again, repeats the first.
+    // second ring is simulated, not repeated (nor recorded); the third, on idle links
+    // again, repeats the first.
     let (g, mut fs) = rings_every(3, us(ONE_RING), RING_BYTES);
     push_hop_transfer(&mut fs, 2_000_000, us(ONE_RING - 10));
     let (base, off, on) = reference_and_collective_memo(&g, &fs);
@@ -2603,7 +2606,7 @@ fn a_transfer_released_onto_a_repeating_collective_ends_the_repeat_within_bounds
     let (base, off, on) = reference_and_collective_memo(&g, &fs);
     assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_aborts, 1, "{:?}", on.stats);
-    assert!(on.stats.periodic_met >= 1, "{:?}", on.stats);
+    assert!(on.stats.collective_memo_met >= 1, "{:?}", on.stats);
     check_bounds(&base, &off, &on, &fs, "a transfer onto a repeating ring");
     let err = late_flow_error(&off, &on);
     assert!(err < 0.005, "transfer FCT error {err}");
@@ -2683,4 +2686,26 @@ fn a_collective_that_never_went_periodic_is_left_to_memoization() {
     assert!(on.stats.memo_hits > 0, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_records, 0, "{:?}", on.stats);
     assert_eq!(on.report, without.report);
+}
+
+#[test]
+fn a_collective_that_other_traffic_touched_is_not_kept() {
+    // A 2 MB transfer on a ring hop, released a tenth of a ring into the first ring: the
+    // first ring's record is spoiled, so the second is simulated and kept, and the third
+    // repeats the second, not the first.
+    let (g, mut fs) = rings_every(3, us(ONE_RING), RING_BYTES);
+    push_hop_transfer(&mut fs, 2_000_000, us(ONE_RING / 10));
+    let (base, off, on) = reference_and_collective_memo(&g, &fs);
+    assert_eq!(on.stats.collective_memo_records, 1, "{:?}", on.stats);
+    assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
+    let fct = |f: usize| on.report.flows[f].fct();
+    let (first, second, third) = (
+        flows_of(&fs, "ring 0"),
+        flows_of(&fs, "ring 1"),
+        flows_of(&fs, "ring 2"),
+    );
+    assert!(first.iter().zip(&second).any(|(&a, &b)| fct(a) != fct(b)));
+    assert!(second.iter().zip(&third).all(|(&a, &b)| fct(a) == fct(b)));
+    assert!(third.iter().all(|&f| on.flow_events[f] == 0));
+    check_bounds(&base, &off, &on, &fs, "a ring touched by a transfer");
 }

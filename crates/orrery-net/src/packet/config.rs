@@ -234,14 +234,14 @@ pub struct AccelConfig {
     /// its further flows finish after that time without being simulated (see the
     /// `periodic` module). Default true.
     pub periodic: bool,
-    /// Memoization of whole collectives (with `periodic`): a collective that started on
-    /// idle links and ran to its end with nothing else on them leaves its flows' release
-    /// offsets and completion times; a later
-    /// collective of the same shape (endpoints, sizes, routes, delays and dependencies
-    /// among its flows) that starts on idle links finishes each flow at the recorded time
-    /// after its release, without packets, for as long as every flow is released at its
-    /// recorded offset and nothing else comes onto its links (see "Repeated collectives"
-    /// in the `periodic` module). Default true.
+    /// Memoization of whole collectives (with `periodic`): a collective with chains that
+    /// started on idle links, ran to its end with nothing else on them and went periodic
+    /// leaves its flows' release offsets and completion times; a later collective of the
+    /// same shape (endpoints, sizes, routes, dependencies among its flows and the delays
+    /// after them) that starts on idle links, with every flow released from outside it due
+    /// at its recorded offset, finishes each flow at the recorded time after its release,
+    /// without packets, until another collective's flow meets one of its flows on a link
+    /// (see "Repeated collectives" in the `periodic` module). Default true.
     pub collective_memo: bool,
     /// Symmetry reduction: when shifting every host (or every GPU of a host) to the next
     /// one of its block leaves the fabric, the flows and their routes unchanged (a ring

@@ -210,9 +210,10 @@
 //! again; see the `memo` module. `accel.periodic` finishes the flows of a collective whose
 //! chains (a ring rank's flows to its successor, step after step) all repeat the same
 //! completion time after that time, without packets; see the `periodic` module.
-//! `accel.collective_memo` keeps the outcome of a collective that ran alone on its links
-//! and finishes a later collective of the same shape, started on idle links, at its
-//! times; see "Repeated collectives" in the `periodic` module.
+//! `accel.collective_memo` keeps the outcome of a collective with chains that ran alone on
+//! its links and went periodic, and finishes a later collective of the same shape, started
+//! on idle links with its outside releases due as recorded, at its times; see "Repeated
+//! collectives" in the `periodic` module.
 //! `accel.symmetry` simulates one copy of traffic that repeats itself host by host (a
 //! ring over alike hosts) and gives the other copies its times; see the `symmetry` module,
 //! which runs before the engine is built. The
@@ -387,6 +388,9 @@ pub struct PacketStats {
     pub collective_memo_repeats: u64,
     pub collective_memo_aborts: u64,
     pub collective_memo_flows: u64,
+    /// Flows finished from a kept outcome that an intruder met (simulated from there on,
+    /// and so not counted in `collective_memo_flows`; see `periodic_met`).
+    pub collective_memo_met: u64,
     pub collective_memo_skipped_packets: u64,
     pub collective_memo_skipped_events: u64,
     /// Copies of each simulated flow when the run was a symmetry quotient

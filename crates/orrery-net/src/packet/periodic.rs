@@ -186,45 +186,51 @@
 //! ranks, bucket after bucket. Each instance is a collective of its own, so its lanes learn
 //! their completion times from scratch: on the 405B step at 1,024 GPUs (`pp = 2`, pinned)
 //! every parameter all-gather after the first simulated the same 124 of its 4,032 flows
-//! (5.79M events each), and every one of them finished each flow at the same time as the
-//! instance before it, to the picosecond, because it started on idle links and nothing
-//! else touched them. The collective memo keeps such an outcome and hands it to the next
+//! (5.79M events each), and the second to the eighth finished every flow at identical
+//! times, to the picosecond (the first differed from them by up to 0.0023%): each
+//! started on idle links and nothing else touched them. The collective memo keeps such an outcome and hands it to the next
 //! instance instead of simulating it again.
 //!
 //! - **Shape.** Each collective gets a 128-bit fingerprint of its flows in order: endpoints,
 //!   size, dependencies on flows of the same collective (by their places in it) and the
-//!   delay after them, and every link of the flow's data and reverse routes. The time at
-//!   which a flow is released after dependencies outside the collective, or at a time of
-//!   its own, is not part of the shape: it is checked when a repeat begins (below), so a
-//!   first bucket released at a given time and the later ones released after compute
-//!   share a shape.
-//! - **Chains only.** Only a collective some flow of which depends on another of it takes
-//!   part. All-to-alls and lone sends are left to memoization, which rolls an intruded
-//!   hit back exactly where a repeat can only end: taken too, the Mixtral step on 64 GPUs
-//!   (pinned) processed 2.70M events instead of 1.74M, 9 of its 249 repeats ended early
-//!   by the pipeline sends beside them, and its flows moved by 0.017% mean (one by 30%).
-//! - **Kept outcome.** At a collective's first release, its links (every link of every
-//!   flow of it) must be *idle*: no flow on them, active, draining, memoized or virtual,
-//!   and no other live collective's flows routed over them. Such a collective records each
-//!   flow's release offset (from the first release) and completion time as it finishes
-//!   (simulated, memoized, mirrored or virtual: all are the accelerated model's answer). A
-//!   release of any other flow onto its links while it is live *spoils* the record, as it
-//!   does the other's; an unspoiled record is kept, by shape, when its last flow finishes,
-//!   if the collective went periodic. One that did not was short enough, or its chains
-//!   irregular enough, for its steps to be memoized episodes, and memoization rolls an
-//!   intruded hit back exactly where a repeat can only end: on the 13B step at 128 GPUs
-//!   (4-rank rings, pinned), two repeats of such collectives that pipeline sends ended
-//!   partway cost 17% more events than none.
-//! - **Repeats.** A collective whose links are idle at its first release, whose shape has
-//!   a kept outcome, and whose every flow released from outside it is then due (released
-//!   now, or its release scheduled) at its recorded offset *repeats* that outcome: each
-//!   flow, released at its recorded offset, becomes virtual and finishes its recorded
-//!   completion time later, so its dependents are released as they were. Another
-//!   collective's flow on its links ends the repeat the way an intrusion ends a periodic
-//!   collective: the virtual flows in progress on the intruder's links are met, the others
-//!   keep their times, and from there the collective is simulated (and may go periodic
-//!   again). So does a flow released at another offset, which the check at the start
-//!   leaves as a safeguard only: the others' releases follow from the recorded times.
+//!   delay after them (or a mark that it has none), and every link of the flow's data and
+//!   reverse routes. When a flow is released from outside (after a flow of another
+//!   collective, or at a time of its own) is not part of the shape but of the outcome: a
+//!   shape keeps up to four outcomes, one per pattern of those release offsets, so a first
+//!   bucket released at a time of its own and the later ones released after compute are
+//!   told apart.
+//! - **Kept outcome.** Only collectives with chains (some flow depending on another of
+//!   the same collective) take part; the others (all-to-alls, sends) are left to
+//!   memoization, which rolls an intruded hit back exactly where a repeat can only end.
+//!   At a collective's first release its links (every link of every flow of it) must be
+//!   *idle*: no flow on them, active, draining, memoized or virtual, and no other live
+//!   collective with chains routed over them. Such a collective records each flow's
+//!   release offset (from the first release) and completion time as it finishes
+//!   (simulated, memoized, mirrored or virtual: all are the accelerated model's answer).
+//!   A release of any other flow onto its links while it is live *spoils* the record; an
+//!   unspoiled record is kept when its last flow finishes, if the collective went
+//!   periodic. One that did not was short enough, or its chains irregular enough, for its
+//!   steps to be memoized episodes, which need no help. Both rules were measured: with
+//!   collectives without chains taken too (before the periodic rule), the Mixtral step on
+//!   64 GPUs (pinned) processed 2.70M events instead of 1.74M, 9 of its 249 repeats ended
+//!   early by the pipeline sends beside them and its flows moved by 0.017% mean (one by
+//!   30%); with collectives that never went periodic taken, the 13B step at 128 GPUs
+//!   (4-rank rings) took 17% more events than without the collective memo, two repeats
+//!   ended partway by pipeline sends.
+//! - **Repeats.** A collective whose links are idle at its first release and whose every
+//!   flow released from outside is then due (released now, or its release scheduled) at
+//!   the offsets of a kept outcome of its shape *repeats* that outcome: each flow,
+//!   released at its recorded offset, becomes virtual and finishes its recorded
+//!   completion time later, so its dependents are released as they were. A flow of
+//!   another collective in progress on its links when one of its flows is released, or
+//!   released onto links where one of its flows is in progress (simulated or virtual,
+//!   either way), ends the repeat the way an intrusion ends a periodic collective: the
+//!   virtual flows in progress on the intruder's links are met, the others keep their
+//!   times, and from there the collective is simulated (and may go periodic again). A
+//!   flow that comes and drains between two of its flows on a link meets none of them
+//!   and ends nothing. A flow released at another offset than recorded ends it too, a
+//!   safeguard only: every release from outside was checked at the start, and the others
+//!   follow from the recorded times.
 //!
 //! What a repeat stands for is the accelerated run of the same flows from the same state,
 //! which the engine would compute again, but for two things. ECN marking draws are keyed
@@ -257,6 +263,12 @@ use orrery_units::Picos;
 use std::collections::HashMap;
 
 const NONE: u32 = u32::MAX;
+/// Outcomes kept per shape, each for another pattern of release offsets from outside
+/// (a first bucket released at a time of its own, the later ones after compute).
+const MAX_OUTCOMES_PER_SHAPE: usize = 4;
+/// A collective memo fingerprint's word for a flow with no dependency in its collective,
+/// where another flow has its delay.
+const ROOT: u64 = u64::MAX - 2;
 
 /// One lane: a chain of equal flows of one collective between one pair of endpoints.
 #[derive(Debug)]
@@ -314,7 +326,8 @@ struct Coll {
     /// Some flow of it depends on another: it has chains, and the collective memo takes
     /// it (see "Repeated collectives" in the module essay).
     chained: bool,
-    /// Its flows that depend on none of its own (released from outside it).
+    /// Its flows released from outside it: those that depend on none of its own flows,
+    /// and those that depend on a flow of another collective too.
     roots: Vec<u32>,
     /// When its first flow was released (global), once it was.
     first_release: Option<u64>,
@@ -323,9 +336,9 @@ struct Coll {
     /// Its outcome so far, while it may still be kept: it started on idle links and
     /// nothing else has used them since.
     recording: Option<Outcome>,
-    /// The kept outcome (by shape) it repeats, until a release is off its recorded offset
-    /// or something else comes onto its links.
-    repeating: Option<u128>,
+    /// The kept outcome (by shape, and place among the shape's) it repeats, until a
+    /// release is off its recorded offset or something else comes onto its links.
+    repeating: Option<(u128, usize)>,
     /// It went periodic at some point: only such a collective's outcome is kept.
     went_periodic: bool,
 }
@@ -364,11 +377,14 @@ pub(super) struct Periodic {
     left_by: Vec<[(u32, u64); 2]>,
     /// The collective memo (`accel.collective_memo`): whether it is on, each flow's place
     /// among its collective's flows, per link the live collective whose flows use it
-    /// (the latest, if several), and the kept outcomes by shape.
+    /// (the latest, if several), and the kept outcomes by shape (a few per shape, told
+    /// apart by their outside releases' offsets).
     collective_memo: bool,
     index_in_coll: Vec<u32>,
     link_owner: Vec<u32>,
-    outcomes: HashMap<u128, Outcome>,
+    /// Per link, how many live collectives' flows use it (the latest is `link_owner`).
+    link_owners: Vec<u32>,
+    outcomes: HashMap<u128, Vec<Outcome>>,
 }
 
 impl Periodic {
@@ -445,6 +461,7 @@ impl Periodic {
             collective_memo: false,
             index_in_coll,
             link_owner: vec![NONE; links],
+            link_owners: vec![0; links],
             outcomes: HashMap::new(),
         }
     }
@@ -474,8 +491,12 @@ impl Periodic {
                     .filter(|d| self.coll_of[d.0 as usize] as usize == c)
                     .map(|d| u64::from(self.index_in_coll[d.0 as usize]))
                     .collect();
-                if own.is_empty() {
+                if own.len() < spec.deps.len() || own.is_empty() {
+                    // Released from outside (too): checked when a repeat begins.
                     coll.roots.push(f);
+                }
+                if own.is_empty() {
+                    print.add(ROOT);
                 } else {
                     coll.chained = true;
                     print.add(spec.delay.0);
@@ -503,7 +524,8 @@ impl Periodic {
     /// time if it was released (global `start`) at its recorded offset, `Err` if not.
     fn repeat_claim(&self, f: u32, start: u64) -> Option<Result<u64, ()>> {
         let coll = self.colls.get(self.coll_of[f as usize] as usize)?;
-        let out = self.outcomes.get(&coll.repeating?)?;
+        let (shape, k) = coll.repeating?;
+        let out = self.outcomes.get(&shape)?.get(k)?;
         let i = self.index_in_coll[f as usize] as usize;
         let offset = start.checked_sub(coll.first_release?);
         Some(if offset == out.offsets.get(i).copied() {
@@ -746,7 +768,10 @@ impl Engine<'_> {
         let Some(p) = self.periodic.as_mut() else {
             return false;
         };
-        if claim.is_some() && links_of(&self.flows, &self.paths, f).any(|l| p.foreign_on(l, c)) {
+        let shared = |l: u32| {
+            p.foreign_on(l, c) || (p.link_virtual[l as usize] > 0 && p.link_coll[l as usize] != c)
+        };
+        if claim.is_some() && links_of(&self.flows, &self.paths, f).any(shared) {
             // Another collective's traffic came onto the lane's links while none of the
             // collective's virtual flows was in progress there, so its release found
             // nothing to intrude on: the collective meets it now, and `f` is simulated.
@@ -838,10 +863,13 @@ impl Engine<'_> {
             p.mark[l as usize] = false;
             let owner = p.link_owner[l as usize];
             if owner != NONE {
-                idle = false;
                 p.spoil(owner);
             }
+            if p.link_owners[l as usize] > 0 {
+                idle = false;
+            }
             p.link_owner[l as usize] = c;
+            p.link_owners[l as usize] += 1;
             let used = self.memo.as_ref().is_some_and(|m| m.users_of(l) > 0);
             if used || p.link_virtual[l as usize] > 0 {
                 idle = false;
@@ -853,10 +881,10 @@ impl Engine<'_> {
         if !idle {
             return;
         }
-        if let Some(out) = p.outcomes.get(&coll.shape) {
+        if let Some(kept) = p.outcomes.get(&coll.shape) {
             // Every flow released from outside the collective must be due at its recorded
             // offset already: one not scheduled yet, or due at another time, would end
-            // the repeat partway.
+            // the repeat partway. A shape keeps an outcome per pattern of those offsets.
             let offset = self.offset.0;
             let due = |g: u32| {
                 if g == f {
@@ -865,22 +893,26 @@ impl Engine<'_> {
                 let (at, _) = self.pending_rel[g as usize]?;
                 Some(at.0 + offset)
             };
-            let on_time = coll.roots.iter().all(|&g| {
-                let i = p.index_in_coll[g as usize] as usize;
-                due(g).and_then(|t| t.checked_sub(start)) == out.offsets.get(i).copied()
-            });
-            if !on_time {
+            let on_time = |out: &Outcome| {
+                coll.roots.iter().all(|&g| {
+                    let i = p.index_in_coll[g as usize] as usize;
+                    due(g).and_then(|t| t.checked_sub(start)) == out.offsets.get(i).copied()
+                })
+            };
+            if let Some(k) = kept.iter().position(on_time) {
+                coll.repeating = Some((coll.shape, k));
+                self.stats.collective_memo_repeats += 1;
                 return;
             }
-            coll.repeating = Some(coll.shape);
-            self.stats.collective_memo_repeats += 1;
-        } else {
-            let n = coll.flows.len();
-            coll.recording = Some(Outcome {
-                offsets: vec![0; n],
-                fcts: vec![0; n],
-            });
+            if kept.len() >= MAX_OUTCOMES_PER_SHAPE {
+                return;
+            }
         }
+        let n = coll.flows.len();
+        coll.recording = Some(Outcome {
+            offsets: vec![0; n],
+            fcts: vec![0; n],
+        });
     }
 
     /// A flow of collective `c` finished: after its last, the collective's outcome is
@@ -898,14 +930,23 @@ impl Engine<'_> {
         coll.repeating = None;
         let links = std::mem::take(&mut coll.links);
         if let Some(out) = coll.recording.take().filter(|_| coll.went_periodic) {
-            // Two live collectives of one shape may both have recorded: the first kept
-            // stays.
-            if let std::collections::hash_map::Entry::Vacant(v) = p.outcomes.entry(coll.shape) {
-                v.insert(out);
+            // Two live collectives of one shape and pattern may both have recorded: the
+            // first kept stays.
+            let kept = p.outcomes.entry(coll.shape).or_default();
+            let roots = &coll.roots;
+            let same = |k: &Outcome| {
+                roots.iter().all(|&g| {
+                    let i = p.index_in_coll[g as usize] as usize;
+                    k.offsets.get(i) == out.offsets.get(i)
+                })
+            };
+            if kept.len() < MAX_OUTCOMES_PER_SHAPE && !kept.iter().any(same) {
+                kept.push(out);
                 self.stats.collective_memo_records += 1;
             }
         }
         for l in links {
+            p.link_owners[l as usize] -= 1;
             if p.link_owner[l as usize] == c {
                 p.link_owner[l as usize] = NONE;
             }
@@ -1001,7 +1042,11 @@ impl Engine<'_> {
                 self.stats.periodic_skipped_packets += skipped;
                 self.stats.periodic_skipped_events += events;
             }
-            self.stats.periodic_met += 1;
+            if repeated {
+                self.stats.collective_memo_met += 1;
+            } else {
+                self.stats.periodic_met += 1;
+            }
             self.start_qp(v);
             if let Some(p) = self.periodic.as_mut() {
                 for l in links_of(&self.flows, &self.paths, v) {
