@@ -38,8 +38,9 @@ pub struct NetsimArgs {
     queue_trace_us: f64,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
-    /// Packet model: load memoized episodes from this file if it exists (a corrupt or
-    /// foreign file is reported and ignored) and save the cache back to it afterwards.
+    /// Packet model: load memoized episodes and kept collectives from this file if it
+    /// exists (a corrupt or foreign file is reported and ignored) and save the cache back
+    /// to it afterwards.
     #[arg(long, value_name = "FILE")]
     memo_cache: Option<PathBuf>,
 }

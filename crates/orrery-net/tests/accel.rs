@@ -2709,3 +2709,67 @@ fn a_collective_that_other_traffic_touched_is_not_kept() {
     assert!(third.iter().all(|&f| on.flow_events[f] == 0));
     check_bounds(&base, &off, &on, &fs, "a ring touched by a transfer");
 }
+
+#[test]
+fn kept_collectives_carry_across_runs_and_through_the_cache_file() {
+    // Two rings in a row: the first run keeps the first and repeats it in the second; a
+    // second run with the same cache repeats both, and so does a fresh simulator given the
+    // cache through its file, with the same report. On a fabric whose links differ (faster
+    // NICs), the kept ring does not apply.
+    let (g, fs) = rings_every(2, us(ONE_RING), RING_BYTES);
+    let config = with_collective_memo(PacketConfig::reference());
+    let sim = PacketSimulator::new(config.clone());
+    let first = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
+    assert_eq!(first.stats.collective_memo_records, 1, "{:?}", first.stats);
+    assert_eq!(first.stats.collective_memo_repeats, 1, "{:?}", first.stats);
+    assert_eq!(sim.cache().kept_collectives(), 1);
+    let second = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
+    assert_eq!(
+        second.stats.collective_memo_records, 0,
+        "{:?}",
+        second.stats
+    );
+    assert_eq!(
+        second.stats.collective_memo_repeats, 2,
+        "{:?}",
+        second.stats
+    );
+    let per = flows_of(&fs, "ring 0");
+    let fct = |r: &PacketRun, f: usize| r.report.flows[f].fct();
+    assert!(per.iter().all(|&f| fct(&second, f) == fct(&first, f)));
+    assert!(per.iter().all(|&f| second.flow_events[f] == 0));
+    let path = std::env::temp_dir().join(format!("orrery-kept-{}.bin", std::process::id()));
+    sim.cache().save(&path).unwrap();
+    let loaded = orrery_net::packet::MemoCache::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(loaded, sim.cache());
+    let third = PacketSimulator::with_cache(config.clone(), loaded)
+        .run(&g, &fs, &TraceRequest::default())
+        .unwrap();
+    assert_eq!(third.report, second.report);
+    let faster = {
+        let spec = RailOptimizedSpec {
+            gpus_per_host: 1,
+            nic: gbps(200.0),
+            hosts_per_pod: 8,
+            spines: 4,
+            ..RailOptimizedSpec::dgx_h100(16)
+        };
+        NetGraph::rail_optimized(&spec)
+            .unwrap()
+            .with_routing(Routing::Pinned)
+    };
+    let fourth = PacketSimulator::with_cache(config, sim.cache())
+        .run(&faster, &fs, &TraceRequest::default())
+        .unwrap();
+    assert_eq!(
+        fourth.stats.collective_memo_records, 1,
+        "{:?}",
+        fourth.stats
+    );
+    assert_eq!(
+        fourth.stats.collective_memo_repeats, 1,
+        "{:?}",
+        fourth.stats
+    );
+}

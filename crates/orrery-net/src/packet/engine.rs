@@ -754,7 +754,13 @@ impl<'a> Engine<'a> {
                 cfg.accel.period_gap_theta,
             );
             if cfg.accel.collective_memo {
-                p.with_collective_memo(flows, |f| links_of(&states, &paths, f))
+                let link_word = |l: u32| {
+                    let port = &ports[l as usize];
+                    let mut words = vec![u64::from(port.from), u64::from(port.to)];
+                    words.extend(super::memo::link_attrs(port));
+                    super::memo::hash_words(&words)
+                };
+                p.with_collective_memo(flows, |f| links_of(&states, &paths, f), link_word)
             } else {
                 p
             }

@@ -144,9 +144,11 @@
 //! ## The cache
 //!
 //! [`MemoCache`] lives across runs when the caller keeps one (the `orrery netsim --memo-cache`
-//! file, or one [`super::PacketSimulator`] reused for every collective of a prediction). Its
-//! file is versioned and checksummed (magic, version, length, CRC32) and written
-//! atomically; a corrupt or foreign file is reported and ignored, never trusted.
+//! file, or one [`super::PacketSimulator`] reused for every collective of a prediction). It
+//! also holds the collectives the collective memo kept (see "Repeated collectives" in the
+//! `periodic` module), keyed by shape with the configuration's hash folded in. Its file
+//! is versioned and checksummed (magic, version, length, CRC32) and written atomically; a
+//! corrupt or foreign file is reported and ignored, never trusted.
 
 use super::config::PacketConfig;
 use super::engine::{Engine, Ev};
@@ -170,7 +172,8 @@ const JOIN_TIMED: u64 = 1;
 /// [`Engine::memo_decide`]): a few RTTs plus a DCQCN reaction, short next to the flows
 /// worth memoizing.
 const BRIDGE_HORIZON: Picos = Picos(50_000_000);
-const FILE_VERSION: u32 = 2;
+/// 3: kept collectives after the episodes.
+const FILE_VERSION: u32 = 3;
 /// Most shapes (sets of joins) kept per starting group. Every lookup verifies each shape
 /// of its group, and a group whose joins differ from one run of it to the next gains a
 /// shape per recording: on a 1,024-GPU GPT step one two-flow group had gathered 700 of
@@ -195,11 +198,28 @@ struct Entry {
     shape: Vec<u64>,
 }
 
-/// Stored episodes, keyed by a hash of their certificate (compared in full on lookup).
+/// A collective kept by the collective memo (see "Repeated collectives" in the `periodic`
+/// module): per flow, in flow order, its release after the collective's first release and
+/// its completion time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct KeptCollective {
+    pub offsets: Vec<u64>,
+    pub fcts: Vec<u64>,
+}
+
+/// Outcomes kept per collective shape, each for another pattern of release offsets from
+/// outside the collective (a first bucket released at a time of its own, the later ones
+/// after compute).
+pub(super) const MAX_KEPT_PER_SHAPE: usize = 4;
+
+/// Stored episodes, keyed by a hash of their certificate (compared in full on lookup), and
+/// kept collectives, keyed by their shape with the configuration (see
+/// [`Memo::collective_key`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoCache {
     map: BTreeMap<u64, Vec<Arc<Entry>>>,
     len: usize,
+    collectives: BTreeMap<u128, Vec<KeptCollective>>,
 }
 
 /// Why a cache file could not be read or written.
@@ -249,7 +269,33 @@ impl MemoCache {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len == 0 && self.collectives.is_empty()
+    }
+
+    /// Kept collectives (outcomes, over every shape).
+    pub fn kept_collectives(&self) -> usize {
+        self.collectives.values().map(Vec::len).sum()
+    }
+
+    /// The outcomes kept for collectives of `key`.
+    pub(super) fn kept(&self, key: u128) -> &[KeptCollective] {
+        self.collectives.get(&key).map_or(&[], |v| &v[..])
+    }
+
+    /// Keeps `outcome` for `key` unless [`MAX_KEPT_PER_SHAPE`] are kept or one of them is
+    /// `same`; returns whether it was kept.
+    pub(super) fn keep(
+        &mut self,
+        key: u128,
+        outcome: KeptCollective,
+        same: impl Fn(&KeptCollective) -> bool,
+    ) -> bool {
+        let kept = self.collectives.entry(key).or_default();
+        if kept.len() >= MAX_KEPT_PER_SHAPE || kept.iter().any(same) {
+            return false;
+        }
+        kept.push(outcome);
+        true
     }
 
     /// Stored episodes that started with the group `cert` describes (they may differ in
@@ -307,6 +353,17 @@ impl MemoCache {
             put(&mut body, e.shape.len() as u64);
             e.shape.iter().for_each(|&w| put(&mut body, w));
         }
+        put(&mut body, self.kept_collectives() as u64);
+        for (&key, kept) in &self.collectives {
+            for k in kept {
+                put(&mut body, (key >> 64) as u64);
+                put(&mut body, key as u64);
+                put(&mut body, k.offsets.len() as u64);
+                k.offsets.iter().for_each(|&w| put(&mut body, w));
+                put(&mut body, k.fcts.len() as u64);
+                k.fcts.iter().for_each(|&w| put(&mut body, w));
+            }
+        }
         frame(FILE_MAGIC, FILE_VERSION, &body)
     }
 
@@ -328,11 +385,28 @@ impl MemoCache {
                 shape,
             });
         }
-        if r.at != body.len() {
-            return Err(MemoFileError::Malformed("bytes after the last entry"));
-        }
         if cache.len as u64 != n {
             return Err(MemoFileError::Malformed("duplicate entries"));
+        }
+        let kept = r.word()?;
+        for _ in 0..kept {
+            let key = (u128::from(r.word()?) << 64) | u128::from(r.word()?);
+            let offsets = r.words()?;
+            let fcts = r.words()?;
+            if offsets.len() != fcts.len() {
+                return Err(MemoFileError::Malformed(
+                    "a kept collective's offsets and times differ in length",
+                ));
+            }
+            let outcome = KeptCollective { offsets, fcts };
+            if !cache.keep(key, outcome.clone(), |k| *k == outcome) {
+                return Err(MemoFileError::Malformed(
+                    "a kept collective repeated, or too many for its shape",
+                ));
+            }
+        }
+        if r.at != body.len() {
+            return Err(MemoFileError::Malformed("bytes after the last entry"));
         }
         Ok(cache)
     }
@@ -396,7 +470,7 @@ impl Reader<'_> {
 
 /// FNV-1a over 64-bit words, then a final avalanche: a stable hash (it is written to files,
 /// so it must not change between builds as `std`'s hasher may).
-fn hash_words(words: &[u64]) -> u64 {
+pub(super) fn hash_words(words: &[u64]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &w in words {
         for b in w.to_le_bytes() {
@@ -528,6 +602,24 @@ impl<'a> Memo<'a> {
     /// numbers of copies (a symmetry quotient's fixed switches count each byte `copies`
     /// times, so the same flows fill their pools differently): `copies` enters the
     /// configuration hash every certificate starts with. All ones changes nothing.
+    /// The cache this run reads and writes.
+    pub(super) fn cache(&self) -> &MemoCache {
+        self.cache.get()
+    }
+
+    pub(super) fn cache_mut(&mut self) -> &mut MemoCache {
+        self.cache.get_mut()
+    }
+
+    /// The cache key of a collective of shape `shape` (see "Repeated collectives" in the
+    /// `periodic` module) in this run: the shape with the configuration's hash (and the
+    /// symmetry quotient's buffer copies) folded in, as an episode's certificate has it.
+    pub(super) fn collective_key(&self, shape: u128) -> u128 {
+        let hi = mix((shape >> 64) as u64 ^ self.cfg_hash);
+        let lo = mix(shape as u64 ^ self.cfg_hash.rotate_left(32));
+        (u128::from(hi) << 64) | u128::from(lo)
+    }
+
     pub fn set_buffer_copies(&mut self, copies: &[u64]) {
         if copies.iter().any(|&c| c != 1) {
             let mut words = vec![self.cfg_hash];
@@ -2013,7 +2105,7 @@ impl JoinWords {
 }
 
 /// What the certificate records of a link besides its endpoints.
-fn link_attrs(p: &super::engine::Port) -> [u64; 5] {
+pub(super) fn link_attrs(p: &super::engine::Port) -> [u64; 5] {
     [
         p.bw.to_bits(),
         p.delay.0,
@@ -2111,7 +2203,8 @@ mod tests {
         /// A body that passes the frame's checks (a file with a valid header and checksum
         /// but any contents: written by another program, or by a bug) is read or refused,
         /// never a panic, and what is read writes back to the same cache. Bodies are
-        /// well-formed entry lists, then perhaps one word overwritten and perhaps cut
+        /// well-formed entry lists and kept-collective lists (at most three, so never more
+        /// than a shape may keep), then perhaps one word overwritten and perhaps cut
         /// short, so both outcomes occur; untouched lists of distinct entries are read
         /// whole. The fuzz target `memo_cache` does the same with coverage guidance.
         #[test]
@@ -2123,6 +2216,10 @@ mod tests {
                     proptest::num::u64::ANY,
                     proptest::collection::vec(proptest::num::u64::ANY, 0..3),
                 ),
+                0..4,
+            ),
+            kept in proptest::collection::vec(
+                (0u64..2, proptest::collection::vec((0u64..3, proptest::num::u64::ANY), 0..3)),
                 0..4,
             ),
             poke in proptest::option::of((proptest::num::usize::ANY, 0u64..40)),
@@ -2137,6 +2234,13 @@ mod tests {
                 words.push(*events);
                 words.push(shape.len() as u64);
                 words.extend_from_slice(shape);
+            }
+            words.push(kept.len() as u64);
+            for (key, flows) in &kept {
+                words.extend_from_slice(&[0, *key, flows.len() as u64]);
+                words.extend(flows.iter().map(|f| f.0));
+                words.push(flows.len() as u64);
+                words.extend(flows.iter().map(|f| f.1));
             }
             if let Some((at, value)) = poke {
                 let at = at % words.len();
@@ -2157,9 +2261,13 @@ mod tests {
                     let mut certs: Vec<&Vec<u64>> = entries.iter().map(|e| &e.0).collect();
                     certs.sort();
                     certs.dedup();
+                    let mut outcomes = kept.clone();
+                    outcomes.sort();
+                    outcomes.dedup();
+                    let distinct = certs.len() == entries.len() && outcomes.len() == kept.len();
                     let untouched = poke.is_none() && cut == 0;
                     proptest::prop_assert!(
-                        !(untouched && certs.len() == entries.len()),
+                        !(untouched && distinct),
                         "a well-formed list of distinct entries was refused"
                     );
                 }

@@ -194,7 +194,11 @@
 //! - **Shape.** Each collective gets a 128-bit fingerprint of its flows in order: endpoints,
 //!   size, dependencies on flows of the same collective (by their places in it) and the
 //!   delay after them (or a mark that it has none), and every link of the flow's data and
-//!   reverse routes. When a flow is released from outside (after a flow of another
+//!   reverse routes, as a digest of its endpoints and attributes (speed, delay, switch
+//!   ends, headroom). Kept outcomes live in the memo cache under the shape with the
+//!   configuration's hash folded in (as an episode's certificate has it), so they carry to
+//!   later runs that share the cache (`orrery netsim --memo-cache`) and apply there only
+//!   to collectives on alike links under the same settings. When a flow is released from outside (after a flow of another
 //!   collective, or at a time of its own) is not part of the shape but of the outcome: a
 //!   shape keeps up to four outcomes, one per pattern of those release offsets, so a first
 //!   bucket released at a time of its own and the later ones released after compute are
@@ -256,16 +260,12 @@
 //! completion time it extrapolates can be from any of the last `window` it observed.
 
 use super::engine::{links_of, Engine, Ev};
-use super::memo::mix;
+use super::memo::{mix, KeptCollective, Memo, MAX_KEPT_PER_SHAPE};
 use crate::flows::FlowSet;
 use orrery_des::EventQueue;
 use orrery_units::Picos;
-use std::collections::HashMap;
 
 const NONE: u32 = u32::MAX;
-/// Outcomes kept per shape, each for another pattern of release offsets from outside
-/// (a first bucket released at a time of its own, the later ones after compute).
-const MAX_OUTCOMES_PER_SHAPE: usize = 4;
 /// A collective memo fingerprint's word for a flow with no dependency in its collective,
 /// where another flow has its delay.
 const ROOT: u64 = u64::MAX - 2;
@@ -291,16 +291,6 @@ struct Lane {
     /// A flow of the lane: every flow of a lane has the same source and destination, hence
     /// the same links.
     member: u32,
-}
-
-/// What a collective's flows did, kept to finish a later collective of the same shape
-/// (see "Repeated collectives" in the module essay).
-#[derive(Debug, Clone)]
-struct Outcome {
-    /// Per flow of the collective (in flow order), its release after the collective's
-    /// first release, and its completion time.
-    offsets: Vec<u64>,
-    fcts: Vec<u64>,
 }
 
 /// Per-collective bookkeeping.
@@ -335,7 +325,7 @@ struct Coll {
     links: Vec<u32>,
     /// Its outcome so far, while it may still be kept: it started on idle links and
     /// nothing else has used them since.
-    recording: Option<Outcome>,
+    recording: Option<KeptCollective>,
     /// The kept outcome (by shape, and place among the shape's) it repeats, until a
     /// release is off its recorded offset or something else comes onto its links.
     repeating: Option<(u128, usize)>,
@@ -376,15 +366,13 @@ pub(super) struct Periodic {
     /// then the first entry not of `c` (see [`Periodic::foreign_left`]).
     left_by: Vec<[(u32, u64); 2]>,
     /// The collective memo (`accel.collective_memo`): whether it is on, each flow's place
-    /// among its collective's flows, per link the live collective whose flows use it
-    /// (the latest, if several), and the kept outcomes by shape (a few per shape, told
-    /// apart by their outside releases' offsets).
+    /// among its collective's flows, and per link the live collective whose flows use it
+    /// (the latest, if several). Kept outcomes live in the memo cache.
     collective_memo: bool,
     index_in_coll: Vec<u32>,
     link_owner: Vec<u32>,
     /// Per link, how many live collectives' flows use it (the latest is `link_owner`).
     link_owners: Vec<u32>,
-    outcomes: HashMap<u128, Vec<Outcome>>,
 }
 
 impl Periodic {
@@ -462,16 +450,18 @@ impl Periodic {
             index_in_coll,
             link_owner: vec![NONE; links],
             link_owners: vec![0; links],
-            outcomes: HashMap::new(),
         }
     }
 
-    /// Turns the collective memo on: fingerprints every collective's shape from `set`
-    /// and each flow's links (`flow_links`, data path then reverse path).
+    /// Turns the collective memo on: fingerprints every collective's shape from `set` and
+    /// each flow's links (`flow_links`, data path then reverse path), each link by
+    /// `link_word` (a digest of its endpoints and attributes, so that a shape means the
+    /// same on another run's fabric only if its links are alike).
     pub fn with_collective_memo<I: Iterator<Item = u32>>(
         mut self,
         set: &FlowSet,
         flow_links: impl Fn(u32) -> I,
+        link_word: impl Fn(u32) -> u64,
     ) -> Periodic {
         self.collective_memo = true;
         for (c, coll) in self.colls.iter_mut().enumerate() {
@@ -504,7 +494,7 @@ impl Periodic {
                 print.add(own.len() as u64);
                 own.iter().for_each(|&d| print.add(d));
                 for l in flow_links(f) {
-                    print.add(u64::from(l));
+                    print.add(link_word(l));
                 }
                 print.add(u64::MAX - 1);
             }
@@ -520,12 +510,13 @@ impl Periodic {
         }
     }
 
-    /// If flow `f`'s collective repeats a kept outcome: the flow's recorded completion
-    /// time if it was released (global `start`) at its recorded offset, `Err` if not.
-    fn repeat_claim(&self, f: u32, start: u64) -> Option<Result<u64, ()>> {
+    /// If flow `f`'s collective repeats a kept outcome (from `memo`'s cache): the flow's
+    /// recorded completion time if it was released (global `start`) at its recorded
+    /// offset, `Err` if not.
+    fn repeat_claim(&self, f: u32, start: u64, memo: Option<&Memo>) -> Option<Result<u64, ()>> {
         let coll = self.colls.get(self.coll_of[f as usize] as usize)?;
-        let (shape, k) = coll.repeating?;
-        let out = self.outcomes.get(&shape)?.get(k)?;
+        let (key, k) = coll.repeating?;
+        let out = memo?.cache().kept(key).get(k)?;
         let i = self.index_in_coll[f as usize] as usize;
         let offset = start.checked_sub(coll.first_release?);
         Some(if offset == out.offsets.get(i).copied() {
@@ -755,7 +746,7 @@ impl Engine<'_> {
         let Some(p) = self.periodic.as_mut() else {
             return false;
         };
-        let mut claim = match p.repeat_claim(f, start) {
+        let mut claim = match p.repeat_claim(f, start, self.memo.as_ref()) {
             Some(Ok(fct)) => Some(fct),
             Some(Err(())) => {
                 // Released off its recorded offset: from here on the collective is not
@@ -881,7 +872,12 @@ impl Engine<'_> {
         if !idle {
             return;
         }
-        if let Some(kept) = p.outcomes.get(&coll.shape) {
+        let Some(m) = self.memo.as_ref() else {
+            return;
+        };
+        let key = m.collective_key(coll.shape);
+        let kept = m.cache().kept(key);
+        if !kept.is_empty() {
             // Every flow released from outside the collective must be due at its recorded
             // offset already: one not scheduled yet, or due at another time, would end
             // the repeat partway. A shape keeps an outcome per pattern of those offsets.
@@ -893,23 +889,23 @@ impl Engine<'_> {
                 let (at, _) = self.pending_rel[g as usize]?;
                 Some(at.0 + offset)
             };
-            let on_time = |out: &Outcome| {
+            let on_time = |out: &KeptCollective| {
                 coll.roots.iter().all(|&g| {
                     let i = p.index_in_coll[g as usize] as usize;
                     due(g).and_then(|t| t.checked_sub(start)) == out.offsets.get(i).copied()
                 })
             };
             if let Some(k) = kept.iter().position(on_time) {
-                coll.repeating = Some((coll.shape, k));
+                coll.repeating = Some((key, k));
                 self.stats.collective_memo_repeats += 1;
                 return;
             }
-            if kept.len() >= MAX_OUTCOMES_PER_SHAPE {
+            if kept.len() >= MAX_KEPT_PER_SHAPE {
                 return;
             }
         }
         let n = coll.flows.len();
-        coll.recording = Some(Outcome {
+        coll.recording = Some(KeptCollective {
             offsets: vec![0; n],
             fcts: vec![0; n],
         });
@@ -929,19 +925,22 @@ impl Engine<'_> {
         }
         coll.repeating = None;
         let links = std::mem::take(&mut coll.links);
-        if let Some(out) = coll.recording.take().filter(|_| coll.went_periodic) {
+        if let (Some(out), Some(m)) = (
+            coll.recording.take().filter(|_| coll.went_periodic),
+            self.memo.as_mut(),
+        ) {
             // Two live collectives of one shape and pattern may both have recorded: the
             // first kept stays.
-            let kept = p.outcomes.entry(coll.shape).or_default();
             let roots = &coll.roots;
-            let same = |k: &Outcome| {
+            let index = &p.index_in_coll;
+            let same = |k: &KeptCollective| {
                 roots.iter().all(|&g| {
-                    let i = p.index_in_coll[g as usize] as usize;
+                    let i = index[g as usize] as usize;
                     k.offsets.get(i) == out.offsets.get(i)
                 })
             };
-            if kept.len() < MAX_OUTCOMES_PER_SHAPE && !kept.iter().any(same) {
-                kept.push(out);
+            let key = m.collective_key(coll.shape);
+            if m.cache_mut().keep(key, out.clone(), same) {
                 self.stats.collective_memo_records += 1;
             }
         }
@@ -1439,7 +1438,7 @@ mod tests {
             let spec = &set.flows[f as usize];
             [spec.src, spec.dst].into_iter()
         };
-        let p = Periodic::new(&set, 64, 3, 0.01, 0.05).with_collective_memo(&set, links);
+        let p = Periodic::new(&set, 64, 3, 0.01, 0.05).with_collective_memo(&set, links, u64::from);
         let shape: Vec<u128> = p.colls.iter().map(|c| c.shape).collect();
         assert_eq!(shape[0], shape[1]);
         assert_ne!(shape[0], shape[2], "other ranks");
