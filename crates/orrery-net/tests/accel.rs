@@ -1521,21 +1521,27 @@ fn a_collective_goes_periodic_on_its_started_lanes_before_its_later_phase_starts
     check_bounds(&base, &off, &on, &fs, "hierarchical all-gather");
 }
 
+/// Sixteen one-GPU hosts with NICs of `nic_gbps`, in two pods of eight under four spines,
+/// paths pinned.
+fn two_pods(nic_gbps: f64) -> NetGraph {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 1,
+        nic: gbps(nic_gbps),
+        hosts_per_pod: 8,
+        spines: 4,
+        ..RailOptimizedSpec::dgx_h100(16)
+    };
+    NetGraph::rail_optimized(&spec)
+        .unwrap()
+        .with_routing(Routing::Pinned)
+}
+
 /// A one-channel 16 MB ring all-reduce over 16 hosts of one GPU at 100 Gb/s in two pods
 /// of eight, paths pinned: the two hops between the pods take longer than the others, and
 /// the delay each adds travels round the ring one rank per step, moving every lane's
 /// period by a few percent once as it passes (30 steps per lane).
 fn two_pod_ring() -> (NetGraph, FlowSet) {
-    let spec = RailOptimizedSpec {
-        gpus_per_host: 1,
-        nic: gbps(100.0),
-        hosts_per_pod: 8,
-        spines: 4,
-        ..RailOptimizedSpec::dgx_h100(16)
-    };
-    let g = NetGraph::rail_optimized(&spec)
-        .unwrap()
-        .with_routing(Routing::Pinned);
+    let g = two_pods(100.0);
     let mut fs = FlowSet::default();
     collective_flows(
         &mut fs,
@@ -2451,6 +2457,13 @@ fn reference_and_collective_memo(
     (base, off, on)
 }
 
+/// The run kept `expected.0` collectives and repeated `expected.1`.
+fn assert_kept_and_repeated(run: &PacketRun, expected: (u64, u64), name: &str) {
+    let st = &run.stats;
+    let got = (st.collective_memo_records, st.collective_memo_repeats);
+    assert_eq!(got, expected, "{name}: {st:?}");
+}
+
 /// Every ring of [`rings_released_at`] starting on idle links at `t0 + r * period`.
 fn rings_every(reps: usize, period: Picos, bytes: u64) -> (NetGraph, FlowSet) {
     let starts: Vec<Vec<Picos>> = (0..reps)
@@ -2545,16 +2558,7 @@ fn a_collective_released_out_of_its_recorded_step_is_not_repeated() {
         let off = run(base.clone(), &g, &fs);
         let on = run(with_collective_memo(base.clone()), &g, &fs);
         // Both rings are kept: one shape, two patterns of first-step offsets.
-        assert_eq!(
-            on.stats.collective_memo_records, 2,
-            "{name}: {:?}",
-            on.stats
-        );
-        assert_eq!(
-            on.stats.collective_memo_repeats, 0,
-            "{name}: {:?}",
-            on.stats
-        );
+        assert_kept_and_repeated(&on, (2, 0), name);
         assert_eq!(on.stats.collective_memo_flows, 0, "{name}: {:?}", on.stats);
         check_bounds(&base, &off, &on, &fs, name);
     }
@@ -2572,11 +2576,7 @@ fn a_collective_starting_on_busy_links_is_simulated_and_the_next_idle_one_repeat
     assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
     assert_eq!(on.stats.collective_memo_aborts, 0, "{:?}", on.stats);
     let fct = |f: usize| on.report.flows[f].fct();
-    let (first, second, third) = (
-        flows_of(&fs, "ring 0"),
-        flows_of(&fs, "ring 1"),
-        flows_of(&fs, "ring 2"),
-    );
+    let [first, second, third] = ["ring 0", "ring 1", "ring 2"].map(|r| flows_of(&fs, r));
     assert!(second.iter().any(|&f| on.flow_events[f] > 0));
     assert!(first.iter().zip(&second).any(|(&a, &b)| fct(a) != fct(b)));
     assert!(first.iter().zip(&third).all(|(&a, &b)| fct(a) == fct(b)));
@@ -2696,14 +2696,9 @@ fn a_collective_that_other_traffic_touched_is_not_kept() {
     let (g, mut fs) = rings_every(3, us(ONE_RING), RING_BYTES);
     push_hop_transfer(&mut fs, 2_000_000, us(ONE_RING / 10));
     let (base, off, on) = reference_and_collective_memo(&g, &fs);
-    assert_eq!(on.stats.collective_memo_records, 1, "{:?}", on.stats);
-    assert_eq!(on.stats.collective_memo_repeats, 1, "{:?}", on.stats);
+    assert_kept_and_repeated(&on, (1, 1), "a ring touched by a transfer");
     let fct = |f: usize| on.report.flows[f].fct();
-    let (first, second, third) = (
-        flows_of(&fs, "ring 0"),
-        flows_of(&fs, "ring 1"),
-        flows_of(&fs, "ring 2"),
-    );
+    let [first, second, third] = ["ring 0", "ring 1", "ring 2"].map(|r| flows_of(&fs, r));
     assert!(first.iter().zip(&second).any(|(&a, &b)| fct(a) != fct(b)));
     assert!(second.iter().zip(&third).all(|(&a, &b)| fct(a) == fct(b)));
     assert!(third.iter().all(|&f| on.flow_events[f] == 0));
@@ -2720,20 +2715,10 @@ fn kept_collectives_carry_across_runs_and_through_the_cache_file() {
     let config = with_collective_memo(PacketConfig::reference());
     let sim = PacketSimulator::new(config.clone());
     let first = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
-    assert_eq!(first.stats.collective_memo_records, 1, "{:?}", first.stats);
-    assert_eq!(first.stats.collective_memo_repeats, 1, "{:?}", first.stats);
+    assert_kept_and_repeated(&first, (1, 1), "first run");
     assert_eq!(sim.cache().kept_collectives(), 1);
     let second = sim.run(&g, &fs, &TraceRequest::default()).unwrap();
-    assert_eq!(
-        second.stats.collective_memo_records, 0,
-        "{:?}",
-        second.stats
-    );
-    assert_eq!(
-        second.stats.collective_memo_repeats, 2,
-        "{:?}",
-        second.stats
-    );
+    assert_kept_and_repeated(&second, (0, 2), "second run");
     let per = flows_of(&fs, "ring 0");
     let fct = |r: &PacketRun, f: usize| r.report.flows[f].fct();
     assert!(per.iter().all(|&f| fct(&second, f) == fct(&first, f)));
@@ -2747,29 +2732,9 @@ fn kept_collectives_carry_across_runs_and_through_the_cache_file() {
         .run(&g, &fs, &TraceRequest::default())
         .unwrap();
     assert_eq!(third.report, second.report);
-    let faster = {
-        let spec = RailOptimizedSpec {
-            gpus_per_host: 1,
-            nic: gbps(200.0),
-            hosts_per_pod: 8,
-            spines: 4,
-            ..RailOptimizedSpec::dgx_h100(16)
-        };
-        NetGraph::rail_optimized(&spec)
-            .unwrap()
-            .with_routing(Routing::Pinned)
-    };
+    let faster = two_pods(200.0);
     let fourth = PacketSimulator::with_cache(config, sim.cache())
         .run(&faster, &fs, &TraceRequest::default())
         .unwrap();
-    assert_eq!(
-        fourth.stats.collective_memo_records, 1,
-        "{:?}",
-        fourth.stats
-    );
-    assert_eq!(
-        fourth.stats.collective_memo_repeats, 1,
-        "{:?}",
-        fourth.stats
-    );
+    assert_kept_and_repeated(&fourth, (1, 1), "faster NICs");
 }
