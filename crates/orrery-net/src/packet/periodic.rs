@@ -217,10 +217,10 @@
 //!   steps to be memoized episodes, which need no help. Both rules were measured: with
 //!   collectives without chains taken too (before the periodic rule), the Mixtral step on
 //!   64 GPUs (pinned) processed 2.70M events instead of 1.74M, 9 of its 249 repeats ended
-//!   early by the pipeline sends beside them and its flows moved by 0.017% mean (one by
-//!   30%); with collectives that never went periodic taken, the 13B step at 128 GPUs
-//!   (4-rank rings) took 17% more events than without the collective memo, two repeats
-//!   ended partway by pipeline sends.
+//!   early by other traffic and its flows moved by 0.017% mean (one by 30%); with
+//!   collectives that never went periodic taken, the 13B step at 128 GPUs (4-rank rings)
+//!   took 17% more events than without the collective memo, two repeats ended partway by
+//!   other traffic (near the step's end, where the last backward sends run).
 //! - **Repeats.** A collective whose links are idle at its first release and whose every
 //!   flow released from outside is then due (released now, or its release scheduled) at
 //!   the offsets of a kept outcome of its shape *repeats* that outcome: each flow,
