@@ -220,7 +220,7 @@
 //!   early by other traffic and its flows moved by 0.017% mean (one by 30%); with
 //!   collectives that never went periodic taken, the 13B step at 128 GPUs (4-rank rings)
 //!   took 17% more events than without the collective memo, two repeats ended partway by
-//!   other traffic (near the step's end, where the last backward sends run).
+//!   other traffic near the step's end.
 //! - **Repeats.** A collective whose links are idle at its first release and whose every
 //!   flow released from outside is then due (released now, or its release scheduled) at
 //!   the offsets of a kept outcome of its shape *repeats* that outcome: each flow,
