@@ -754,13 +754,20 @@ impl<'a> Engine<'a> {
                 cfg.accel.period_gap_theta,
             );
             if cfg.accel.collective_memo {
-                let link_word = |l: u32| {
-                    let port = &ports[l as usize];
-                    let mut words = vec![u64::from(port.from), u64::from(port.to)];
-                    words.extend(super::memo::link_attrs(port));
-                    super::memo::hash_words(&words)
-                };
-                p.with_collective_memo(flows, |f| links_of(&states, &paths, f), link_word)
+                // Each link's digest once, not once per flow that crosses it.
+                let link_words: Vec<u64> = ports
+                    .iter()
+                    .map(|port| {
+                        let mut words = vec![u64::from(port.from), u64::from(port.to)];
+                        words.extend(super::memo::link_attrs(port));
+                        super::memo::hash_words(&words)
+                    })
+                    .collect();
+                p.with_collective_memo(
+                    flows,
+                    |f| links_of(&states, &paths, f),
+                    |l| link_words[l as usize],
+                )
             } else {
                 p
             }

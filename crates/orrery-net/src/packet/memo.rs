@@ -283,15 +283,15 @@ impl MemoCache {
     }
 
     /// Keeps `outcome` for `key` unless [`MAX_KEPT_PER_SHAPE`] are kept or one of them is
-    /// `same`; returns whether it was kept.
+    /// the `same` as it; returns whether it was kept.
     pub(super) fn keep(
         &mut self,
         key: u128,
         outcome: KeptCollective,
-        same: impl Fn(&KeptCollective) -> bool,
+        same: impl Fn(&KeptCollective, &KeptCollective) -> bool,
     ) -> bool {
         let kept = self.collectives.entry(key).or_default();
-        if kept.len() >= MAX_KEPT_PER_SHAPE || kept.iter().any(same) {
+        if kept.len() >= MAX_KEPT_PER_SHAPE || kept.iter().any(|k| same(k, &outcome)) {
             return false;
         }
         kept.push(outcome);
@@ -399,7 +399,7 @@ impl MemoCache {
                 ));
             }
             let outcome = KeptCollective { offsets, fcts };
-            if !cache.keep(key, outcome.clone(), |k| *k == outcome) {
+            if !cache.keep(key, outcome, |k, new| k == new) {
                 return Err(MemoFileError::Malformed(
                     "a kept collective repeated, or too many for its shape",
                 ));
@@ -1719,12 +1719,10 @@ impl Engine<'_> {
         let packets = npkts - from;
         self.credit_packets(f, packets);
         let events = (packets as f64 * per_packet).round() as u64;
-        if repeated {
-            self.stats.collective_memo_skipped_packets += packets;
-            self.stats.collective_memo_skipped_events += events;
-        } else if periodic {
-            self.stats.periodic_skipped_packets += packets;
-            self.stats.periodic_skipped_events += events;
+        if periodic {
+            let [_, skipped_packets, skipped_events, _] = self.stats.virtual_counters(repeated);
+            *skipped_packets += packets;
+            *skipped_events += events;
         } else {
             self.stats.memo_skipped_packets += packets;
             self.stats.memo_skipped_events += events;

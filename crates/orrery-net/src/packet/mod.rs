@@ -422,6 +422,27 @@ impl PacketStats {
         .memo_hit_rate()
     }
 
+    /// The counters of flows finished without packets, a repeated collective's
+    /// (`repeated`) or a periodic lane's: flows, skipped packets, skipped events, and
+    /// flows an intruder met.
+    pub(super) fn virtual_counters(&mut self, repeated: bool) -> [&mut u64; 4] {
+        if repeated {
+            [
+                &mut self.collective_memo_flows,
+                &mut self.collective_memo_skipped_packets,
+                &mut self.collective_memo_skipped_events,
+                &mut self.collective_memo_met,
+            ]
+        } else {
+            [
+                &mut self.periodic_flows,
+                &mut self.periodic_skipped_packets,
+                &mut self.periodic_skipped_events,
+                &mut self.periodic_met,
+            ]
+        }
+    }
+
     /// Events skipped by every mechanism (estimated).
     pub fn total_skipped_events(&self) -> u64 {
         self.skipped_events

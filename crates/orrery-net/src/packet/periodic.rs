@@ -791,11 +791,8 @@ impl Engine<'_> {
                 m.finish_at[f as usize] = Some((at, key));
                 m.owned += 1;
             }
-            if repeated {
-                self.stats.collective_memo_flows += 1;
-            } else {
-                self.stats.periodic_flows += 1;
-            }
+            let [flows, ..] = self.stats.virtual_counters(repeated);
+            *flows += 1;
             return true;
         }
         // Every release passes here: no allocation unless it lands on virtual flows.
@@ -933,14 +930,14 @@ impl Engine<'_> {
             // first kept stays.
             let roots = &coll.roots;
             let index = &p.index_in_coll;
-            let same = |k: &KeptCollective| {
+            let same = |k: &KeptCollective, new: &KeptCollective| {
                 roots.iter().all(|&g| {
                     let i = index[g as usize] as usize;
-                    k.offsets.get(i) == out.offsets.get(i)
+                    k.offsets.get(i) == new.offsets.get(i)
                 })
             };
             let key = m.collective_key(coll.shape);
-            if m.cache_mut().keep(key, out.clone(), same) {
+            if m.cache_mut().keep(key, out, same) {
                 self.stats.collective_memo_records += 1;
             }
         }
@@ -1032,20 +1029,11 @@ impl Engine<'_> {
             fl.delivered_at = self.now;
             // No longer a flow finished virtually; the packets it skipped still count.
             let events = (skipped as f64 * self.run_events_per_packet()).round() as u64;
-            if repeated {
-                self.stats.collective_memo_flows -= 1;
-                self.stats.collective_memo_skipped_packets += skipped;
-                self.stats.collective_memo_skipped_events += events;
-            } else {
-                self.stats.periodic_flows -= 1;
-                self.stats.periodic_skipped_packets += skipped;
-                self.stats.periodic_skipped_events += events;
-            }
-            if repeated {
-                self.stats.collective_memo_met += 1;
-            } else {
-                self.stats.periodic_met += 1;
-            }
+            let [flows, packets, skipped_events, met] = self.stats.virtual_counters(repeated);
+            *flows -= 1;
+            *packets += skipped;
+            *skipped_events += events;
+            *met += 1;
             self.start_qp(v);
             if let Some(p) = self.periodic.as_mut() {
                 for l in links_of(&self.flows, &self.paths, v) {
