@@ -2738,3 +2738,27 @@ fn kept_collectives_carry_across_runs_and_through_the_cache_file() {
         .unwrap();
     assert_kept_and_repeated(&fourth, (1, 1), "faster NICs");
 }
+
+#[test]
+fn a_collective_without_chains_holds_no_links_for_the_others() {
+    // Two 1 MB transfers on a ring hop, one collective without chains: the first between
+    // the rings, the second after both. That collective is live through the second ring,
+    // on its links, but takes no part in the collective memo, so the second ring still
+    // starts on idle links and repeats the first.
+    let (g, mut fs) = rings_every(2, us(ONE_RING), RING_BYTES);
+    push_hop_transfer(&mut fs, 1_000_000, us(ONE_RING * 4 / 5));
+    let pair = fs.collectives.len() as u32 - 1;
+    let mut later = flow(3, 4, 1_000_000);
+    later.delay = us(3 * ONE_RING);
+    later.collective = pair;
+    fs.flows.push(later);
+    let (base, off, on) = reference_and_collective_memo(&g, &fs);
+    assert_kept_and_repeated(&on, (1, 1), "rings beside a collective without chains");
+    check_bounds(
+        &base,
+        &off,
+        &on,
+        &fs,
+        "rings beside a collective without chains",
+    );
+}
