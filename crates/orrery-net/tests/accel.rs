@@ -13,7 +13,9 @@ use common::{flow, flow_set, gbps, run, us};
 use orrery_net::flows::{
     collective_flows, dependency_order, CollectiveInfo, FlowAlgorithm, FlowSet,
 };
-use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, SymmetryShift, TraceRequest};
+use orrery_net::packet::{
+    EcnPoint, PacketConfig, PacketRun, PacketSimulator, SymmetryShift, TraceRequest,
+};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{FatTreeSpec, NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
@@ -485,6 +487,96 @@ fn partitioning_jumps_a_steady_pair_beside_an_unsettled_dcqcn_incast() {
     assert!(parts.stats.fast_forwards > 0);
     assert!(parts.report.events < whole.report.events, "{parts:?}");
     assert!(parts.report.events < off.report.events);
+}
+
+// ---- Queues that are still moving -----------------------------------------------------
+
+/// Host 1 receives a flow from host 0 and sends one to host 2, `bytes` each, on one switch
+/// at `link_gbps`: the switch port into host 1 carries the first flow's data at host 0's
+/// line rate and, beside it, the ACKs of the second, so its queue grows by the ACKs' rate
+/// (8% of the link with per-packet ACKs) until ECN marks it and DCQCN cuts the first
+/// flow: a pipeline stage receiving one micro-batch's activations while it sends the
+/// previous one's.
+fn chain_of_two(link_gbps: f64, bytes: u64) -> (NetGraph, FlowSet) {
+    let g = NetGraph::single_switch(3, gbps(link_gbps), us(1)).unwrap();
+    (g, flow_set(vec![flow(0, 1, bytes), flow(1, 2, bytes)]))
+}
+
+fn without_queue_test(mut c: PacketConfig) -> PacketConfig {
+    c.accel.queue_theta = f64::INFINITY;
+    c
+}
+
+/// The queue into host 1 grows for about 230 us before its first mark, longer than the
+/// window, while both flows deliver at flat rates. Jumped then, frozen short of the mark,
+/// the first flow kept its line rate to the end and finished a third early. Growing, the
+/// queue is not steady: the run is simulated up to the mark and the cut, and jumps after.
+#[test]
+fn a_queue_still_growing_is_not_jumped_over_its_first_mark() {
+    let (g, fs) = chain_of_two(400.0, 32_000_000);
+    let base = PacketConfig::reference();
+    let (off, whole, parts, _) = three_ways(base.clone(), &g, &fs, "chain of two");
+    check_bounds(&base, &off, &whole, &fs, "chain of two (whole network)");
+    assert!(off.stats.cnps > 0, "{:?}", off.stats);
+    assert!(parts.stats.fast_forwards > 0, "{:?}", parts.stats);
+    assert!(parts.report.events < off.report.events);
+    // With the queue test off, the jump freezes the queue before its first mark.
+    let blind = run(without_queue_test(with_parts(base.clone())), &g, &fs);
+    let e = errors(&off, &blind, &fs);
+    assert!(e.end > 0.2, "{e:?}");
+}
+
+/// With one ACK per eight packets the queue into host 1 grows by under 1% of the link, too
+/// slowly to fail the drift test, but it still reaches a low ECN threshold (100 KB) about
+/// 850 us in, before the flows end: a queue on its way to marking is not steady, and one
+/// over the threshold is not either while no flow through it has been cut yet (its first
+/// mark halves the rate). Either rule alone let a jump through, and the first flow
+/// finished 23% early.
+#[test]
+fn a_queue_drifting_slowly_towards_marking_is_not_jumped_over_its_first_mark() {
+    let (g, fs) = chain_of_two(100.0, 20_000_000);
+    let mut base = PacketConfig::reference();
+    base.ack_every = 8;
+    base.ecn = vec![EcnPoint {
+        gbps: 100.0,
+        kmin: 100_000,
+        kmax: 400_000,
+        pmax: 0.2,
+    }];
+    let (off, _, parts, _) = three_ways(base.clone(), &g, &fs, "chain of two, slow drift");
+    assert!(off.stats.cnps > 0, "{:?}", off.stats);
+    assert!(parts.stats.fast_forwards > 0, "{:?}", parts.stats);
+    let blind = run(without_queue_test(with_parts(base)), &g, &fs);
+    let e = errors(&off, &blind, &fs);
+    assert!(e.end > 0.2, "{e:?}");
+}
+
+/// Without DCQCN, on a 4 MiB switch: hosts 0 and 4 each send to host 1 and to a host of
+/// their own (20 MB each, their NICs shared round-robin), and host 1 sends 40 MB to host
+/// 2. The link into host 1 carries two half-rate flows and the ACKs of host 1's own, so
+/// its queue grows by those ACKs' 8% until, about 450 us in, PFC pauses hosts 0 and 4,
+/// which slows the flows they send elsewhere too. Jumped while still growing, frozen under
+/// the pause threshold, those two flows ran unpaused and finished 5.6% early.
+#[test]
+fn a_queue_growing_towards_pfc_pauses_is_not_jumped() {
+    let g = NetGraph::single_switch(6, gbps(100.0), us(1)).unwrap();
+    let fs = flow_set(vec![
+        flow(0, 1, 20_000_000),
+        flow(0, 3, 20_000_000),
+        flow(4, 1, 20_000_000),
+        flow(4, 5, 20_000_000),
+        flow(1, 2, 40_000_000),
+    ]);
+    let base = PacketConfig {
+        buffer_bytes: 4 * 1024 * 1024,
+        ..pfc_only()
+    };
+    let (off, _, _, _) = three_ways(base.clone(), &g, &fs, "growing towards PFC");
+    let pauses = |r: &PacketRun| r.report.pfc_pauses.iter().sum::<u64>();
+    assert!(pauses(&off) > 0);
+    let blind = run(without_queue_test(with_parts(base)), &g, &fs);
+    let e = errors(&off, &blind, &fs);
+    assert!(e.mean_fct > 0.015, "{e:?}");
 }
 
 // ---- Quiet partitions ------------------------------------------------------------------

@@ -22,6 +22,25 @@
 //!   jumped between its increases; with its clocks postponed instead, each jump would
 //!   delay the next increase, and such a flow finished 71% late in the test.
 //!
+//! Flows steady, the *queues* on their links must be too, since a jump freezes them. At
+//! each sample the engine also records every switch egress queue on a sampled flow's
+//! links, and [`Engine::queues_steady`] compares the mean of a queue's second half-window
+//! with its first. With DCQCN, a queue under its ECN threshold that grows and would reach
+//! the threshold before the flows end is not steady (frozen, it would reach it a jump's
+//! length late, and the first mark halves a rate: a bounded jump does not help, as the
+//! queue is as far from the threshold after it), nor is one over the threshold while
+//! none of the flows has been cut within the window, nor one over it drifting by more
+//! than `queue_theta` of its link's speed; without DCQCN, one drifting by more than that
+//! (PFC would pause its senders). The common case is a NIC that receives a flow while it
+//! sends one: the link into it carries the first at its sender's line rate and the ACKs
+//! of the second (8% of the link with per-packet ACKs), and its queue grows for a few
+//! hundred microseconds to its first mark while every flow delivers at a flat rate. Before
+//! this test, a two-flow chain at 400 Gb/s jumped with that queue short of the mark and
+//! its first flow finished 33% early; the 405B pipeline's 1F1B warm-up waves on 128 GPUs
+//! were 5.7% off in the mean and 53% at p99 (`tests/accel.rs`, docs/benchmarks.md). A
+//! queue growing where it is its flows' bottleneck changes no completion (they complete
+//! at the rate it serves them), so a queue that stays under the threshold is let be.
+//!
 //! A steady flow's *rate* is the slope of its delivery curve over the second half of the
 //! window: the bytes delivered between its last in-order delivery before the window's middle
 //! sample and its last one now, over the time between them (the mean per sample if it
@@ -180,6 +199,12 @@ pub(crate) struct FastForward {
     /// Rate decreases seen at the last sample, and the sample number when that changed.
     last_dec: Vec<u64>,
     last_dec_sample: Vec<u64>,
+    /// Each link's data queue (bytes) at its last `window` samples, sample `n` of link
+    /// `l` in slot `l * window + n % window`; kept for switch egress ports only (a host
+    /// port's queue pairs wait in their senders, not in a buffer).
+    queue_ring: Vec<u64>,
+    /// Samples recorded per link (a link of a frozen partition records none).
+    link_samples: Vec<u64>,
     /// Fractional packets carried from one jump to the next.
     frac: Vec<f64>,
     /// Packets each flow moves in the jump being applied (zero otherwise).
@@ -248,6 +273,8 @@ impl FastForward {
             last_delivered: vec![0; flows],
             last_dec: vec![0; flows],
             last_dec_sample: vec![0; flows],
+            queue_ring: vec![0; links * window],
+            link_samples: vec![0; links],
             frac: vec![0.0; flows],
             shift: vec![0; flows],
             active: Vec::new(),
@@ -288,6 +315,13 @@ impl FastForward {
             self.last_dec[i] = fl.rp.decreases;
             self.last_dec_sample[i] = sample;
         }
+    }
+
+    /// Records link `l`'s data queue (`queued` bytes) as its next sample.
+    fn record_queue(&mut self, l: usize, queued: u64) {
+        let n = self.link_samples[l];
+        self.queue_ring[l * self.window + (n % self.window as u64) as usize] = queued;
+        self.link_samples[l] = n + 1;
     }
 
     /// Flow `i`'s delivered rate over the second half of its last `span` samples (it has
@@ -378,6 +412,11 @@ impl Engine<'_> {
             for k in 0..ff.active.len() {
                 let i = ff.active[k] as usize;
                 ff.record_sample(i, ff.samples, &self.flows[i]);
+            }
+            for (l, port) in self.ports.iter().enumerate() {
+                if port.from_switch {
+                    ff.record_queue(l, port.queued);
+                }
             }
             ff.samples += 1;
             ff.since_change += 1;
@@ -530,6 +569,7 @@ impl Engine<'_> {
         // like pending releases.
         limit = limit.min(self.memo_horizon());
         let mut rates = Vec::with_capacity(ff.active.len());
+        let mut horizon = Picos::ZERO;
         for &f in &ff.active {
             let i = f as usize;
             // The whole-network jump keeps every clock in local time, so a recovering
@@ -543,7 +583,16 @@ impl Engine<'_> {
                 return;
             };
             limit = limit.min(t_left.0.saturating_sub(a.tail_margin.0));
+            horizon = horizon.max(t_left);
             rates.push(rate);
+        }
+        let ports = 0..self.ports.len() as u32;
+        let cut_recently = ff
+            .active
+            .iter()
+            .any(|&f| ff.samples - ff.last_dec_sample[f as usize] <= ff.window as u64);
+        if !self.queues_steady(ff, ports, ff.window, horizon, cut_recently) {
+            return;
         }
         if limit < a.min_jump.0 || limit == u64::MAX {
             return;
@@ -651,6 +700,12 @@ impl Engine<'_> {
                     .any(|&f| p.frozen_until[f as usize] >= self.now)
                 {
                     continue;
+                }
+                for &l in p.parts.links(g.part) {
+                    let port = &self.ports[l as usize];
+                    if port.from_switch {
+                        ff.record_queue(l as usize, port.queued);
+                    }
                 }
                 let quiet_now = q > 0 && self.partition_quiet(&p, g);
                 let mut ready = true;
@@ -779,6 +834,72 @@ impl Engine<'_> {
             .collect()
     }
 
+    /// Whether the switch egress queues of `links` are steady over their last `span`
+    /// samples, for a jump whose flows have at most `horizon` left to run.
+    ///
+    /// A jump freezes every queue, so it stands for the run it skips only if what the
+    /// queues would have done meanwhile does not matter. A queue's *drift* is the
+    /// difference between the means of the second and the first half of its samples, over
+    /// the time between the halves' middles: a queue that keeps growing (a port that
+    /// carries a flow at its sender's line rate and, beside it, the ACKs of another, or
+    /// senders slightly above its speed) drifts by the excess, one oscillating about a
+    /// level (DCQCN holding it there) by little. With DCQCN:
+    /// - a queue at or under its ECN threshold (`kmin`) that drifts up and would reach it
+    ///   within `horizon` is not steady: the jump would postpone the first mark by its own
+    ///   length, and the rate cuts with it (a bounded jump would not do: the queue,
+    ///   frozen, is as far from the threshold after it as before). One that would not
+    ///   reach it stays under `kmin`, which bounds the latency the jump leaves out; its
+    ///   growth changes no completion where it is the flows' bottleneck, as they
+    ///   complete at the rate it serves them.
+    /// - a queue over `kmin` is not steady if it drifts by more than `queue_theta` of its
+    ///   link's speed (DCQCN has not brought its senders to its speed yet), nor while none
+    ///   of the flows (`cut_recently`) has had its rate cut within the window: the jump
+    ///   leaves out the marks of the packets it moves, which DCQCN's equilibrium can do
+    ///   without (each mark a small cut, the rate holding on average), but for flows no
+    ///   mark has reached yet the first is a cut of up to half their rate.
+    ///
+    /// Without DCQCN nothing is marked and a queue is steady when its drift is within
+    /// `queue_theta` of its link's speed (PFC holds a growing one at its pause threshold).
+    /// An infinite `queue_theta` leaves queues out of the test (the model before it).
+    fn queues_steady(
+        &self,
+        ff: &FastForward,
+        links: impl Iterator<Item = u32>,
+        span: usize,
+        horizon: Picos,
+        cut_recently: bool,
+    ) -> bool {
+        let a = &self.cfg.accel;
+        let w = ff.window;
+        let half = (span.min(w) / 2) as u64;
+        if half == 0 || a.queue_theta == f64::INFINITY {
+            return true;
+        }
+        let between = half as f64 * a.sample_interval.as_secs_f64();
+        links.into_iter().all(|l| {
+            let port = &self.ports[l as usize];
+            if !port.from_switch {
+                return true;
+            }
+            let n = ff.link_samples[l as usize];
+            if n < 2 * half {
+                return false;
+            }
+            let at = |k: u64| ff.queue_ring[l as usize * w + ((n - k) % w as u64) as usize];
+            let recent: u64 = (1..=half).map(at).sum();
+            let older: u64 = (half + 1..=2 * half).map(at).sum();
+            let drift = (recent as f64 - older as f64) / half as f64 / between;
+            let queued = port.queued as f64;
+            if !self.cfg.dcqcn {
+                drift.abs() <= a.queue_theta * port.bw
+            } else if queued <= port.ecn.kmin {
+                drift <= 0.0 || (port.ecn.kmin - queued) / drift >= horizon.as_secs_f64()
+            } else {
+                cut_recently && drift.abs() <= a.queue_theta * port.bw
+            }
+        })
+    }
+
     /// Whether partition `g` is *quiet* now (`accel.quiet_window`): no switch egress queue
     /// on its links holds more than one data packet or enough bytes to be ECN-marked, none
     /// of its ports is paused or has paused its upstream, and, with DCQCN, every active
@@ -827,6 +948,7 @@ impl Engine<'_> {
         // this partition while it is frozen: never jump past one.
         let mut limit = p.rel_limit[g.part as usize].min(self.memo_horizon());
         let mut rates = Vec::with_capacity(g.flows.len());
+        let mut horizon = Picos::ZERO;
         let mut recovering = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
@@ -834,6 +956,7 @@ impl Engine<'_> {
                 return false;
             };
             limit = limit.min(st.t_left.0.saturating_sub(tail_margin.0));
+            horizon = horizon.max(st.t_left);
             if let Some(t) = st.recovering_until {
                 // Its rate holds until the increase timer fires, which keeps its own
                 // time through the jump.
@@ -841,6 +964,18 @@ impl Engine<'_> {
             }
             rates.push(st.rate);
             recovering.push(st.recovering_until.is_some());
+        }
+        // A quiet partition's queues held at most one packet at every sample tested.
+        if !quiet {
+            let w = ff.window as u64;
+            let cut_recently = g.flows.iter().any(|&f| {
+                let i = f as usize;
+                p.nsamp[i].saturating_sub(ff.last_dec_sample[i]) <= w
+            });
+            let links = p.parts.links(g.part).iter().copied();
+            if !self.queues_steady(ff, links, span, horizon, cut_recently) {
+                return false;
+            }
         }
         if limit == u64::MAX {
             return false;

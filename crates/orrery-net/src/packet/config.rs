@@ -307,6 +307,19 @@ pub struct AccelConfig {
     /// builds); a jump freezes that state, and the lag shows once the contention ends and
     /// the flow runs at its own rate again. 1% keeps that lag inside the 1% mean FCT bound.
     pub rate_theta: f64,
+    /// Largest drift of a switch egress queue on a jumping partition's links over its ECN
+    /// threshold (or anywhere, without DCQCN), as a fraction of its link's speed: the
+    /// difference between the queue's mean over the second and the first half of the
+    /// window, over the time between them. Default 0.01, as `rate_theta`: a queue drifting
+    /// faster has senders DCQCN has not brought to its speed yet. A jump freezes queues;
+    /// the other queue rules, which this value also turns off when infinite, are in
+    /// `Engine::queues_steady` (`packet/accel.rs`): with DCQCN, a queue under the threshold
+    /// that would reach it before the partition's flows end is not steady, nor one over it
+    /// while none of the flows has been cut within the window. A two-flow chain at
+    /// 400 Gb/s, its middle host's link carrying one flow's data at line rate and the
+    /// other's ACKs (8% over the link's speed), jumped with that queue growing and missed
+    /// its first mark: the first flow finished 33% early.
+    pub queue_theta: f64,
     /// Simulated time left before the earliest projected completion when a jump stops, so
     /// the end of every flow (its last packets, the queue draining behind it, the
     /// completion of others it releases) is simulated packet by packet. Default 50 us
@@ -368,6 +381,7 @@ impl Default for AccelConfig {
             window: 20,
             theta: 0.05,
             rate_theta: 0.01,
+            queue_theta: 0.01,
             tail_margin: Picos::from_micros(50),
             min_jump: Picos::from_micros(20),
             quiet_window: 3,
@@ -539,6 +553,12 @@ impl PacketConfig {
                 "must be non-negative and finite (replaced by 0.01)",
             );
         }
+        if a.queue_theta.is_nan() || a.queue_theta < 0.0 {
+            bad(
+                "accel.queue_theta",
+                "must be non-negative (replaced by 0.01)",
+            );
+        }
         if a.period_window == 0 {
             bad("accel.period_window", "must be at least 1 (clamped to 1)");
         }
@@ -607,6 +627,9 @@ impl PacketConfig {
         }
         if !(a.rate_theta.is_finite() && a.rate_theta >= 0.0) {
             a.rate_theta = 0.01;
+        }
+        if a.queue_theta.is_nan() || a.queue_theta < 0.0 {
+            a.queue_theta = 0.01;
         }
         a.period_window = a.period_window.max(1);
         if !(a.period_theta.is_finite() && a.period_theta >= 0.0) {
@@ -765,6 +788,7 @@ mod tests {
         c.accel.sample_interval = Picos::ZERO;
         c.accel.window = 1;
         c.accel.theta = f64::NAN;
+        c.accel.queue_theta = f64::NAN;
         c.accel.period_window = 0;
         c.accel.period_theta = -1.0;
         c.accel.period_gap_theta = f64::INFINITY;
@@ -775,6 +799,7 @@ mod tests {
                 "accel.sample_interval",
                 "accel.window",
                 "accel.theta",
+                "accel.queue_theta",
                 "accel.period_window",
                 "accel.period_theta",
                 "accel.period_gap_theta"
@@ -786,6 +811,10 @@ mod tests {
         assert_eq!(s.accel.period_window, 1);
         assert_eq!(s.accel.period_theta, 0.01);
         assert_eq!(s.accel.period_gap_theta, 0.05);
+        assert_eq!(s.accel.queue_theta, 0.01);
+        // An infinite queue drift is allowed: it turns the queue test off.
+        c.accel.queue_theta = f64::INFINITY;
+        assert!(!c.problems().iter().any(|p| p.field == "accel.queue_theta"));
     }
 
     #[test]

@@ -188,7 +188,9 @@
 //! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
 //! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
-//! sending-rate spread and recovery gap under `rate_theta` = 1%) the whole network jumps
+//! sending-rate spread and recovery gap under `rate_theta` = 1%), and the switch queues
+//! on their links are steady (none growing towards its ECN threshold or drifting over it
+//! by more than `queue_theta` = 1% of its link; see the `accel` module), the whole network jumps
 //! to the next release or `tail_margin` (50 us) before the earliest projected completion,
 //! moving each flow's packets forward at its rate (the slope of its deliveries over the
 //! second half of the window) with every queue, pause and DCQCN
