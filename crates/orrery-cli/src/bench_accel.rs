@@ -198,6 +198,35 @@ fn gpt_13b_step(gpus: u32, release: Release) -> Result<Scenario> {
     )
 }
 
+fn llama_pipeline_step(gpus: u32, release: Release) -> Result<Scenario> {
+    if gpus == 0 || !gpus.is_multiple_of(128) {
+        return Err(crate::bad(format!(
+            "--llama-pp-gpus: {gpus} is not a multiple of 128 (tp 8 x pp 16 per replica)"
+        )));
+    }
+    let text = orrery_spec::preset_job_text("llama3-405b-h100x8192")
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let dp = gpus / 128;
+    job_step(
+        "Llama 3 405B, 32 layers, PP 16 (DP+PP)",
+        text,
+        // 32 of the 126 layers (two per stage) and 16 micro-batches per replica keep the
+        // reference affordable; each micro-batch's activations and gradients are the
+        // model's (32 MiB per GPU and send), and the 1F1B warm-up sends them down the
+        // pipeline in waves, each stage receiving from the one before while it sends to
+        // the next, the pattern whose growing queues a jump must not freeze.
+        &[
+            "model.layers=32".to_string(),
+            "parallel.pp=16".to_string(),
+            format!("cluster.nodes={}", gpus / 8),
+            format!("parallel.dp={dp}"),
+            format!("training.global_batch={}", 16 * dp),
+        ],
+        &["dp", "pp"],
+        release,
+    )
+}
+
 fn moe_step(gpus: u32, pxn: bool, release: Release) -> Result<Scenario> {
     if !gpus.is_multiple_of(64) {
         return Err(crate::bad(format!(
@@ -281,6 +310,8 @@ pub struct AccelBench {
     pub cross_pod_mib: u64,
     pub gpt_gpus: Vec<u32>,
     pub gpt_13b_gpus: Vec<u32>,
+    /// GPU counts of the Llama 3 405B pipeline steps (multiples of 128; 0s skipped).
+    pub llama_pp_gpus: Vec<u32>,
     pub moe_gpus: Vec<u32>,
     pub pxn: bool,
     /// How every scenario's fabric places flows on equal-cost paths.
@@ -388,6 +419,9 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     }
     for &g in b.gpt_13b_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(gpt_13b_step(g, b.release)?);
+    }
+    for &g in b.llama_pp_gpus.iter().filter(|&&g| g > 0) {
+        scenarios.push(llama_pipeline_step(g, b.release)?);
     }
     for &g in b.moe_gpus.iter().filter(|&&g| g > 0) {
         scenarios.push(moe_step(g, b.pxn, b.release)?);

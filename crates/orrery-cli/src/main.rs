@@ -115,6 +115,11 @@ enum Command {
         /// (2026-12-01).
         #[arg(long = "gpt13b-gpus", value_delimiter = ',', default_values_t = [0])]
         gpt_13b_gpus: Vec<u32>,
+        /// With --accel: GPU counts of the Llama 3 405B pipeline step scenarios (32 layers,
+        /// tp 8 x pp 16 per replica, 16 micro-batches each; multiples of 128; 0: none, the
+        /// default). At 128 GPUs the reference takes about a minute.
+        #[arg(long = "llama-pp-gpus", value_delimiter = ',', default_values_t = [0])]
+        llama_pp_gpus: Vec<u32>,
         /// With --accel: leave out the MoE steps.
         #[arg(long)]
         no_moe: bool,
@@ -343,6 +348,7 @@ fn run(cli: Cli) -> Result<()> {
             label_spread,
             gpt_gpus,
             gpt_13b_gpus,
+            llama_pp_gpus,
             reference_max_gpus,
             no_moe,
             moe_gpus,
@@ -358,6 +364,7 @@ fn run(cli: Cli) -> Result<()> {
             label_spread,
             gpt_gpus,
             gpt_13b_gpus,
+            llama_pp_gpus,
             moe_gpus: if no_moe { Vec::new() } else { moe_gpus },
             pxn: !no_pxn,
             routing: if routing == "pinned" {

@@ -432,6 +432,26 @@ fn bad_options_exit_with_status_2() {
             "{args:?}: {stderr}"
         );
     }
+    // Llama pipeline GPU counts that are not multiples of 128.
+    for gpus in ["64", "200"] {
+        let args = [
+            "bench",
+            "--accel",
+            "--ring-mib",
+            "0",
+            "--gpt-gpus",
+            "0",
+            "--no-moe",
+            "--llama-pp-gpus",
+            gpus,
+        ];
+        let (code, _, stderr) = orrery(&args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--llama-pp-gpus: {gpus}")),
+            "{args:?}: {stderr}"
+        );
+    }
 }
 
 /// Ranks on a GPU in a build without the GPU backend are refused by their flag before any
