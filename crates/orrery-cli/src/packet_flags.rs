@@ -15,7 +15,7 @@ pub struct PacketFlags {
     #[arg(long)]
     no_partitioning: bool,
     /// Packet model: jump a partition only after the whole steadiness window, even where
-    /// nothing queues and every flow is at line rate (`accel.quiet_window = 0`).
+    /// nothing queues and no flow has a rate cut pending (`accel.quiet_window = 0`).
     #[arg(long)]
     no_quiet_jumps: bool,
     /// Packet model: turn off memoization of repeated isolated episodes

@@ -682,7 +682,9 @@ fn recovery_after_a_short_rival() -> (NetGraph, FlowSet) {
 #[test]
 fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     let (g, fs) = recovery_after_a_short_rival();
-    let (off, whole, parts, e) = three_ways(PacketConfig::reference(), &g, &fs, "recovery");
+    // The long window's recovering jumps; the quiet ones are checked at the end.
+    let base = without_quiet(PacketConfig::reference());
+    let (off, whole, parts, e) = three_ways(base.clone(), &g, &fs, "recovery");
     // Recovering, the long flow is never steady for the whole-network jump (its clocks stay
     // in local time there) and was not for the partitioned one before it kept its clock.
     assert_eq!(whole.stats.fast_forwards, 0);
@@ -705,7 +707,7 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     let t_off = PacketSimulator::new(PacketConfig::reference())
         .run(&g, &fs, &trace)
         .unwrap();
-    let t_on = PacketSimulator::new(with_parts(PacketConfig::reference()))
+    let t_on = PacketSimulator::new(with_parts(base))
         .run(&g, &fs, &trace)
         .unwrap();
     assert_eq!(t_on.report, parts.report);
@@ -720,6 +722,22 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
         agree += usize::from((x - y).abs() < 0.001 * x);
     }
     assert!(agree >= 6, "{agree} samples agree");
+    // Once the rival has left, nothing queues: the partition is quiet, recovering flow and
+    // all, and after a short window it jumps to each increase as well, with fewer events
+    // (stopping there as the long window's jumps do: with quiet jumps that ran past the
+    // increase, the flow would finish late by the jumps' overshoot).
+    let quiet = run(with_parts(PacketConfig::reference()), &g, &fs);
+    let eq = check_bounds(
+        &PacketConfig::reference(),
+        &off,
+        &quiet,
+        &fs,
+        "recovery, quiet",
+    );
+    assert!(eq.end < 0.002, "{eq:?}");
+    assert!(quiet.stats.quiet_jumps > 0, "{:?}", quiet.stats);
+    assert!(quiet.stats.recovering_jumps > 0, "{:?}", quiet.stats);
+    assert!(quiet.report.events < parts.report.events);
 }
 
 /// Two-GPU all-reduces of `bytes` between the same GPU of host `h` (pod 0) and host `h + 2`

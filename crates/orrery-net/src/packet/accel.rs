@@ -104,12 +104,16 @@
 //! - **Quiet partitions** (`accel.quiet_window`, 3 samples by default; 0 turns them off)
 //!   need a shorter observation. A partition is quiet at a sample when no switch egress
 //!   queue on its links holds more than one data packet or enough bytes to be ECN-marked,
-//!   none of its ports is paused or pausing, and with DCQCN every flow is at line rate
-//!   with no rate change pending (no cut waiting for its decrease period, no increase
-//!   timer running). Its flows are then held back by their senders' ports alone, served
-//!   round-robin among a fixed set of queue pairs: nothing can mark them, so their rates
-//!   cannot drift until a flow starts or ends, and the long window, which exists to wait
-//!   out DCQCN's cuts and recoveries, has nothing to wait for. A partition quiet at each of
+//!   none of its ports is paused or pausing, and with DCQCN no flow has a cut waiting for
+//!   its decrease period. Its flows are then held back by their senders' ports and DCQCN
+//!   rates alone, served round-robin among a fixed set of queue pairs: nothing can mark
+//!   them, so a rate changes only when a flow recovering from an earlier cut reaches its
+//!   next increase (the jump stops there, as for a recovering flow below, its DCQCN clocks
+//!   keeping their own time) or a flow starts or ends, and the long window, which exists
+//!   to wait out DCQCN's cuts and recoveries, has nothing to wait for. Before recovering
+//!   flows were let in (they had to be at line rate with no timer running), the 405B
+//!   pipeline bench row on 128 GPUs took 30,859,059 events, its warm-up sends waiting out
+//!   a whole window after each cut (docs/benchmarks.md). A partition quiet at each of
 //!   its last `quiet_window` fresh samples is tested over those samples only (delivered
 //!   spread under `theta`, the rate from the slope over their second half) and, steady,
 //!   jumps to `quiet_tail_margin` (20 us) before its earliest completion instead of
@@ -529,7 +533,12 @@ impl Engine<'_> {
             if hi - lo > a.rate_theta * hi {
                 return None;
             }
-            if samples - ff.last_dec_sample[i] > w as u64
+            if span < w {
+                // A quiet partition: nothing can mark its flows, so a flow whose increase
+                // timer runs holds its rate until it fires, whatever the size of the
+                // change then; the jump stops there, its clocks in their own time.
+                recovering_until = fl.rp.next_increase();
+            } else if samples - ff.last_dec_sample[i] > w as u64
                 && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
             {
                 recovering_until = fl.rp.next_increase();
@@ -902,10 +911,11 @@ impl Engine<'_> {
 
     /// Whether partition `g` is *quiet* now (`accel.quiet_window`): no switch egress queue
     /// on its links holds more than one data packet or enough bytes to be ECN-marked, none
-    /// of its ports is paused or has paused its upstream, and, with DCQCN, every active
-    /// flow of it is at line rate with no rate change pending. Such a partition's flows are
-    /// held back by nothing but their senders' ports (shared round-robin among a fixed set
-    /// of queue pairs), so their rates cannot drift until a flow starts or ends.
+    /// of its ports is paused or has paused its upstream, and, with DCQCN, no flow of it
+    /// has a rate cut waiting for its decrease period. Such a partition's flows are held
+    /// back by nothing but their senders' ports (shared round-robin among a fixed set of
+    /// queue pairs) and DCQCN rates, which change only at a recovering flow's next
+    /// increase (where [`Engine::steady_rate`] stops the jump) until a flow starts or ends.
     fn partition_quiet(&self, p: &Parts, g: &Group) -> bool {
         let ports_quiet = p.parts.links(g.part).iter().all(|&l| {
             let port = &self.ports[l as usize];
@@ -918,7 +928,7 @@ impl Engine<'_> {
             && (!self.cfg.dcqcn
                 || g.flows
                     .iter()
-                    .all(|&f| self.flows[f as usize].rp.idle_at_line_rate()))
+                    .all(|&f| self.flows[f as usize].rp.rate_held()))
     }
 
     /// Jumps partition `g` if every flow of it is steady over its last `span` samples: like

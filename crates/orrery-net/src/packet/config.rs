@@ -331,10 +331,11 @@ pub struct AccelConfig {
     /// instead of `window` (with `partitioning`; 0 turns quiet jumps off). A partition is
     /// quiet at a sample when no switch egress queue on its links holds more than one data
     /// packet or enough bytes to be ECN-marked, no port of it is paused or pausing, and,
-    /// with DCQCN, every flow is at line rate with no rate change pending
-    /// ([`crate::packet::dcqcn::ReactionPoint::idle_at_line_rate`]). Its flows are then
-    /// limited by their senders' ports alone: nothing marks them, so their rates cannot
-    /// drift, which is what the long window waits out. Default 3 (30 us at the default
+    /// with DCQCN, no flow has a rate cut pending
+    /// ([`crate::packet::dcqcn::ReactionPoint::rate_held`]). Its flows are then limited by
+    /// their senders' ports and DCQCN rates alone: nothing marks them, so their rates
+    /// cannot drift, which is what the long window waits out; a flow recovering from an
+    /// earlier cut changes its rate at its next increase, where the jump stops. Default 3 (30 us at the default
     /// interval); the delivered-rate spread is still tested over those samples. Windows of
     /// 3, 5 and 10 for every partition, quiet or not, tried on the bench's GPT 350M step on
     /// 64 GPUs, left its p99 flow error against the reference at 0.046% (as with 20) and

@@ -80,14 +80,11 @@ impl ReactionPoint {
         self.increase_pending.then_some(self.increase_deadline)
     }
 
-    /// At line rate with nothing pending: no rate cut waiting for its decrease period and no
-    /// increase timer running, so without a CNP the rate cannot change (a *quiet* queue
-    /// pair, which the fast-forward may jump after a short observation).
-    pub fn idle_at_line_rate(&self) -> bool {
-        self.rate >= self.line
-            && self.target >= self.line
-            && !self.increase_pending
-            && !self.decrease_pending
+    /// No rate cut is waiting for its decrease period: without a CNP the rate changes next
+    /// when the rate-increase timer fires ([`ReactionPoint::next_increase`]), or never if
+    /// it is not running (at line rate).
+    pub fn rate_held(&self) -> bool {
+        !self.decrease_pending
     }
 
     /// Moves every time this state keeps `d` later (a partition's fast-forward jump
@@ -213,26 +210,29 @@ mod tests {
     const LINE: f64 = 12.5e9; // 100 Gb/s
 
     #[test]
-    fn a_queue_pair_is_idle_at_line_rate_until_a_cnp_and_again_once_recovered() {
+    fn a_queue_pair_holds_its_rate_except_while_a_cut_is_pending() {
         let p = DcqcnParams::default();
         let mut rp = ReactionPoint::new(LINE);
-        assert!(rp.idle_at_line_rate());
-        // A CNP schedules a cut: pending, so not idle, before the rate moves.
+        assert!(rp.rate_held() && rp.next_increase().is_none());
+        // A CNP schedules a cut: pending, so the rate is not held, before it moves.
         let dec = rp.on_cnp(Picos::from_micros(10), &p).unwrap();
         assert_eq!(rp.rate, LINE);
-        assert!(!rp.idle_at_line_rate());
+        assert!(!rp.rate_held());
+        // Cut: held again, until the increase timer it started.
         let mut next = rp.on_decrease_tick(dec, &p);
-        assert!(rp.rate < LINE && !rp.idle_at_line_rate());
-        // Recovery by the increase timer alone, no further CNP, back to line rate.
+        assert!(rp.rate < LINE && rp.rate_held());
+        assert_eq!(rp.next_increase(), next);
+        // Recovery by the increase timer alone, no further CNP, back to line rate, the
+        // rate held between increases.
         let mut fired = 0;
         while let Some(t) = next {
-            assert!(!rp.idle_at_line_rate());
+            assert!(rp.rate_held() && rp.rate < LINE);
             next = rp.on_increase_timer(t, &p);
             fired += 1;
             assert!(fired < 10_000, "never recovered");
         }
         assert_eq!((rp.rate, rp.target), (LINE, LINE));
-        assert!(rp.idle_at_line_rate());
+        assert!(rp.rate_held() && rp.next_increase().is_none());
     }
 
     #[test]

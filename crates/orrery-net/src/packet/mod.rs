@@ -203,10 +203,10 @@
 //! network is one partition, so one unsteady flow anywhere blocks every jump; with it each
 //! connected component of active flows and their links jumps on its own (its pending
 //! events postponed, its queues frozen), stopping at any release that touches it. A
-//! partition in which nothing queues at a switch and every flow is at line rate (quiet,
-//! `accel.quiet_window`) jumps after 3 samples instead of 20 and stops 20 us before a
-//! completion instead of 50: no ECN mark can reach its flows, so there is no rate drift
-//! to wait out.
+//! partition in which nothing queues at a switch and no flow has a rate cut pending
+//! (quiet, `accel.quiet_window`) jumps after 3 samples instead of 20 and stops 20 us
+//! before a completion (or at a recovering flow's next rate increase) instead of 50: no
+//! ECN mark can reach its flows, so there is no rate drift to wait out.
 //! `accel.memoize` looks up isolated episodes (a group of flows released together onto
 //! idle links, with the flows that join it) in a [`MemoCache`] instead of simulating them
 //! again; see the `memo` module. `accel.periodic` finishes the flows of a collective whose
