@@ -412,8 +412,14 @@ fn bad_options_exit_with_status_2() {
         assert_eq!(code, 2, "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
-    // GPT 13B GPU counts that are not 32 times a divisor of 256.
-    for gpus in ["48", "96"] {
+    // GPT 13B GPU counts that are not 32 times a divisor of 256, and Llama pipeline ones
+    // that are not multiples of 128.
+    for (flag, gpus) in [
+        ("--gpt13b-gpus", "48"),
+        ("--gpt13b-gpus", "96"),
+        ("--llama-pp-gpus", "64"),
+        ("--llama-pp-gpus", "200"),
+    ] {
         let args = [
             "bench",
             "--accel",
@@ -422,33 +428,13 @@ fn bad_options_exit_with_status_2() {
             "--gpt-gpus",
             "0",
             "--no-moe",
-            "--gpt13b-gpus",
+            flag,
             gpus,
         ];
         let (code, _, stderr) = orrery(&args);
         assert_eq!(code, 2, "{args:?}: {stderr}");
         assert!(
-            stderr.contains(&format!("--gpt13b-gpus: {gpus}")),
-            "{args:?}: {stderr}"
-        );
-    }
-    // Llama pipeline GPU counts that are not multiples of 128.
-    for gpus in ["64", "200"] {
-        let args = [
-            "bench",
-            "--accel",
-            "--ring-mib",
-            "0",
-            "--gpt-gpus",
-            "0",
-            "--no-moe",
-            "--llama-pp-gpus",
-            gpus,
-        ];
-        let (code, _, stderr) = orrery(&args);
-        assert_eq!(code, 2, "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(&format!("--llama-pp-gpus: {gpus}")),
+            stderr.contains(&format!("{flag}: {gpus}")),
             "{args:?}: {stderr}"
         );
     }
