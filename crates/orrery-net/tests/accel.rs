@@ -554,8 +554,8 @@ fn a_queue_drifting_slowly_towards_marking_is_not_jumped_over_its_first_mark() {
 /// Without DCQCN, on a 4 MiB switch: hosts 0 and 4 each send to host 1 and to a host of
 /// their own (20 MB each, their NICs shared round-robin), and host 1 sends 40 MB to host
 /// 2. The link into host 1 carries two half-rate flows and the ACKs of host 1's own, so
-/// its queue grows by those ACKs' 8% until, about 450 us in, PFC pauses hosts 0 and 4,
-/// which slows the flows they send elsewhere too. Jumped while still growing, frozen under
+/// its queue grows by those ACKs' 8% until PFC pauses hosts 0 and 4, which slows the
+/// flows they send elsewhere too. Jumped while still growing, frozen under
 /// the pause threshold, those two flows ran unpaused and finished 5.6% early.
 #[test]
 fn a_queue_growing_towards_pfc_pauses_is_not_jumped() {

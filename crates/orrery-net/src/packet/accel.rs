@@ -498,8 +498,15 @@ impl Engine<'_> {
     /// or `None` when it is not steady. `samples` is the flow's sample count (the network's,
     /// or its partition's), against which its last rate decrease is dated. The test looks
     /// at the last `span` samples: the whole window, or `quiet_window` of them for a flow
-    /// of a quiet partition (see [`Engine::partition_quiet`]).
-    fn steady_rate(&self, ff: &FastForward, i: usize, samples: u64, span: usize) -> Option<Steady> {
+    /// of a `quiet` partition (see [`Engine::partition_quiet`]).
+    fn steady_rate(
+        &self,
+        ff: &FastForward,
+        i: usize,
+        samples: u64,
+        span: usize,
+        quiet: bool,
+    ) -> Option<Steady> {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let w = ff.window;
@@ -533,7 +540,7 @@ impl Engine<'_> {
             if hi - lo > a.rate_theta * hi {
                 return None;
             }
-            if span < w {
+            if quiet {
                 // A quiet partition: nothing can mark its flows, so a flow whose increase
                 // timer runs holds its rate until it fires, whatever the size of the
                 // change then; the jump stops there, its clocks in their own time.
@@ -587,7 +594,7 @@ impl Engine<'_> {
                 rate,
                 t_left,
                 recovering_until: None,
-            }) = self.steady_rate(ff, i, ff.samples, ff.window)
+            }) = self.steady_rate(ff, i, ff.samples, ff.window, false)
             else {
                 return;
             };
@@ -962,7 +969,7 @@ impl Engine<'_> {
         let mut recovering = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
-            let Some(st) = self.steady_rate(ff, i, p.nsamp[i], span) else {
+            let Some(st) = self.steady_rate(ff, i, p.nsamp[i], span, quiet) else {
                 return false;
             };
             limit = limit.min(st.t_left.0.saturating_sub(tail_margin.0));

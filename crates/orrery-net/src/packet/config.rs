@@ -335,12 +335,13 @@ pub struct AccelConfig {
     /// ([`crate::packet::dcqcn::ReactionPoint::rate_held`]). Its flows are then limited by
     /// their senders' ports and DCQCN rates alone: nothing marks them, so their rates
     /// cannot drift, which is what the long window waits out; a flow recovering from an
-    /// earlier cut changes its rate at its next increase, where the jump stops. Default 3 (30 us at the default
-    /// interval); the delivered-rate spread is still tested over those samples. Windows of
-    /// 3, 5 and 10 for every partition, quiet or not, tried on the bench's GPT 350M step on
-    /// 64 GPUs, left its p99 flow error against the reference at 0.046% (as with 20) and
-    /// its mean between 0.002% and 0.0035%; on congested traffic a short window would jump
-    /// through DCQCN's drift, which is why only quiet partitions get one.
+    /// earlier cut changes its rate at its next increase, where the jump stops. Default 3
+    /// (30 us at the default interval); the delivered-rate spread is still tested over
+    /// those samples. Windows of 3, 5 and 10 for every partition, quiet or not, tried on
+    /// the bench's GPT 350M step on 64 GPUs, left its p99 flow error against the reference
+    /// at 0.046% (as with 20) and its mean between 0.002% and 0.0035%; on congested
+    /// traffic a short window would jump through DCQCN's drift, which is why only quiet
+    /// partitions get one.
     pub quiet_window: usize,
     /// `tail_margin` for a jump of a quiet partition. Default 20 us: several round trips
     /// of a three-tier fabric with 1 us cables; no CNP interval is needed, as nothing marks.
