@@ -598,10 +598,6 @@ pub(super) struct Memo<'a> {
 }
 
 impl<'a> Memo<'a> {
-    /// Sets apart this run's episodes from those of runs whose switches stand for other
-    /// numbers of copies (a symmetry quotient's fixed switches count each byte `copies`
-    /// times, so the same flows fill their pools differently): `copies` enters the
-    /// configuration hash every certificate starts with. All ones changes nothing.
     /// The cache this run reads and writes.
     pub(super) fn cache(&self) -> &MemoCache {
         self.cache.get()
@@ -620,6 +616,10 @@ impl<'a> Memo<'a> {
         (u128::from(hi) << 64) | u128::from(lo)
     }
 
+    /// Sets apart this run's episodes from those of runs whose switches stand for other
+    /// numbers of copies (a symmetry quotient's fixed switches count each byte `copies`
+    /// times, so the same flows fill their pools differently): `copies` enters the
+    /// configuration hash every certificate starts with. All ones changes nothing.
     pub fn set_buffer_copies(&mut self, copies: &[u64]) {
         if copies.iter().any(|&c| c != 1) {
             let mut words = vec![self.cfg_hash];
