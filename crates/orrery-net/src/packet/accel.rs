@@ -181,6 +181,9 @@ struct Steady {
     /// clocks keep their own time through the jump: in the run being stood in for, time
     /// passes for its timer (and its alpha decays with no CNP to feed it).
     recovering_until: Option<Picos>,
+    /// Its rate was cut within the window (or it was released within it): DCQCN is at
+    /// work on it, which [`Engine::queues_steady`] asks of a queue over its threshold.
+    cut_in_window: bool,
 }
 
 /// Fast-forwarding state: per-flow rings of delivered-bytes samples and the active set.
@@ -531,6 +534,7 @@ impl Engine<'_> {
             return None;
         }
         let mut recovering_until = None;
+        let cut_in_window = samples.saturating_sub(ff.last_dec_sample[i]) <= w as u64;
         if cfg.dcqcn {
             let lo = slots
                 .clone()
@@ -545,9 +549,7 @@ impl Engine<'_> {
                 // timer runs holds its rate until it fires, whatever the size of the
                 // change then; the jump stops there, its clocks in their own time.
                 recovering_until = fl.rp.next_increase();
-            } else if samples - ff.last_dec_sample[i] > w as u64
-                && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate
-            {
+            } else if !cut_in_window && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate {
                 recovering_until = fl.rp.next_increase();
             }
         }
@@ -566,6 +568,7 @@ impl Engine<'_> {
             rate,
             t_left: Picos::from_secs_f64(left as f64 / rate),
             recovering_until,
+            cut_in_window,
         })
     }
 
@@ -586,6 +589,7 @@ impl Engine<'_> {
         limit = limit.min(self.memo_horizon());
         let mut rates = Vec::with_capacity(ff.active.len());
         let mut horizon = Picos::ZERO;
+        let mut cut_recently = false;
         for &f in &ff.active {
             let i = f as usize;
             // The whole-network jump keeps every clock in local time, so a recovering
@@ -594,19 +598,17 @@ impl Engine<'_> {
                 rate,
                 t_left,
                 recovering_until: None,
+                cut_in_window,
             }) = self.steady_rate(ff, i, ff.samples, ff.window, false)
             else {
                 return;
             };
             limit = limit.min(t_left.0.saturating_sub(a.tail_margin.0));
             horizon = horizon.max(t_left);
+            cut_recently |= cut_in_window;
             rates.push(rate);
         }
         let ports = 0..self.ports.len() as u32;
-        let cut_recently = ff
-            .active
-            .iter()
-            .any(|&f| ff.samples - ff.last_dec_sample[f as usize] <= ff.window as u64);
         if !self.queues_steady(ff, ports, ff.window, horizon, cut_recently) {
             return;
         }
@@ -966,6 +968,7 @@ impl Engine<'_> {
         let mut limit = p.rel_limit[g.part as usize].min(self.memo_horizon());
         let mut rates = Vec::with_capacity(g.flows.len());
         let mut horizon = Picos::ZERO;
+        let mut cut_recently = false;
         let mut recovering = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
@@ -974,6 +977,7 @@ impl Engine<'_> {
             };
             limit = limit.min(st.t_left.0.saturating_sub(tail_margin.0));
             horizon = horizon.max(st.t_left);
+            cut_recently |= st.cut_in_window;
             if let Some(t) = st.recovering_until {
                 // Its rate holds until the increase timer fires, which keeps its own
                 // time through the jump.
@@ -984,11 +988,6 @@ impl Engine<'_> {
         }
         // A quiet partition's queues held at most one packet at every sample tested.
         if !quiet {
-            let w = ff.window as u64;
-            let cut_recently = g.flows.iter().any(|&f| {
-                let i = f as usize;
-                p.nsamp[i].saturating_sub(ff.last_dec_sample[i]) <= w
-            });
             let links = p.parts.links(g.part).iter().copied();
             if !self.queues_steady(ff, links, span, horizon, cut_recently) {
                 return false;
