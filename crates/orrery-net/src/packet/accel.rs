@@ -103,21 +103,28 @@
 //!   member is not steady.
 //! - **Quiet partitions** (`accel.quiet_window`, 3 samples by default; 0 turns them off)
 //!   need a shorter observation. A partition is quiet at a sample when no switch egress
-//!   queue on its links holds more than one data packet or enough bytes to be ECN-marked,
-//!   none of its ports is paused or pausing, and with DCQCN no flow has a cut waiting for
-//!   its decrease period. Its flows are then held back by their senders' ports and DCQCN
-//!   rates alone, served round-robin among a fixed set of queue pairs: nothing can mark
-//!   them, so a rate changes only when a flow recovering from an earlier cut reaches its
-//!   next increase (the jump stops there, as for a recovering flow below, its DCQCN clocks
-//!   keeping their own time) or a flow starts or ends, and the long window, which exists
-//!   to wait out DCQCN's cuts and recoveries, has nothing to wait for. Before recovering
+//!   queue on its links holds enough bytes to be ECN-marked, none of its ports is paused
+//!   or pausing, and with DCQCN no flow has a cut waiting for its decrease period. Its
+//!   flows are then held back by their senders' ports and DCQCN rates and by the FIFOs
+//!   that serve them: nothing can mark them, so a rate changes only when a flow
+//!   recovering from an earlier cut reaches its next increase (the jump stops there, as
+//!   for a recovering flow below, its DCQCN clocks keeping their own time), a queue
+//!   reaches its threshold, or a flow starts or ends, and the long window, which exists
+//!   to wait out DCQCN's cuts and recoveries, has nothing to wait for. Queues deeper than
+//!   a frame are tested over the samples the partition has been quiet in a row: a
+//!   draining one holds the jump back, and one growing towards its threshold is carried
+//!   through the jump instead of frozen (the [`carry`] module: a 1F1B stage receiving
+//!   while it sends, its inbound queue growing under its own send's ACKs). Before
+//!   (quiet meant at most one packet queued), the 405B pipeline bench row on 128 GPUs
+//!   took 28,702,190 events; with it, 16,310,975. Before recovering
 //!   flows were let in (they had to be at line rate with no timer running), the 405B
 //!   pipeline bench row on 128 GPUs took 30,859,059 events, its warm-up sends waiting out
 //!   a whole window after each cut (docs/benchmarks.md). A partition quiet at each of
 //!   its last `quiet_window` fresh samples is tested over those samples only (delivered
 //!   spread under `theta`, the rate from the slope over their second half) and, steady,
 //!   jumps to `quiet_tail_margin` (20 us) before its earliest completion instead of
-//!   `tail_margin` (50 us, which leaves room for a CNP interval). A queue that builds
+//!   `tail_margin` (50 us, which leaves room for a CNP interval; kept where a queue
+//!   stands deeper than a frame, as the last packets wait behind it). A queue that builds
 //!   slowly (senders just above a link's speed) shows at the next sample as more than one
 //!   packet, or a pause, and the partition is not quiet again until it changes. Quiet jumps
 //!   are counted in [`super::PacketStats::quiet_jumps`]. On uncongested training traffic
@@ -158,6 +165,8 @@
 //!   that merges partitions therefore finds all of them at the release time: no rollback is
 //!   needed. A partition frozen past a release touching no link of it is fine: the new
 //!   flow cannot reach it.
+
+mod carry;
 
 use super::engine::{Engine, Ev, FlowState, Kind};
 use super::image::{owner_of, Owner};
@@ -216,6 +225,14 @@ pub(crate) struct FastForward {
     frac: Vec<f64>,
     /// Packets each flow moves in the jump being applied (zero otherwise).
     shift: Vec<u64>,
+    /// In the jump being applied, the packets a flow appends to a growing queue it goes
+    /// through (zero otherwise) and that queue's hop on its path: its packets before that
+    /// hop move on by these too (see the `carry` module).
+    carry: Vec<u64>,
+    carry_hop: Vec<u32>,
+    /// The lowest sequence number among a carried flow's packets before its growing
+    /// queue, before renumbering (`u64::MAX`: none), found by the renumbering.
+    carry_first: Vec<u64>,
     active: Vec<u32>,
     active_pos: Vec<u32>,
     /// Samples taken, and samples since the last release or completion.
@@ -284,6 +301,9 @@ impl FastForward {
             link_samples: vec![0; links],
             frac: vec![0.0; flows],
             shift: vec![0; flows],
+            carry: vec![0; flows],
+            carry_hop: vec![0; flows],
+            carry_first: vec![u64::MAX; flows],
             active: Vec::new(),
             active_pos: vec![NONE; flows],
             samples: 0,
@@ -482,18 +502,50 @@ impl Engine<'_> {
     }
 
     /// Every live packet of a moved flow, wherever it is, takes the moved numbering (CNPs
-    /// carry no sequence number).
-    fn renumber_packets(&mut self, ff: &FastForward) {
+    /// carry no sequence number): the receiver's, but a carried flow's data packets
+    /// before its growing queue take the sender's, which is ahead by the packets carried
+    /// (their lowest number before the move is left in `carry_first`).
+    fn renumber_packets(&mut self, ff: &mut FastForward) {
         let mut free = vec![false; self.pkts.len()];
         for &q in self.free_slots() {
             free[q as usize] = true;
         }
         for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
-            let k = ff.shift[pk.flow as usize];
+            let i = pk.flow as usize;
+            let mut k = ff.shift[i];
+            if ff.carry[i] > 0 && pk.kind == Kind::Data && pk.hop < ff.carry_hop[i] {
+                ff.carry_first[i] = ff.carry_first[i].min(pk.seq);
+                k += ff.carry[i];
+            }
             if k > 0 && pk.kind != Kind::Cnp {
                 pk.seq += k;
             }
         }
+    }
+
+    /// Moves flow `i`'s sender on by `packets` more than its receiver (the packets a jump
+    /// appends for it to the growing queue at `hop` of its path), at most to its last
+    /// packet: sequence numbers, sent bytes and the bytes of the links before that hop.
+    /// Returns the packets it moved.
+    fn carry_flow(&mut self, ff: &mut FastForward, i: usize, hop: u32, packets: u64) -> u64 {
+        let mtu = u64::from(self.cfg.mtu_payload);
+        let fl = &mut self.flows[i];
+        let packets = packets.min(fl.npkts - 1 - fl.snd_nxt);
+        if packets == 0 {
+            return 0;
+        }
+        ff.carry[i] = packets;
+        ff.carry_hop[i] = hop;
+        ff.carry_first[i] = u64::MAX;
+        fl.snd_nxt += packets;
+        fl.high += packets;
+        let start = fl.fwd.0;
+        let bytes = packets * mtu;
+        self.bytes_sent += bytes;
+        for h in start..start + hop {
+            self.link_bytes[self.paths[h as usize] as usize] += bytes;
+        }
+        packets
     }
 
     /// The steadiness test of one active flow (see the module docs): its delivered rate in
@@ -919,19 +971,20 @@ impl Engine<'_> {
     }
 
     /// Whether partition `g` is *quiet* now (`accel.quiet_window`): no switch egress queue
-    /// on its links holds more than one data packet or enough bytes to be ECN-marked, none
-    /// of its ports is paused or has paused its upstream, and, with DCQCN, no flow of it
-    /// has a rate cut waiting for its decrease period. Such a partition's flows are held
-    /// back by nothing but their senders' ports (shared round-robin among a fixed set of
-    /// queue pairs) and DCQCN rates, which change only at a recovering flow's next
-    /// increase (where [`Engine::steady_rate`] stops the jump) until a flow starts or ends.
+    /// on its links holds enough bytes to be ECN-marked, none of its ports is paused or
+    /// has paused its upstream, and, with DCQCN, no flow of it has a rate cut waiting for
+    /// its decrease period. Such a partition's flows are held back by nothing but their
+    /// senders' ports (shared round-robin among a fixed set of queue pairs), DCQCN rates
+    /// and the FIFOs serving them; the rates change only at a recovering flow's next
+    /// increase (where [`Engine::steady_rate`] stops the jump) or when a queue reaches its
+    /// threshold (which [`Engine::calm_queues`] keeps the jump short of) until a flow
+    /// starts or ends.
     fn partition_quiet(&self, p: &Parts, g: &Group) -> bool {
         let ports_quiet = p.parts.links(g.part).iter().all(|&l| {
             let port = &self.ports[l as usize];
             !port.paused
                 && !port.pause_sent
-                && (!port.from_switch
-                    || (port.data.len() <= 1 && port.ecn.probability(port.queued as f64) == 0.0))
+                && (!port.from_switch || port.ecn.probability(port.queued as f64) == 0.0)
         });
         ports_quiet
             && (!self.cfg.dcqcn
@@ -958,16 +1011,12 @@ impl Engine<'_> {
         let a = &cfg.accel;
         let now = self.now;
         let mtu = u64::from(cfg.mtu_payload);
-        let tail_margin = if quiet {
-            a.quiet_tail_margin
-        } else {
-            a.tail_margin
-        };
         // A memoized flow finishing releases flows nobody announced yet, which could reach
         // this partition while it is frozen: never jump past one.
         let mut limit = p.rel_limit[g.part as usize].min(self.memo_horizon());
         let mut rates = Vec::with_capacity(g.flows.len());
         let mut horizon = Picos::ZERO;
+        let mut earliest = Picos(u64::MAX);
         let mut cut_recently = false;
         let mut recovering = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
@@ -975,7 +1024,7 @@ impl Engine<'_> {
             let Some(st) = self.steady_rate(ff, i, p.nsamp[i], span, quiet) else {
                 return false;
             };
-            limit = limit.min(st.t_left.0.saturating_sub(tail_margin.0));
+            earliest = earliest.min(st.t_left);
             horizon = horizon.max(st.t_left);
             cut_recently |= st.cut_in_window;
             if let Some(t) = st.recovering_until {
@@ -986,13 +1035,29 @@ impl Engine<'_> {
             rates.push(st.rate);
             recovering.push(st.recovering_until.is_some());
         }
-        // A quiet partition's queues held at most one packet at every sample tested.
-        if !quiet {
-            let links = p.parts.links(g.part).iter().copied();
-            if !self.queues_steady(ff, links, span, horizon, cut_recently) {
+        // A quiet partition's queues were under their ECN thresholds at every sample
+        // tested; where they stand deeper than a frame, the jump keeps the long tail
+        // margin, and a queue growing towards its threshold is carried (`carry` module).
+        let mut growing = Vec::new();
+        let mut tail_margin = a.tail_margin;
+        let links = p.parts.links(g.part).iter().copied();
+        if quiet {
+            // The queues' drifts are measured over the samples at which the partition
+            // was quiet in a row (up to the window), the quiet window's at least.
+            let fresh = g.flows.iter().map(|&f| p.quiet[f as usize]).min();
+            let queue_span = fresh.map_or(span, |n| (n as usize).clamp(span, ff.window));
+            let Some(calm) = self.calm_queues(ff, links, queue_span, horizon) else {
                 return false;
+            };
+            if !calm.deep {
+                tail_margin = a.quiet_tail_margin;
             }
+            limit = limit.min(calm.limit);
+            growing = calm.growing;
+        } else if !self.queues_steady(ff, links, span, horizon, cut_recently) {
+            return false;
         }
+        limit = limit.min(earliest.0.saturating_sub(tail_margin.0));
         if limit == u64::MAX {
             return false;
         }
@@ -1005,9 +1070,17 @@ impl Engine<'_> {
         if limit < a.min_jump.0 || limit == 0 {
             return false;
         }
+        let jump = Picos(limit);
+        let carried = if growing.is_empty() {
+            Vec::new()
+        } else {
+            match self.plan_carry(&growing, &g.flows, &rates, jump) {
+                Some(c) => c,
+                None => return false,
+            }
+        };
         // The jump postpones the partition's pending port events, dormant frees included.
         self.settle_dormant_frees();
-        let jump = Picos(limit);
         let secs = jump.as_secs_f64();
         let mut moved = 0u64;
         for ((&f, &rate), &keeps_clock) in g.flows.iter().zip(&rates).zip(&recovering) {
@@ -1028,8 +1101,38 @@ impl Engine<'_> {
             }
             moved += self.advance_flow(ff, i, rate * secs);
         }
-        if moved > 0 {
+        let mut appended = 0;
+        for c in &carried {
+            appended += self.carry_flow(ff, c.flow as usize, c.hop, c.packets);
+        }
+        if moved > 0 || appended > 0 {
             self.renumber_packets(ff);
+        }
+        if appended > 0 {
+            // Each carried flow's appended packets are numbered from its first packet
+            // before the queue, or from its sender's next one if none is on the way.
+            let carried: Vec<carry::Carried> = carried
+                .iter()
+                .map(|c| carry::Carried {
+                    packets: ff.carry[c.flow as usize],
+                    ..*c
+                })
+                .collect();
+            let first: Vec<u64> = carried
+                .iter()
+                .map(|c| {
+                    let i = c.flow as usize;
+                    match ff.carry_first[i] {
+                        u64::MAX => self.flows[i].snd_nxt - c.packets,
+                        u => u + ff.shift[i],
+                    }
+                })
+                .collect();
+            self.append_carried(&growing, &carried, &first);
+            for c in &carried {
+                ff.carry[c.flow as usize] = 0;
+            }
+            self.stats.carried_packets += appended;
         }
         // Postpone the partition's pending events (found in the ledger) by the jump, in
         // their scheduling order so ties keep their order.

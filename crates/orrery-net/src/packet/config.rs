@@ -329,13 +329,14 @@ pub struct AccelConfig {
     pub min_jump: Picos,
     /// Samples a partition must have been *quiet* over to jump after that short a window
     /// instead of `window` (with `partitioning`; 0 turns quiet jumps off). A partition is
-    /// quiet at a sample when no switch egress queue on its links holds more than one data
-    /// packet or enough bytes to be ECN-marked, no port of it is paused or pausing, and,
-    /// with DCQCN, no flow has a rate cut pending
-    /// ([`crate::packet::dcqcn::ReactionPoint::rate_held`]). Its flows are then limited by
-    /// their senders' ports and DCQCN rates alone: nothing marks them, so their rates
-    /// cannot drift, which is what the long window waits out; a flow recovering from an
-    /// earlier cut changes its rate at its next increase, where the jump stops. Default 3
+    /// quiet at a sample when no switch egress queue on its links holds enough bytes to be
+    /// ECN-marked, no port of it is paused or pausing, and, with DCQCN, no flow has a rate
+    /// cut pending ([`crate::packet::dcqcn::ReactionPoint::rate_held`]). Its flows are
+    /// then limited by their senders' ports, DCQCN rates and the FIFOs serving them:
+    /// nothing marks them, so their rates cannot drift, which is what the long window
+    /// waits out; a flow recovering from an earlier cut changes its rate at its next
+    /// increase, where the jump stops, and a queue growing towards its threshold is
+    /// carried through the jump (`packet/accel/carry.rs`). Default 3
     /// (30 us at the default interval); the delivered-rate spread is still tested over
     /// those samples. Windows of 3, 5 and 10 for every partition, quiet or not, tried on
     /// the bench's GPT 350M step on 64 GPUs, left its p99 flow error against the reference

@@ -334,6 +334,9 @@ pub struct PacketStats {
     /// Of those, the jumps of quiet partitions, taken after `accel.quiet_window` samples
     /// instead of the whole window (see [`AccelConfig::quiet_window`]).
     pub quiet_jumps: u64,
+    /// Packets quiet jumps appended to switch queues growing towards their ECN thresholds,
+    /// which they carry instead of freezing (the `carry` module of `packet/accel`).
+    pub carried_packets: u64,
     /// Simulated time covered by jumps instead of packet by packet (with partitioning,
     /// summed over partitions, so it can exceed the run's length).
     pub jumped_time: Picos,

@@ -6,7 +6,7 @@ use super::engine::{ser, Engine, Ev, Kind};
 use orrery_units::Picos;
 
 /// What PFC admission did with a frame arriving at a switch.
-enum Admission {
+pub(super) enum Admission {
     Dropped,
     Admitted,
     /// A copy taken into its ingress headroom, which its bytes extend while it is queued.
@@ -133,7 +133,13 @@ impl Engine<'_> {
     /// reserve, else the shared pool while under the threshold, else the headroom; dropped
     /// if the headroom is full too (only if headroom is undersized), unless `always` (a
     /// copy, whose headroom bytes extend the headroom while they are in it).
-    fn ingress_admit(&mut self, sw: usize, l: u32, size: u64, always: bool) -> Admission {
+    pub(super) fn ingress_admit(
+        &mut self,
+        sw: usize,
+        l: u32,
+        size: u64,
+        always: bool,
+    ) -> Admission {
         let thr = self.threshold(sw);
         let shared = self.shared_of(l);
         let reserve = self.cfg.pfc_reserve;
@@ -186,7 +192,7 @@ impl Engine<'_> {
     }
 
     /// Pauses the upstream of ingress `l` if it uses headroom or exceeds the threshold.
-    fn check_pause(&mut self, sw: usize, l: u32) {
+    pub(super) fn check_pause(&mut self, sw: usize, l: u32) {
         let port = &self.ports[l as usize];
         if port.pause_sent {
             return;

@@ -1,0 +1,338 @@
+//! Calm partitions: standing queues under the ECN threshold, and queues carried through a
+//! jump.
+//!
+//! A *quiet* partition ([`Engine::partition_quiet`]) used to need every switch egress
+//! queue on its links to hold at most one packet. A partition whose queues stand deeper
+//! but under their ECN thresholds (no mark can fall), with no pause and no cut pending,
+//! is as safe for the short window: its flows are held back by their senders' rates and
+//! by the FIFOs that serve them, and nothing changes a rate until a queue reaches its
+//! threshold or a recovering flow reaches its next increase. Such a partition is *calm*.
+//! What the short window cannot judge alone is where its queues are going, so a calm
+//! partition's jump also asks of each of its queues (over the same samples, from the
+//! queue's first sample in them to its last):
+//!
+//! - one *draining* by more than `queue_theta` of its link's speed holds the jump back:
+//!   it serves its flows faster than they arrive, and their delivered rate falls when it
+//!   empties;
+//! - one drifting by no more than that, or growing without reaching its threshold before
+//!   the partition's flows end, may be frozen, as in a long-window jump
+//!   ([`Engine::queues_steady`]);
+//! - one *growing* towards its threshold (with DCQCN) is *carried*: the jump stops a
+//!   guard short of the time it reaches the threshold (two sample intervals of its
+//!   growth, at least two frames), and the queue grows by its drift times the jump,
+//!   packets of its flows appended at its tail in proportion to their delivered rates.
+//!   Each of those flows' senders moves on by the packets it delivered plus the packets
+//!   it added to the queue; its packets upstream of the queue take the sender's new
+//!   numbering, those in or past the queue the receiver's, and the appended ones the
+//!   numbers in between. The partition thaws with the queue where it would have been and
+//!   marks, cuts and recovers packet by packet. A flow through two growing queues, or a
+//!   switch whose buffer the added packets would bring near a PFC pause (or, without
+//!   PFC, near its size), holds the jump back.
+//!
+//! Without this, a stage of a 1F1B pipeline that receives one micro-batch while it sends
+//! the previous one was simulated packet by packet until its first mark: the link into it
+//! carries the incoming flow at line rate and the ACKs of its own send, and its queue
+//! grows for a few hundred microseconds towards the threshold (docs/benchmarks.md).
+//! Without DCQCN nothing is carried: a queue must drift by no more than `queue_theta`.
+
+use super::super::engine::{Engine, Kind, Packet};
+use super::FastForward;
+use orrery_units::Picos;
+
+/// A switch egress queue of a calm partition that grows towards its ECN threshold and is
+/// carried through the jump.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GrowingQueue {
+    pub link: u32,
+    /// Bytes per second.
+    pub drift: f64,
+}
+
+/// What the queues of a calm partition allow (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct CalmQueues {
+    /// Some queue holds more than a frame: the jump keeps the long tail margin, as the
+    /// last packets wait behind it.
+    pub deep: bool,
+    /// Queues to carry, and the longest jump they allow.
+    pub growing: Vec<GrowingQueue>,
+    pub limit: u64,
+}
+
+/// A flow of the partition through a growing queue: the queue, its hop on the flow's path
+/// and the packets the jump appends for it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Carried {
+    pub flow: u32,
+    pub queue: usize,
+    pub hop: u32,
+    pub packets: u64,
+}
+
+impl Engine<'_> {
+    /// The queue test of a calm partition over the last `span` samples of its queues (at
+    /// least the quiet window, at most the window: the samples since the partition last
+    /// changed), its flows' completions `horizon` away at the latest (see the module
+    /// docs); `None` if a queue holds the jump back.
+    pub(super) fn calm_queues(
+        &self,
+        ff: &FastForward,
+        links: impl Iterator<Item = u32>,
+        span: usize,
+        horizon: Picos,
+    ) -> Option<CalmQueues> {
+        let a = &self.cfg.accel;
+        let w = ff.window;
+        let m = span.clamp(3, w.max(3)) as u64;
+        let frame = u64::from(self.cfg.mtu_payload + self.cfg.header_bytes);
+        let iv = a.sample_interval.as_secs_f64();
+        let mut out = CalmQueues {
+            limit: u64::MAX,
+            ..CalmQueues::default()
+        };
+        for l in links {
+            let port = &self.ports[l as usize];
+            if !port.from_switch {
+                continue;
+            }
+            let n = ff.link_samples[l as usize];
+            if n < m {
+                return None;
+            }
+            let deepest = (1..=m)
+                .map(|k| ff.queue_ring[l as usize * w + ((n - k) % w as u64) as usize])
+                .max()
+                .unwrap_or(0)
+                .max(port.queued);
+            if deepest <= frame {
+                continue;
+            }
+            out.deep = true;
+            if a.queue_theta == f64::INFINITY {
+                // The queue test is off: every queue is frozen, as before it.
+                continue;
+            }
+            let (drift, resolution) = self.queue_course(ff, l, m, frame)?;
+            let flat = drift.abs() <= a.queue_theta * port.bw;
+            if !self.cfg.dcqcn {
+                if !flat {
+                    return None;
+                }
+                continue;
+            }
+            if drift < 0.0 && !flat {
+                return None;
+            }
+            let room = port.ecn.kmin - port.queued as f64;
+            if drift <= 0.0 || room / drift >= horizon.as_secs_f64() {
+                continue;
+            }
+            // Growing towards the threshold: carried if its growth is known to within a
+            // tenth (about 2.5% at one standard error), as the queue's error after the jump
+            // is that fraction of what it carries, and its first mark comes early or late
+            // by that fraction of the jump. A slow growth waits for more samples, or is
+            // simulated: on a 100 Gb/s link growing by 1% (one ACK per eight packets of
+            // another flow), the growth measured from the samples then available was 22%
+            // high, the first mark came about 80 us early and the flow finished 1.6% late.
+            if resolution > 0.1 * drift {
+                return None;
+            }
+            let guard = (2.0 * drift * iv).max(2.0 * frame as f64);
+            let secs = (room - guard) / drift;
+            if secs <= 0.0 {
+                return None;
+            }
+            out.limit = out.limit.min(Picos::from_secs_f64(secs).0);
+            out.growing.push(GrowingQueue { link: l, drift });
+        }
+        Some(out)
+    }
+
+    /// The course of link `l`'s queue over the longest stretch of its last `m` samples
+    /// (three at least) that lies on a line within two frames: its drift (the
+    /// least-squares slope, bytes per second) and the least drift that slope tells apart
+    /// from noise, or `None` if not even the last three samples lie on a line. A sample is
+    /// off by up to a frame (a packet leaving or arriving across the sampling instant);
+    /// the slope's error is that error times `sqrt(12 / (k (k^2 - 1)))` over the interval
+    /// for `k` samples, and the resolution is four times that. The stretch ends where the
+    /// queue's course last changed (a cut, a drain that ended), so a drain followed by a
+    /// level stretch is not taken for a slow drain, nor a level stretch followed by
+    /// growth for a slow growth.
+    fn queue_course(&self, ff: &FastForward, l: u32, m: u64, frame: u64) -> Option<(f64, f64)> {
+        let w = ff.window;
+        let n = ff.link_samples[l as usize];
+        let iv = self.cfg.accel.sample_interval.as_secs_f64();
+        // Newest first.
+        let q = |k: u64| ff.queue_ring[l as usize * w + ((n - 1 - k) % w as u64) as usize] as f64;
+        let tolerance = 2.0 * frame as f64;
+        (3..=m.max(3)).rev().find_map(|k| {
+            let kf = k as f64;
+            // Sample `j` (newest first) at time `-j` intervals.
+            let mean_t = -(kf - 1.0) / 2.0;
+            let mean_q = (0..k).map(q).sum::<f64>() / kf;
+            let (mut cov, mut var) = (0.0, 0.0);
+            for j in 0..k {
+                let t = -(j as f64) - mean_t;
+                cov += t * (q(j) - mean_q);
+                var += t * t;
+            }
+            let slope = cov / var;
+            let fits = (0..k).all(|j| {
+                let t = -(j as f64) - mean_t;
+                (q(j) - mean_q - slope * t).abs() <= tolerance
+            });
+            fits.then(|| {
+                let resolution = 4.0 * frame as f64 * (12.0 / (kf * (kf * kf - 1.0))).sqrt() / iv;
+                (slope / iv, resolution)
+            })
+        })
+    }
+
+    /// The packets a jump of `jump` appends to each growing queue, per flow through it
+    /// (`flows` and their delivered `rates`, bytes per second), or `None` if a flow goes
+    /// through two growing queues or the added packets would bring a switch near a PFC
+    /// pause (near its buffer's size without PFC).
+    pub(super) fn plan_carry(
+        &self,
+        growing: &[GrowingQueue],
+        flows: &[u32],
+        rates: &[f64],
+        jump: Picos,
+    ) -> Option<Vec<Carried>> {
+        let frame = u64::from(self.cfg.mtu_payload + self.cfg.header_bytes);
+        let mut through: Vec<(u32, usize, u32, f64)> = Vec::new();
+        for (&f, &rate) in flows.iter().zip(rates) {
+            let fl = &self.flows[f as usize];
+            let (start, len) = fl.fwd;
+            let mut found = None;
+            for hop in 1..len {
+                let l = self.paths[(start + hop) as usize];
+                if let Some(q) = growing.iter().position(|g| g.link == l) {
+                    if found.is_some() {
+                        return None;
+                    }
+                    found = Some((q, hop));
+                }
+            }
+            if let Some((q, hop)) = found {
+                through.push((f, q, hop, rate));
+            }
+        }
+        let mut carried = Vec::with_capacity(through.len());
+        // Bytes added per switch and per ingress port, to check the buffer before any
+        // state moves.
+        let mut per_switch: Vec<(usize, u64)> = Vec::new();
+        let mut per_ingress: Vec<(u32, usize, u64)> = Vec::new();
+        for (q, g) in growing.iter().enumerate() {
+            let total: f64 = through.iter().filter(|t| t.1 == q).map(|t| t.3).sum();
+            if total <= 0.0 {
+                return None;
+            }
+            let bytes = g.drift * jump.as_secs_f64();
+            let sw = self.ports[g.link as usize].from as usize;
+            for &(f, _, hop, rate) in through.iter().filter(|t| t.1 == q) {
+                let packets = (bytes * rate / total / frame as f64).round() as u64;
+                if packets == 0 {
+                    continue;
+                }
+                carried.push(Carried {
+                    flow: f,
+                    queue: q,
+                    hop,
+                    packets,
+                });
+                let fl = &self.flows[f as usize];
+                let in_link = self.paths[(fl.fwd.0 + hop - 1) as usize];
+                let added = packets * frame;
+                match per_switch.iter_mut().find(|e| e.0 == sw) {
+                    Some(e) => e.1 += added,
+                    None => per_switch.push((sw, added)),
+                }
+                match per_ingress.iter_mut().find(|e| e.0 == in_link) {
+                    Some(e) => e.2 += added,
+                    None => per_ingress.push((in_link, sw, added)),
+                }
+            }
+        }
+        let cfg = self.cfg;
+        for &(sw, added) in &per_switch {
+            let b = &self.bufs[sw];
+            if !cfg.pfc && 2 * (b.used + added * b.copies) > cfg.buffer_bytes {
+                return None;
+            }
+        }
+        if cfg.pfc {
+            // Half the dynamic threshold left after the additions: the queue goes on
+            // growing after the thaw, a guard's worth, before its first mark.
+            for &(in_link, sw, added) in &per_ingress {
+                let b = &self.bufs[sw];
+                let switch_added = per_switch.iter().find(|e| e.0 == sw).map_or(0, |e| e.1);
+                let free = b
+                    .shared_cap
+                    .saturating_sub(b.shared_used + switch_added * b.copies);
+                let threshold = free as f64 * cfg.pfc_alpha;
+                let port = &self.ports[in_link as usize];
+                let shared = (port.in_bytes + added).saturating_sub(cfg.pfc_reserve);
+                if port.in_hdrm > 0 || port.pause_sent || shared as f64 > threshold / 2.0 {
+                    return None;
+                }
+            }
+        }
+        Some(carried)
+    }
+
+    /// Appends the carried packets to their queues (after the jump's renumbering): flow by
+    /// flow in proportion, each flow's numbered from `first[k]` for `carried[k]`.
+    pub(super) fn append_carried(
+        &mut self,
+        growing: &[GrowingQueue],
+        carried: &[Carried],
+        first: &[u64],
+    ) {
+        let cfg = self.cfg;
+        let frame = cfg.mtu_payload + cfg.header_bytes;
+        for (q, g) in growing.iter().enumerate() {
+            let mine: Vec<usize> = (0..carried.len())
+                .filter(|&k| carried[k].queue == q && carried[k].packets > 0)
+                .collect();
+            let mut placed = vec![0u64; mine.len()];
+            let total: u64 = mine.iter().map(|&k| carried[k].packets).sum();
+            let sw = self.ports[g.link as usize].from as usize;
+            for _ in 0..total {
+                // The flow furthest behind its share goes next (the first on ties), so
+                // the flows interleave as their arrivals did.
+                let j = (0..mine.len())
+                    .filter(|&j| placed[j] < carried[mine[j]].packets)
+                    .min_by(|&x, &y| {
+                        let share =
+                            |j: usize| (placed[j] as f64 + 0.5) / carried[mine[j]].packets as f64;
+                        share(x).total_cmp(&share(y))
+                    })
+                    .expect("a packet is left to place");
+                let c = carried[mine[j]];
+                let seq = first[mine[j]] + placed[j];
+                placed[j] += 1;
+                let fl = &self.flows[c.flow as usize];
+                let in_link = self.paths[(fl.fwd.0 + c.hop - 1) as usize];
+                let mut pk = Packet::fresh(Kind::Data, c.flow, seq, cfg.mtu_payload, frame, g.link);
+                pk.in_link = in_link;
+                pk.hop = c.hop;
+                let p = self.alloc(pk);
+                let size = u64::from(frame);
+                if cfg.pfc {
+                    // `plan_carry` left the port well under its threshold: admitted.
+                    let _ = self.ingress_admit(sw, in_link, size, false);
+                    self.check_pause(sw, in_link);
+                }
+                let b = &mut self.bufs[sw];
+                b.used += size * b.copies;
+                if b.used > self.stats.peak_switch_bytes {
+                    self.stats.peak_switch_bytes = b.used;
+                }
+                let port = &mut self.ports[g.link as usize];
+                port.data.push_back(p);
+                port.queued += size;
+            }
+        }
+    }
+}
