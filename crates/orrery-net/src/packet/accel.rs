@@ -125,8 +125,9 @@
 //!   jumps to `quiet_tail_margin` (20 us) before its earliest completion instead of
 //!   `tail_margin` (50 us, which leaves room for a CNP interval; kept where a queue
 //!   stands deeper than a frame, as the last packets wait behind it). A queue that builds
-//!   slowly (senders just above a link's speed) shows at the next sample as more than one
-//!   packet, or a pause, and the partition is not quiet again until it changes. Quiet jumps
+//!   (senders above a link's speed) is carried, or holds the jump back while its growth is
+//!   too slow to measure; one that reaches its threshold or pauses a sender makes the
+//!   partition not quiet until that has passed. Quiet jumps
 //!   are counted in [`super::PacketStats::quiet_jumps`]. On uncongested training traffic
 //!   (rail-local data-parallel rings, lone pipeline sends) most jumps are quiet ones: the
 //!   bench's GPT 350M step on 64 GPUs went from 2,305,751 events to 1,054,133, with the
@@ -1044,8 +1045,8 @@ impl Engine<'_> {
         if quiet {
             // The queues' drifts are measured over the samples at which the partition
             // was quiet in a row (up to the window), the quiet window's at least.
-            let fresh = g.flows.iter().map(|&f| p.quiet[f as usize]).min();
-            let queue_span = fresh.map_or(span, |n| (n as usize).clamp(span, ff.window));
+            let quiet_run = g.flows.iter().map(|&f| p.quiet[f as usize]).min();
+            let queue_span = quiet_run.map_or(span, |n| (n as usize).clamp(span, ff.window));
             let Some(calm) = self.calm_queues(ff, links, queue_span, horizon) else {
                 return false;
             };
@@ -1109,8 +1110,10 @@ impl Engine<'_> {
             self.renumber_packets(ff);
         }
         if appended > 0 {
-            // Each carried flow's appended packets are numbered from its first packet
-            // before the queue, or from its sender's next one if none is on the way.
+            // Each carried flow's appended packets take the numbers between its packets
+            // in or past the queue and those still upstream of it (the first upstream
+            // one's number after the receiver's move; its sender's next packet's if none
+            // is on the way).
             let carried: Vec<carry::Carried> = carried
                 .iter()
                 .map(|c| carry::Carried {
