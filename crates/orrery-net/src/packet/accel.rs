@@ -352,6 +352,13 @@ impl FastForward {
         self.link_samples[l] = n + 1;
     }
 
+    /// Link `l`'s queue (bytes) `back` samples ago, 1 being its latest sample (`back` at
+    /// most the window and at most the link's samples).
+    fn queue_sample(&self, l: u32, back: u64) -> u64 {
+        let n = self.link_samples[l as usize];
+        self.queue_ring[l as usize * self.window + ((n - back) % self.window as u64) as usize]
+    }
+
     /// Flow `i`'s delivered rate over the second half of its last `span` samples (it has
     /// taken `samples`, more than `span`; `span` at most the window), bytes per second:
     /// the slope between its last delivery before the middle sample and its last one now,
@@ -956,7 +963,7 @@ impl Engine<'_> {
             if n < 2 * half {
                 return false;
             }
-            let at = |k: u64| ff.queue_ring[l as usize * w + ((n - k) % w as u64) as usize];
+            let at = |k: u64| ff.queue_sample(l, k);
             let recent: u64 = (1..=half).map(at).sum();
             let older: u64 = (half + 1..=2 * half).map(at).sum();
             let drift = (recent as f64 - older as f64) / half as f64 / between;
@@ -1072,7 +1079,7 @@ impl Engine<'_> {
             return false;
         }
         let jump = Picos(limit);
-        let carried = if growing.is_empty() {
+        let mut carried = if growing.is_empty() {
             Vec::new()
         } else {
             match self.plan_carry(&growing, &g.flows, &rates, jump) {
@@ -1103,35 +1110,15 @@ impl Engine<'_> {
             moved += self.advance_flow(ff, i, rate * secs);
         }
         let mut appended = 0;
-        for c in &carried {
-            appended += self.carry_flow(ff, c.flow as usize, c.hop, c.packets);
+        for c in carried.iter_mut() {
+            c.packets = self.carry_flow(ff, c.flow as usize, c.hop, c.packets);
+            appended += c.packets;
         }
         if moved > 0 || appended > 0 {
             self.renumber_packets(ff);
         }
         if appended > 0 {
-            // Each carried flow's appended packets take the numbers between its packets
-            // in or past the queue and those still upstream of it (the first upstream
-            // one's number after the receiver's move; its sender's next packet's if none
-            // is on the way).
-            let carried: Vec<carry::Carried> = carried
-                .iter()
-                .map(|c| carry::Carried {
-                    packets: ff.carry[c.flow as usize],
-                    ..*c
-                })
-                .collect();
-            let first: Vec<u64> = carried
-                .iter()
-                .map(|c| {
-                    let i = c.flow as usize;
-                    match ff.carry_first[i] {
-                        u64::MAX => self.flows[i].snd_nxt - c.packets,
-                        u => u + ff.shift[i],
-                    }
-                })
-                .collect();
-            self.append_carried(&growing, &carried, &first);
+            self.append_carried(ff, &growing, &carried);
             for c in &carried {
                 ff.carry[c.flow as usize] = 0;
             }

@@ -6,7 +6,7 @@ use super::engine::{ser, Engine, Ev, Kind};
 use orrery_units::Picos;
 
 /// What PFC admission did with a frame arriving at a switch.
-pub(super) enum Admission {
+enum Admission {
     Dropped,
     Admitted,
     /// A copy taken into its ingress headroom, which its bytes extend while it is queued.
@@ -45,13 +45,24 @@ impl Engine<'_> {
             self.try_send(out);
             return;
         }
+        if self.queue_data(p, l_in, out, copy) {
+            self.try_send(out);
+        }
+    }
+
+    /// Admits data packet `p`, arrived over `l_in`, into the shared buffer of the switch
+    /// and the egress queue of `out` (PFC accounting and pause, or a drop if it does not
+    /// fit; a `copy` is admitted whatever the buffer holds, see [`Engine::switch_arrive`]).
+    /// Returns whether it was queued; a dropped packet is released. Also how a jump's
+    /// carried packets join a growing queue (the `carry` module of `accel`).
+    pub(super) fn queue_data(&mut self, p: u32, l_in: u32, out: u32, copy: bool) -> bool {
         let sw = self.ports[l_in as usize].to as usize;
-        let size = u64::from(pk.frame);
+        let size = u64::from(self.pkts[p as usize].frame);
         if self.cfg.pfc {
             match self.ingress_admit(sw, l_in, size, copy) {
                 Admission::Dropped => {
                     self.drop_packet(p);
-                    return;
+                    return false;
                 }
                 Admission::Admitted => {}
                 Admission::CopyInHeadroom => self.pkts[p as usize].hdrm_copy = true,
@@ -60,7 +71,7 @@ impl Engine<'_> {
         } else if !copy && self.bufs[sw].used + size * self.bufs[sw].copies > self.cfg.buffer_bytes
         {
             self.drop_packet(p);
-            return;
+            return false;
         }
         let b = &mut self.bufs[sw];
         b.used += size * b.copies;
@@ -70,7 +81,7 @@ impl Engine<'_> {
         let port = &mut self.ports[out as usize];
         port.data.push_back(p);
         port.queued += size;
-        self.try_send(out);
+        true
     }
 
     fn drop_packet(&mut self, p: u32) {
@@ -133,13 +144,7 @@ impl Engine<'_> {
     /// reserve, else the shared pool while under the threshold, else the headroom; dropped
     /// if the headroom is full too (only if headroom is undersized), unless `always` (a
     /// copy, whose headroom bytes extend the headroom while they are in it).
-    pub(super) fn ingress_admit(
-        &mut self,
-        sw: usize,
-        l: u32,
-        size: u64,
-        always: bool,
-    ) -> Admission {
+    fn ingress_admit(&mut self, sw: usize, l: u32, size: u64, always: bool) -> Admission {
         let thr = self.threshold(sw);
         let shared = self.shared_of(l);
         let reserve = self.cfg.pfc_reserve;
@@ -192,7 +197,7 @@ impl Engine<'_> {
     }
 
     /// Pauses the upstream of ingress `l` if it uses headroom or exceeds the threshold.
-    pub(super) fn check_pause(&mut self, sw: usize, l: u32) {
+    fn check_pause(&mut self, sw: usize, l: u32) {
         let port = &self.ports[l as usize];
         if port.pause_sent {
             return;

@@ -49,7 +49,7 @@ pub(super) struct GrowingQueue {
 }
 
 /// What the queues of a calm partition allow (see the module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct CalmQueues {
     /// Some queue holds more than a frame: the jump keeps the long tail margin, as the
     /// last packets wait behind it.
@@ -59,17 +59,24 @@ pub(super) struct CalmQueues {
     pub limit: u64,
 }
 
-/// A flow of the partition through a growing queue: the queue, its hop on the flow's path
-/// and the packets the jump appends for it.
+/// A flow of the partition through a growing queue: the queue (its index among the
+/// growing ones), its hop on the flow's path, the link the flow enters that queue's switch
+/// by, and the packets the jump appends for it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Carried {
     pub flow: u32,
     pub queue: usize,
     pub hop: u32,
+    pub in_link: u32,
     pub packets: u64,
 }
 
 impl Engine<'_> {
+    /// Bytes of a full data frame in a switch buffer: a payload of the MTU and its headers.
+    fn full_frame(&self) -> u64 {
+        u64::from(self.cfg.mtu_payload + self.cfg.header_bytes)
+    }
+
     /// The queue test of a calm partition over the last `span` samples of its queues (at
     /// least the quiet window, at most the window: the samples since the partition last
     /// changed), its flows' completions `horizon` away at the latest (see the module
@@ -84,11 +91,12 @@ impl Engine<'_> {
         let a = &self.cfg.accel;
         let w = ff.window;
         let m = span.clamp(3, w.max(3)) as u64;
-        let frame = u64::from(self.cfg.mtu_payload + self.cfg.header_bytes);
+        let frame = self.full_frame();
         let iv = a.sample_interval.as_secs_f64();
         let mut out = CalmQueues {
+            deep: false,
+            growing: Vec::new(),
             limit: u64::MAX,
-            ..CalmQueues::default()
         };
         for l in links {
             let port = &self.ports[l as usize];
@@ -100,7 +108,7 @@ impl Engine<'_> {
                 return None;
             }
             let deepest = (1..=m)
-                .map(|k| ff.queue_ring[l as usize * w + ((n - k) % w as u64) as usize])
+                .map(|k| ff.queue_sample(l, k))
                 .max()
                 .unwrap_or(0)
                 .max(port.queued);
@@ -159,11 +167,9 @@ impl Engine<'_> {
     /// level stretch is not taken for a slow drain, nor a level stretch followed by
     /// growth for a slow growth.
     fn queue_course(&self, ff: &FastForward, l: u32, m: u64, frame: u64) -> Option<(f64, f64)> {
-        let w = ff.window;
-        let n = ff.link_samples[l as usize];
         let iv = self.cfg.accel.sample_interval.as_secs_f64();
         // Newest first.
-        let q = |k: u64| ff.queue_ring[l as usize * w + ((n - 1 - k) % w as u64) as usize] as f64;
+        let q = |k: u64| ff.queue_sample(l, k + 1) as f64;
         let tolerance = 2.0 * frame as f64;
         (3..=m.max(3)).rev().find_map(|k| {
             let kf = k as f64;
@@ -199,7 +205,7 @@ impl Engine<'_> {
         rates: &[f64],
         jump: Picos,
     ) -> Option<Vec<Carried>> {
-        let frame = u64::from(self.cfg.mtu_payload + self.cfg.header_bytes);
+        let frame = self.full_frame();
         let mut through: Vec<(u32, usize, u32, f64)> = Vec::new();
         for (&f, &rate) in flows.iter().zip(rates) {
             let fl = &self.flows[f as usize];
@@ -235,14 +241,14 @@ impl Engine<'_> {
                 if packets == 0 {
                     continue;
                 }
+                let in_link = self.paths[(self.flows[f as usize].fwd.0 + hop - 1) as usize];
                 carried.push(Carried {
                     flow: f,
                     queue: q,
                     hop,
+                    in_link,
                     packets,
                 });
-                let fl = &self.flows[f as usize];
-                let in_link = self.paths[(fl.fwd.0 + hop - 1) as usize];
                 let added = packets * frame;
                 match per_switch.iter_mut().find(|e| e.0 == sw) {
                     Some(e) => e.1 += added,
@@ -281,23 +287,35 @@ impl Engine<'_> {
         Some(carried)
     }
 
-    /// Appends the carried packets to their queues (after the jump's renumbering): flow by
-    /// flow in proportion, each flow's numbered from `first[k]` for `carried[k]`.
+    /// Appends the carried packets to their queues, after the jump's renumbering and with
+    /// `carried` holding the packets each sender moved on by ([`Engine::carry_flow`]):
+    /// flow by flow in proportion, each flow's taking the numbers between its packets in
+    /// or past the queue and those still upstream of it (the first upstream one's number
+    /// after the receiver's move, or its sender's next packet's if none is on the way).
     pub(super) fn append_carried(
         &mut self,
+        ff: &FastForward,
         growing: &[GrowingQueue],
         carried: &[Carried],
-        first: &[u64],
     ) {
         let cfg = self.cfg;
         let frame = cfg.mtu_payload + cfg.header_bytes;
+        let first: Vec<u64> = carried
+            .iter()
+            .map(|c| {
+                let i = c.flow as usize;
+                match ff.carry_first[i] {
+                    u64::MAX => self.flows[i].snd_nxt - c.packets,
+                    u => u + ff.shift[i],
+                }
+            })
+            .collect();
         for (q, g) in growing.iter().enumerate() {
             let mine: Vec<usize> = (0..carried.len())
                 .filter(|&k| carried[k].queue == q && carried[k].packets > 0)
                 .collect();
             let mut placed = vec![0u64; mine.len()];
             let total: u64 = mine.iter().map(|&k| carried[k].packets).sum();
-            let sw = self.ports[g.link as usize].from as usize;
             for _ in 0..total {
                 // The flow furthest behind its share goes next (the first on ties), so
                 // the flows interleave as their arrivals did.
@@ -312,26 +330,13 @@ impl Engine<'_> {
                 let c = carried[mine[j]];
                 let seq = first[mine[j]] + placed[j];
                 placed[j] += 1;
-                let fl = &self.flows[c.flow as usize];
-                let in_link = self.paths[(fl.fwd.0 + c.hop - 1) as usize];
                 let mut pk = Packet::fresh(Kind::Data, c.flow, seq, cfg.mtu_payload, frame, g.link);
-                pk.in_link = in_link;
+                pk.in_link = c.in_link;
                 pk.hop = c.hop;
                 let p = self.alloc(pk);
-                let size = u64::from(frame);
-                if cfg.pfc {
-                    // `plan_carry` left the port well under its threshold: admitted.
-                    let _ = self.ingress_admit(sw, in_link, size, false);
-                    self.check_pause(sw, in_link);
-                }
-                let b = &mut self.bufs[sw];
-                b.used += size * b.copies;
-                if b.used > self.stats.peak_switch_bytes {
-                    self.stats.peak_switch_bytes = b.used;
-                }
-                let port = &mut self.ports[g.link as usize];
-                port.data.push_back(p);
-                port.queued += size;
+                // `plan_carry` left the buffer well short of a pause or a drop.
+                let queued = self.queue_data(p, c.in_link, g.link, false);
+                debug_assert!(queued, "a carried packet was dropped");
             }
         }
     }
