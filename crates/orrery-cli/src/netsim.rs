@@ -701,6 +701,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             let mut trace = TraceRequest {
                 interval: Picos::ZERO,
                 ports: Vec::new(),
+                flows: false,
             };
             if let Some(link) = args.queue_trace {
                 if link as usize >= scenario.graph.links().len() {
@@ -715,6 +716,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                 trace = TraceRequest {
                     interval: Picos::from_secs_f64(args.queue_trace_us * 1e-6),
                     ports: vec![orrery_units::LinkId(link)],
+                    flows: false,
                 };
             }
             let cache = match &args.memo_cache {

@@ -291,6 +291,7 @@ fn fast_forwarding_is_deterministic_and_tracing_sees_global_time() {
     let trace = TraceRequest {
         interval: us(50),
         ports: Vec::new(),
+        flows: true,
     };
     let traced = PacketSimulator::new(accel_on())
         .run(&g, &fs, &trace)
@@ -443,6 +444,7 @@ fn partitioned_jumps_stop_at_releases_that_join_or_merge_their_partitions() {
     let trace = TraceRequest {
         interval: us(50),
         ports: Vec::new(),
+        flows: true,
     };
     let t_off = PacketSimulator::new(pfc_only())
         .run(&g, &fs, &trace)
@@ -789,6 +791,7 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     let trace = TraceRequest {
         interval: us(250),
         ports: Vec::new(),
+        flows: true,
     };
     let t_off = PacketSimulator::new(PacketConfig::reference())
         .run(&g, &fs, &trace)
@@ -1987,6 +1990,7 @@ fn a_ring_over_alike_hosts_is_simulated_once_per_host_within_bounds() {
     let trace = TraceRequest {
         interval: us(2),
         ports: Vec::new(),
+        flows: true,
     };
     let sim = |c| PacketSimulator::new(c).run(&g, &fs, &trace).unwrap();
     let off = sim(PacketConfig::reference());

@@ -117,6 +117,7 @@ fn dcqcn_fairness(seed: u64) -> (f64, f64) {
     let trace = TraceRequest {
         interval: us(100),
         ports: Vec::new(),
+        flows: true,
     };
     let cfg = PacketConfig {
         seed,
@@ -284,6 +285,7 @@ fn tracing_does_not_change_the_report() {
     let trace = TraceRequest {
         interval: us(5),
         ports: vec![LinkId(9)], // switch -> receiver (endpoint 4)
+        flows: true,
     };
     let traced = PacketSimulator::default().run(&g, &fs, &trace).unwrap();
     assert_eq!(plain.report, traced.report);

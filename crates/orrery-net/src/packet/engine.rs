@@ -966,12 +966,19 @@ impl<'a> Engine<'a> {
     }
 
     fn sample(&mut self) {
+        let per_flow = self.trace.flows;
         let s = Sample {
             time: Picos(self.now.0 + self.offset.0),
-            delivered: self.flows.iter().map(|f| f.delivered).collect(),
+            delivered: self
+                .flows
+                .iter()
+                .filter(|_| per_flow)
+                .map(|f| f.delivered)
+                .collect(),
             rate: self
                 .flows
                 .iter()
+                .filter(|_| per_flow)
                 .map(|f| {
                     let active = f.released && !f.sender_done && !f.dead;
                     if active && self.cfg.dcqcn {

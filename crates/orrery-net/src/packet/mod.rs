@@ -290,16 +290,23 @@ pub struct TraceRequest {
     pub interval: Picos,
     /// Links whose egress queue depth (bytes of data waiting at the sender) is sampled.
     pub ports: Vec<LinkId>,
+    /// Whether each sample also records every flow's delivered bytes and rate. That costs
+    /// 16 bytes per flow per sample: a queue trace of a 3,840-flow pipeline step every
+    /// 2 us (1.6M samples) would need about 100 GB, so a trace of queues alone leaves
+    /// it off and its samples' per-flow vectors stay empty.
+    pub flows: bool,
 }
 
 /// One trace sample.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Sample {
     pub time: Picos,
-    /// Payload bytes delivered in order so far, per flow.
+    /// Payload bytes delivered in order so far, per flow (empty unless
+    /// [`TraceRequest::flows`]).
     pub delivered: Vec<u64>,
     /// Current sending rate (bytes/s) per flow: the DCQCN rate, the line rate without
-    /// DCQCN, zero before release and after completion.
+    /// DCQCN, zero before release and after completion (empty unless
+    /// [`TraceRequest::flows`]).
     pub rate: Vec<f64>,
     /// Egress queue bytes of each requested port.
     pub queue: Vec<u64>,

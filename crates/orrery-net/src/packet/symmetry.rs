@@ -1230,6 +1230,7 @@ impl Quotient {
                 .iter()
                 .map(|l| LinkId(self.link_rep.get(l.index()).copied().unwrap_or(l.0)))
                 .collect(),
+            flows: trace.flows,
         }
     }
 
@@ -1332,8 +1333,11 @@ impl Quotient {
             .samples
             .into_iter()
             .map(|mut sample| {
-                sample.delivered = self.per_flow(&sample.delivered);
-                sample.rate = self.per_flow(&sample.rate);
+                // Samples without per-flow vectors keep them empty.
+                if !sample.delivered.is_empty() {
+                    sample.delivered = self.per_flow(&sample.delivered);
+                    sample.rate = self.per_flow(&sample.rate);
+                }
                 sample
             })
             .collect();
