@@ -293,6 +293,21 @@ fn tracing_does_not_change_the_report() {
     assert!(traced.samples.iter().any(|s| s.queue[0] > 0));
     let last = traced.samples.last().unwrap();
     assert!(last.delivered.iter().all(|&d| d <= 300_000));
+    assert_eq!(last.delivered.len(), fs.flows.len());
+    // A trace of the queue alone records the same queue and no per-flow vectors.
+    let queues_only = TraceRequest {
+        flows: false,
+        ..trace
+    };
+    let lean = PacketSimulator::default()
+        .run(&g, &fs, &queues_only)
+        .unwrap();
+    assert_eq!(lean.report, plain.report);
+    assert_eq!(lean.samples.len(), traced.samples.len());
+    for (a, b) in lean.samples.iter().zip(&traced.samples) {
+        assert_eq!((a.time, &a.queue), (b.time, &b.queue));
+        assert!(a.delivered.is_empty() && a.rate.is_empty());
+    }
 }
 
 /// Two flows on disjoint paths of one switch do not interact: each finishes exactly as it

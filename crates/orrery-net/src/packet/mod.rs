@@ -185,9 +185,10 @@
 //! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
 //! `--no-memo`, `--no-mirror`, `--no-periodic`, `--no-collective-memo`, `--no-symmetry`
 //! one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
-//! `accel.sample_interval` (10 us) the engine samples each active flow's delivered bytes
-//! and DCQCN rate, and when every active flow has been steady for `accel.window` (20)
+//! `accel.sample_interval` (2 us) the engine samples each active flow's delivered bytes
+//! and DCQCN rate, and when every active flow has been steady for `accel.window` (100)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
+//! over blocks of samples long enough that packet quantisation stays under half of it,
 //! sending-rate spread and recovery gap under `rate_theta` = 1%), and the switch queues
 //! on their links are steady (none growing towards its ECN threshold or drifting over it
 //! by more than `queue_theta` = 1% of its link; see the `accel` module), the whole network jumps
@@ -344,6 +345,9 @@ pub struct PacketStats {
     /// Packets quiet jumps appended to switch queues growing towards their ECN thresholds,
     /// which they carry instead of freezing (the `carry` module of `packet/accel`).
     pub carried_packets: u64,
+    /// Packets quiet jumps took out of draining switch queues: what their flows delivered
+    /// beyond what they sent during the jump (the same module).
+    pub drained_packets: u64,
     /// Simulated time covered by jumps instead of packet by packet (with partitioning,
     /// summed over partitions, so it can exceed the run's length).
     pub jumped_time: Picos,

@@ -84,6 +84,36 @@ impl Engine<'_> {
         true
     }
 
+    /// Data packet `p`, taken off the egress queue of `l` (already out of `port.data`),
+    /// gives back its bytes: the queue's, the shared buffer's and (PFC) its ingress
+    /// port's, which may resume that port.
+    fn leave_buffer(&mut self, l: u32, p: u32) {
+        let size = u64::from(self.pkts[p as usize].frame);
+        let in_link = self.pkts[p as usize].in_link;
+        let hdrm_copy = std::mem::take(&mut self.pkts[p as usize].hdrm_copy);
+        let port = &mut self.ports[l as usize];
+        port.queued -= size;
+        let sw = port.from as usize;
+        let b = &mut self.bufs[sw];
+        b.used = b.used.saturating_sub(size * b.copies);
+        if self.cfg.pfc {
+            self.ingress_remove(sw, in_link, size, hdrm_copy);
+            self.check_resume(sw, in_link);
+        }
+    }
+
+    /// Takes data packets `taken` (each in the egress queue of `l`, waiting) out of that
+    /// queue and releases them, with their bytes given back as if sent but unmarked: how a
+    /// jump takes the packets a draining queue delivered beyond what its flows sent (the
+    /// `carry` module of `accel`).
+    pub(super) fn unqueue_data(&mut self, l: u32, taken: &[u32]) {
+        self.ports[l as usize].data.retain(|p| !taken.contains(p));
+        for &p in taken {
+            self.leave_buffer(l, p);
+            self.release_packet(p);
+        }
+    }
+
     fn drop_packet(&mut self, p: u32) {
         self.drops += 1;
         self.release_packet(p);
@@ -92,20 +122,10 @@ impl Engine<'_> {
     /// A data packet leaves its egress queue at a switch to be transmitted on `l`: free its
     /// buffer, mark it (RED on the queue it leaves behind), maybe resume its ingress.
     pub(super) fn switch_dequeue(&mut self, l: u32, p: u32) {
-        let size = u64::from(self.pkts[p as usize].frame);
-        let in_link = self.pkts[p as usize].in_link;
-        let hdrm_copy = std::mem::take(&mut self.pkts[p as usize].hdrm_copy);
-        let port = &mut self.ports[l as usize];
-        port.queued -= size;
+        self.leave_buffer(l, p);
+        let port = &self.ports[l as usize];
         let queue = port.queued as f64;
         let ecn = port.ecn;
-        let sw = port.from as usize;
-        let b = &mut self.bufs[sw];
-        b.used = b.used.saturating_sub(size * b.copies);
-        if self.cfg.pfc {
-            self.ingress_remove(sw, in_link, size, hdrm_copy);
-            self.check_resume(sw, in_link);
-        }
         if self.cfg.dcqcn {
             let prob = ecn.probability(queue);
             if prob >= 1.0 || (prob > 0.0 && self.mark_draw(l, p) < prob) {
