@@ -115,7 +115,8 @@
 //!   growing towards its threshold, or draining after a cut, is carried through the jump
 //!   instead of frozen (the [`carry`] module: a 1F1B stage receiving while it sends, its
 //!   inbound queue growing under its own send's ACKs, then draining once the incoming
-//!   flow is cut; carrying the drains too took that row from 11.1M events to 8.2M). Before
+//!   flow is cut; carrying the drains too took that row from 11.1M events to 8.2M with a
+//!   quiet window of 3 samples). Before
 //!   (quiet meant at most one packet queued), the 405B pipeline bench row on 128 GPUs
 //!   took 28,702,190 events; with it, 16,310,975. Before recovering
 //!   flows were let in (they had to be at line rate with no timer running), the 405B
@@ -620,8 +621,8 @@ impl Engine<'_> {
     /// 25 packets per sample, so that packet alone is 4% of it and a test on single
     /// samples would call it unsteady at random; on blocks the packet is at most half of
     /// `theta`. A slow flow thus needs more samples to be found steady (a quiet 25 Gb/s
-    /// flow 14 samples, 28 us, where a 400 Gb/s one needs 3), the time its rate takes to be
-    /// measured to the same precision.
+    /// flow 21 samples, blocks of 7, 42 us; a 400 Gb/s one the quiet window's 5), the time
+    /// its rate takes to be measured to the same precision.
     fn steady_rate(
         &self,
         ff: &FastForward,

@@ -290,7 +290,7 @@ pub struct AccelConfig {
     /// quiet window, a queue's course, the last sample before a completion or a release)
     /// is counted in samples, so it shrinks with the interval: at 10 us (the default
     /// until 2026-12-06) the 405B pipeline step on 128 GPUs took 16.3M events, at 2 us
-    /// 11.8M with the same errors. Packet quantisation, which at 2 us is 4% of a 100 Gb/s
+    /// about 12M, with errors within the reference's own spread over seeds. Packet quantisation, which at 2 us is 4% of a 100 Gb/s
     /// flow's sample (25 packets), is kept out of the steadiness test by testing blocks
     /// of samples ([`AccelConfig::theta`]). Sampling costs a pass over the active
     /// partitions per interval, well under one event per packet.

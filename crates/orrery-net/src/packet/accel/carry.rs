@@ -237,7 +237,7 @@ impl Engine<'_> {
     /// flow has fewer packets waiting in a draining queue than it would lose.
     pub(super) fn plan_carry(
         &self,
-        growing: &[CarriedQueue],
+        queues: &[CarriedQueue],
         flows: &[u32],
         rates: &[f64],
         jump: Picos,
@@ -250,7 +250,7 @@ impl Engine<'_> {
             let mut found = None;
             for hop in 1..len {
                 let l = self.paths[(start + hop) as usize];
-                if let Some(q) = growing.iter().position(|g| g.link == l) {
+                if let Some(q) = queues.iter().position(|g| g.link == l) {
                     if found.is_some() {
                         return None;
                     }
@@ -266,7 +266,7 @@ impl Engine<'_> {
         // state moves.
         let mut per_switch: Vec<(usize, u64)> = Vec::new();
         let mut per_ingress: Vec<(u32, usize, u64)> = Vec::new();
-        for (q, g) in growing.iter().enumerate() {
+        for (q, g) in queues.iter().enumerate() {
             if g.drift < 0.0 {
                 let mine: Vec<(u32, u32, f64)> = through
                     .iter()
@@ -417,7 +417,7 @@ impl Engine<'_> {
     pub(super) fn append_carried(
         &mut self,
         ff: &FastForward,
-        growing: &[CarriedQueue],
+        queues: &[CarriedQueue],
         carried: &[Carried],
     ) {
         let cfg = self.cfg;
@@ -433,7 +433,7 @@ impl Engine<'_> {
                 }
             })
             .collect();
-        for (q, g) in growing.iter().enumerate().filter(|(_, g)| g.drift > 0.0) {
+        for (q, g) in queues.iter().enumerate().filter(|(_, g)| g.drift > 0.0) {
             let mine: Vec<usize> = (0..carried.len())
                 .filter(|&k| carried[k].queue == q && carried[k].packets > 0)
                 .collect();
