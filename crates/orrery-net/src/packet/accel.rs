@@ -101,7 +101,7 @@
 //! - **Steadiness** is the whole-network test applied to the partition's flows, on
 //!   per-flow sample counts (a frozen flow records none), and a partition with a draining
 //!   member is not steady.
-//! - **Quiet partitions** (`accel.quiet_window`, 5 samples by default; 0 turns them off)
+//! - **Quiet partitions** (`accel.quiet_window`, 3 samples by default; 0 turns them off)
 //!   need a shorter observation. A partition is quiet at a sample when no switch egress
 //!   queue on its links holds enough bytes to be ECN-marked, none of its ports is paused
 //!   or pausing, and with DCQCN no flow has a cut waiting for its decrease period. Its
@@ -115,8 +115,8 @@
 //!   growing towards its threshold, or draining after a cut, is carried through the jump
 //!   instead of frozen (the [`carry`] module: a 1F1B stage receiving while it sends, its
 //!   inbound queue growing under its own send's ACKs, then draining once the incoming
-//!   flow is cut; carrying the drains too took that row from 11.1M events to 8.2M with a
-//!   quiet window of 3 samples). Before
+//!   flow is cut; carrying the drains too took that row from 11.1M events to 8.2M at 2 us
+//!   samples). Before
 //!   (quiet meant at most one packet queued), the 405B pipeline bench row on 128 GPUs
 //!   took 28,702,190 events; with it, 16,310,975. Before recovering
 //!   flows were let in (they had to be at line rate with no timer running), the 405B
@@ -617,12 +617,12 @@ impl Engine<'_> {
     /// that hold `2 / theta` packets each on average (40 at the default 5%), and over three
     /// blocks at least. A sample counts the packets delivered in its interval, which for a
     /// flow delivering at an even pace is one of two neighbouring whole numbers: a packet
-    /// of spread that says nothing about its rate. At 2 us a 100 Gb/s flow delivers about
-    /// 25 packets per sample, so that packet alone is 4% of it and a test on single
+    /// of spread that says nothing about its rate. At 5 us a 25 Gb/s flow delivers about
+    /// 16 packets per sample, so that packet alone is 6% of it and a test on single
     /// samples would call it unsteady at random; on blocks the packet is at most half of
     /// `theta`. A slow flow thus needs more samples to be found steady (a quiet 25 Gb/s
-    /// flow 21 samples, blocks of 7, 42 us; a 400 Gb/s one the quiet window's 5), the time
-    /// its rate takes to be measured to the same precision.
+    /// flow 9 samples, blocks of 3, 45 us; one at 100 Gb/s or more the quiet window's 3),
+    /// the time its rate takes to be measured to the same precision.
     fn steady_rate(
         &self,
         ff: &FastForward,

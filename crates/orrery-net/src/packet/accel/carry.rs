@@ -25,7 +25,7 @@
 //!   highest-numbered packets waiting in the queue, whose numbers those took, are taken
 //!   out (their buffer given back as if sent). Without it the stage of a 1F1B pipeline
 //!   simulated every drain after a cut packet by packet, 37% of the partition samples
-//!   that did not jump on the 405B pipeline step;
+//!   that did not jump on the 405B pipeline step (at 2 us samples);
 //! - one *growing* towards its threshold (with DCQCN) is *carried*: the jump stops a
 //!   guard short of the time it reaches the threshold (two sample intervals of its
 //!   growth, at least two frames), and the queue grows by its drift times the jump,
