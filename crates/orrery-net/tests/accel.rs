@@ -626,11 +626,11 @@ fn a_queue_growing_towards_its_first_mark_is_carried_through_a_jump() {
 /// to simulate the drain packet by packet. With a step threshold at 3 MB (a drain of
 /// about 120 us; from 800 KB it lasts about 35 us, too short at 5 us samples to measure
 /// and jump), the chain of two (96 MB flows, long enough for the queue to reach 3 MB;
-/// one flow in the draining queue) and a two-to-one incast
-/// (two flows sharing it, their shares weighted by what each delivers beyond its DCQCN
-/// rate) land within 0.1% of the reference with every link's bytes equal to its (measured:
-/// 0.006% and 0.011% mean), the chain in under half its events (562,697 against
-/// 1,234,441; 2,328 packets taken out of the draining queue).
+/// one flow in the draining queue) and a two-to-one incast (two flows sharing it, their
+/// shares weighted by what each delivers beyond its DCQCN rate) land within 0.1% of the
+/// reference with every link's bytes equal to its (measured: 0.006% and 0.011% mean),
+/// the chain in under half its events (562,697 against 1,234,441; 2,328 packets taken
+/// out of the draining queue).
 #[test]
 fn a_queue_draining_after_a_cut_is_carried_through_a_jump() {
     let step = step_ecn_at(3_000_000);
