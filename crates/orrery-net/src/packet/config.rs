@@ -290,8 +290,8 @@ pub struct AccelConfig {
     /// (the quiet window, a queue's course, the last sample before a completion or a
     /// release) is counted in samples, so it shrinks with the interval. Measured
     /// (docs/benchmarks.md, 2026-12-06): the 405B pipeline step on 128 GPUs took 14.5M
-    /// events at 10 us (the default until then), 11.9M at 5 us and 8.7M at 2 us (all
-    /// with errors within the reference's own spread over seeds); the 8,192-GPU step
+    /// events at 10 us (the default until then), 11.9M at 5 us and 8.7M at 2 us (with
+    /// errors about the reference's own spread over seeds); the 8,192-GPU step
     /// 1.51G, 1.32G and 2.15G, at 2 us because fewer of its data-parallel reduce-scatters
     /// went periodic (40 extrapolated against 49, each of the others simulating about
     /// 990 of its 4,032 flows instead of 252; why was not found). Packet quantisation,
