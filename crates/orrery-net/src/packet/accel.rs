@@ -116,10 +116,10 @@
 //!   instead of frozen (the [`carry`] module: a 1F1B stage receiving while it sends, its
 //!   inbound queue growing under its own send's ACKs, then draining once the incoming
 //!   flow is cut; carrying the drains too took that row from 11.1M events to 8.2M at 2 us
-//!   samples). Before
-//!   (quiet meant at most one packet queued), the 405B pipeline bench row on 128 GPUs
-//!   took 28,702,190 events; with it, 16,310,975. Before recovering
-//!   flows were let in (they had to be at line rate with no timer running), the 405B
+//!   samples). Before calm queues were carried (quiet meant at most one packet queued),
+//!   the 405B pipeline bench row on 128 GPUs took 28,702,190 events; with them,
+//!   16,310,975. Before recovering flows were let in (they had to be at line rate with no
+//!   timer running), the 405B
 //!   pipeline bench row on 128 GPUs took 30,859,059 events, its warm-up sends waiting out
 //!   a whole window after each cut (docs/benchmarks.md). A partition quiet at each of
 //!   its last `quiet_window` fresh samples is tested over those samples only (delivered
@@ -129,9 +129,8 @@
 //!   stands deeper than a frame, the time it takes to drain, as the last packets wait
 //!   behind it. A queue that builds (senders above a link's speed) or drains is carried,
 //!   or holds the jump back while its course is too slow to measure; one that reaches its
-//!   threshold or pauses a sender makes the
-//!   partition not quiet until that has passed. Quiet jumps
-//!   are counted in [`super::PacketStats::quiet_jumps`]. On uncongested training traffic
+//!   threshold or pauses a sender makes the partition not quiet until that has passed.
+//!   Quiet jumps are counted in [`super::PacketStats::quiet_jumps`]. On uncongested training traffic
 //!   (rail-local data-parallel rings, lone pipeline sends) most jumps are quiet ones: the
 //!   bench's GPT 350M step on 64 GPUs went from 2,305,751 events to 1,054,133, with the
 //!   same p99 flow error against the reference (0.046%).
@@ -182,7 +181,6 @@ use orrery_units::Picos;
 
 const NONE: u32 = u32::MAX;
 
-/// What the steadiness test found about one steady flow.
 /// The fewest blocks of samples a steadiness test looks at ([`Engine::steady_rate`]).
 const MIN_BLOCKS: usize = 3;
 
@@ -198,6 +196,7 @@ fn block_samples(per_sample: f64, theta: f64) -> Option<usize> {
     (block <= 1e9).then(|| (block as usize).max(1))
 }
 
+/// What the steadiness test found about one steady flow.
 struct Steady {
     /// Delivered rate (the slope over the second half of the window), bytes per second.
     rate: f64,
@@ -546,7 +545,7 @@ impl Engine<'_> {
                 if carry > 0 {
                     ff.carry_first[i] = ff.carry_first[i].min(pk.seq);
                 }
-                // A sender moves back by no more than it moved on (`drain_flow`).
+                // A sender moves back by no more than it moved on (`carry_sender`).
                 k = k.saturating_add_signed(carry);
             }
             if k > 0 && pk.kind != Kind::Cnp {
@@ -556,52 +555,43 @@ impl Engine<'_> {
     }
 
     /// Moves flow `i`'s sender on by `packets` more than its receiver (the packets a jump
-    /// appends for it to the growing queue at `hop` of its path), at most to its last
-    /// packet: sequence numbers, sent bytes and the bytes of the links before that hop.
-    /// Returns the packets it moved.
-    fn carry_flow(&mut self, ff: &mut FastForward, i: usize, hop: u32, packets: u64) -> u64 {
+    /// appends for it to the growing queue at `hop` of its path), or back by `-packets`
+    /// after its move on by what it delivered (those it lost from the draining queue
+    /// there, which its receiver got but its sender did not add): sequence numbers, sent
+    /// bytes and the bytes of the links before that hop. A sender moves on at most to its
+    /// last packet and back at most by its move (`shift`). Returns the packets it moved.
+    fn carry_sender(&mut self, ff: &mut FastForward, i: usize, hop: u32, packets: i64) -> u64 {
         let mtu = u64::from(self.cfg.mtu_payload);
+        let on = packets >= 0;
+        let step = |x: &mut u64, by: u64| {
+            if on {
+                *x += by;
+            } else {
+                *x -= by;
+            }
+        };
         let fl = &mut self.flows[i];
-        let packets = packets.min(fl.npkts - 1 - fl.snd_nxt);
-        if packets == 0 {
+        let most = if on {
+            fl.npkts - 1 - fl.snd_nxt
+        } else {
+            ff.shift[i]
+        };
+        let moved = packets.unsigned_abs().min(most);
+        if moved == 0 {
             return 0;
         }
-        ff.carry[i] = packets as i64;
+        ff.carry[i] = if on { moved as i64 } else { -(moved as i64) };
         ff.carry_hop[i] = hop;
         ff.carry_first[i] = u64::MAX;
-        fl.snd_nxt += packets;
-        fl.high += packets;
+        step(&mut fl.snd_nxt, moved);
+        step(&mut fl.high, moved);
         let start = fl.fwd.0;
-        let bytes = packets * mtu;
-        self.bytes_sent += bytes;
+        let bytes = moved * mtu;
+        step(&mut self.bytes_sent, bytes);
         for h in start..start + hop {
-            self.link_bytes[self.paths[h as usize] as usize] += bytes;
+            step(&mut self.link_bytes[self.paths[h as usize] as usize], bytes);
         }
-        packets
-    }
-
-    /// Moves flow `i`'s sender back by `packets` after its move on by what it delivered
-    /// (the packets it lost from the draining queue at `hop` of its path, which its
-    /// receiver got but its sender did not add), at most by that move: sequence numbers,
-    /// sent bytes and the bytes of the links before that hop. Returns the packets it moved.
-    fn drain_flow(&mut self, ff: &mut FastForward, i: usize, hop: u32, packets: u64) -> u64 {
-        let mtu = u64::from(self.cfg.mtu_payload);
-        let fl = &mut self.flows[i];
-        let packets = packets.min(ff.shift[i]);
-        if packets == 0 {
-            return 0;
-        }
-        ff.carry[i] = -(packets as i64);
-        ff.carry_hop[i] = hop;
-        fl.snd_nxt -= packets;
-        fl.high -= packets;
-        let start = fl.fwd.0;
-        let bytes = packets * mtu;
-        self.bytes_sent -= bytes;
-        for h in start..start + hop {
-            self.link_bytes[self.paths[h as usize] as usize] -= bytes;
-        }
-        packets
+        moved
     }
 
     /// The steadiness test of one active flow (see the module docs): its delivered rate in
@@ -1189,12 +1179,16 @@ impl Engine<'_> {
         }
         let (mut appended, mut taken) = (0, 0);
         for c in carried.iter_mut() {
-            let i = c.flow as usize;
-            if queues[c.queue].drift < 0.0 {
-                c.packets = self.drain_flow(ff, i, c.hop, c.packets);
+            let draining = queues[c.queue].drift < 0.0;
+            let signed = if draining {
+                -(c.packets as i64)
+            } else {
+                c.packets as i64
+            };
+            c.packets = self.carry_sender(ff, c.flow as usize, c.hop, signed);
+            if draining {
                 taken += c.packets;
             } else {
-                c.packets = self.carry_flow(ff, i, c.hop, c.packets);
                 appended += c.packets;
             }
         }

@@ -348,19 +348,20 @@ pub struct AccelConfig {
     /// then limited by their senders' ports, DCQCN rates and the FIFOs serving them:
     /// nothing marks them, so their rates cannot drift, which is what the long window
     /// waits out; a flow recovering from an earlier cut changes its rate at its next
-    /// increase, where the jump stops, and a queue growing towards its threshold is
-    /// carried through the jump (`packet/accel/carry.rs`). Default 3 (15 us at the
+    /// increase, where the jump stops, and a queue growing towards its threshold or
+    /// draining after a cut is carried through the jump (`packet/accel/carry.rs`).
+    /// Default 3 (15 us at the
     /// default interval, a few round trips; a flow too slow to fill three blocks of the
     /// steadiness test in that time waits until it has); the delivered-rate spread is
     /// still tested over those samples. On the 405B pipeline step (128 GPUs), over seeds
     /// 0 to 2, the flows more than 5% off the reference of their seed numbered 29, 46 and
     /// 59 (5 us, 3 samples), 52, 39 and 94 (2 us, 3 samples) and 29, 43 and 87 (2 us, 5
     /// samples), against 37 to 68 between the reference's own seeds (docs/benchmarks.md).
-    /// At 10 us samples, windows of 3, 5 and 10 for
-    /// every partition, quiet or not, tried on the bench's GPT 350M step on 64 GPUs, left
-    /// its p99 flow error against the reference at 0.046% (as with 20) and its mean
-    /// between 0.002% and 0.0035%; on congested traffic a short window would jump through
-    /// DCQCN's drift, which is why only quiet partitions get one.
+    /// At 10 us samples, windows of 3, 5 and 10 for every partition, quiet or not, tried
+    /// on the bench's GPT 350M step on 64 GPUs, left its p99 flow error against the
+    /// reference at 0.046% (as with 20) and its mean between 0.002% and 0.0035%; on
+    /// congested traffic a short window would jump through DCQCN's drift, which is why
+    /// only quiet partitions get one.
     pub quiet_window: usize,
     /// `tail_margin` for a jump of a quiet partition. Default 20 us: several round trips
     /// of a three-tier fabric with 1 us cables; no CNP interval is needed, as nothing marks.

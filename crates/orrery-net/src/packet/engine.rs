@@ -966,19 +966,17 @@ impl<'a> Engine<'a> {
     }
 
     fn sample(&mut self) {
-        let per_flow = self.trace.flows;
+        // Per-flow vectors only when asked for (`TraceRequest::flows`).
+        let flows = if self.trace.flows {
+            &self.flows[..]
+        } else {
+            &[]
+        };
         let s = Sample {
             time: Picos(self.now.0 + self.offset.0),
-            delivered: self
-                .flows
+            delivered: flows.iter().map(|f| f.delivered).collect(),
+            rate: flows
                 .iter()
-                .filter(|_| per_flow)
-                .map(|f| f.delivered)
-                .collect(),
-            rate: self
-                .flows
-                .iter()
-                .filter(|_| per_flow)
                 .map(|f| {
                     let active = f.released && !f.sender_done && !f.dead;
                     if active && self.cfg.dcqcn {

@@ -107,7 +107,13 @@ impl Engine<'_> {
     /// jump takes the packets a draining queue delivered beyond what its flows sent (the
     /// `carry` module of `accel`).
     pub(super) fn unqueue_data(&mut self, l: u32, taken: &[u32]) {
-        self.ports[l as usize].data.retain(|p| !taken.contains(p));
+        // Sorted for the membership test: a drain takes up to thousands of packets out of
+        // a queue of thousands.
+        let mut sorted = taken.to_vec();
+        sorted.sort_unstable();
+        self.ports[l as usize]
+            .data
+            .retain(|p| sorted.binary_search(p).is_err());
         for &p in taken {
             self.leave_buffer(l, p);
             self.release_packet(p);

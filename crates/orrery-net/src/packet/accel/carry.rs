@@ -70,9 +70,10 @@ pub(super) struct CalmQueues {
     pub limit: u64,
 }
 
-/// A flow of the partition through a growing queue: the queue (its index among the
-/// growing ones), its hop on the flow's path, the link the flow enters that queue's switch
-/// by, and the packets the jump appends for it.
+/// A flow of the partition through a carried queue: the queue (its index among the
+/// carried ones), its hop on the flow's path, the link the flow enters that queue's switch
+/// by, and the packets the jump appends for it (a growing queue) or takes out of its
+/// share (a draining one).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Carried {
     pub flow: u32,
@@ -80,6 +81,34 @@ pub(super) struct Carried {
     pub hop: u32,
     pub in_link: u32,
     pub packets: u64,
+}
+
+/// The longest jump (picoseconds) that carries a queue drifting by `drift` bytes per
+/// second (measured to `resolution`) no closer than a guard to a mark `distance` bytes
+/// away: its threshold for a growing queue, empty for a draining one. The guard is two
+/// sample intervals of drift (`interval` seconds), two frames at least. `None` if the
+/// drift is not known to a tenth or the queue is already within the guard.
+///
+/// A tenth (about 2.5% at one standard error) because the queue's error after the jump is
+/// that fraction of what the jump carries, and its first mark (or the moment it empties)
+/// comes early or late by that fraction of the jump. A slow course waits for more samples,
+/// or is simulated: on a 100 Gb/s link growing by 1% (one ACK per eight packets of another
+/// flow), the growth measured from the samples then available was 22% high, the first
+/// mark came about 80 us early and the flow finished 1.6% late.
+fn carry_limit(
+    drift: f64,
+    resolution: f64,
+    distance: f64,
+    interval: f64,
+    frame: u64,
+) -> Option<u64> {
+    let speed = drift.abs();
+    if resolution > 0.1 * speed {
+        return None;
+    }
+    let guard = (2.0 * speed * interval).max(2.0 * frame as f64);
+    let secs = (distance - guard) / speed;
+    (secs > 0.0).then(|| Picos::from_secs_f64(secs).0)
 }
 
 impl Engine<'_> {
@@ -143,15 +172,15 @@ impl Engine<'_> {
                 continue;
             }
             if drift < 0.0 && !flat {
-                // Draining: carried as far as a guard above empty if its drain is
-                // measured to a tenth, as a growth is below. It serves its flows faster
-                // than they arrive, and their delivered rate falls when it empties.
-                let guard = (-2.0 * drift * iv).max(2.0 * frame as f64);
-                let secs = (port.queued as f64 - guard) / -drift;
-                if resolution > 0.1 * -drift || secs <= 0.0 {
-                    return None;
-                }
-                out.limit = out.limit.min(Picos::from_secs_f64(secs).0);
+                // Draining: carried as far as a guard above empty. It serves its flows
+                // faster than they arrive, and their delivered rate falls when it empties.
+                out.limit = out.limit.min(carry_limit(
+                    drift,
+                    resolution,
+                    port.queued as f64,
+                    iv,
+                    frame,
+                )?);
                 out.queues.push(CarriedQueue { link: l, drift });
                 continue;
             }
@@ -170,22 +199,10 @@ impl Engine<'_> {
             if drift <= 0.0 {
                 return None;
             }
-            // Growing towards the threshold: carried if its growth is known to within a
-            // tenth (about 2.5% at one standard error), as the queue's error after the jump
-            // is that fraction of what it carries, and its first mark comes early or late
-            // by that fraction of the jump. A slow growth waits for more samples, or is
-            // simulated: on a 100 Gb/s link growing by 1% (one ACK per eight packets of
-            // another flow), the growth measured from the samples then available was 22%
-            // high, the first mark came about 80 us early and the flow finished 1.6% late.
-            if resolution > 0.1 * drift {
-                return None;
-            }
-            let guard = (2.0 * drift * iv).max(2.0 * frame as f64);
-            let secs = (room - guard) / drift;
-            if secs <= 0.0 {
-                return None;
-            }
-            out.limit = out.limit.min(Picos::from_secs_f64(secs).0);
+            // Growing towards the threshold: carried as far as a guard short of it.
+            out.limit = out
+                .limit
+                .min(carry_limit(drift, resolution, room, iv, frame)?);
             out.drain = out.drain.max(drain(port.ecn.kmin));
             out.queues.push(CarriedQueue { link: l, drift });
         }
@@ -268,15 +285,7 @@ impl Engine<'_> {
         let mut per_ingress: Vec<(u32, usize, u64)> = Vec::new();
         for (q, g) in queues.iter().enumerate() {
             if g.drift < 0.0 {
-                let mine: Vec<(u32, u32, f64)> = through
-                    .iter()
-                    .filter(|t| t.1 == q)
-                    .map(|t| (t.0, t.2, t.3))
-                    .collect();
-                for mut c in self.plan_drain(g, &mine, jump)? {
-                    c.queue = q;
-                    carried.push(c);
-                }
+                carried.extend(self.plan_drain(q, g, &through, jump)?);
                 continue;
             }
             let total: f64 = through.iter().filter(|t| t.1 == q).map(|t| t.3).sum();
@@ -336,31 +345,35 @@ impl Engine<'_> {
         Some(carried)
     }
 
-    /// The packets each flow through draining queue `g` (`flows`: flow, the queue's hop on
-    /// its path, delivered rate) loses from it over `jump`: the queue's drain, shared in
-    /// proportion to what each flow delivers beyond its DCQCN rate (what its sender adds),
-    /// or to its delivered rate if none shows such an excess. `None` if a flow has fewer
-    /// packets waiting there than that.
+    /// The packets each flow through draining queue `g`, number `q` of the carried ones,
+    /// loses from it over `jump` (`through`: every carried flow, its queue, the queue's hop
+    /// on its path and its delivered rate): the queue's drain, shared in proportion to what
+    /// each flow delivers beyond its DCQCN rate (what its sender adds), or to its delivered
+    /// rate if none shows such an excess. `None` if a flow has fewer packets waiting there
+    /// than that.
     fn plan_drain(
         &self,
+        q: usize,
         g: &CarriedQueue,
-        flows: &[(u32, u32, f64)],
+        through: &[(u32, usize, u32, f64)],
         jump: Picos,
     ) -> Option<Vec<Carried>> {
         let frame = self.full_frame() as f64;
+        let flows = || through.iter().filter(|t| t.1 == q);
         let excess = |f: u32, rate: f64| (rate - self.flows[f as usize].rp.rate).max(0.0);
-        let by_excess: f64 = flows.iter().map(|&(f, _, r)| excess(f, r)).sum();
+        let by_excess: f64 = flows().map(|&(f, _, _, r)| excess(f, r)).sum();
+        let by_rate: f64 = flows().map(|t| t.3).sum();
         let weight = |f: u32, rate: f64| {
             if by_excess > 0.0 {
                 excess(f, rate) / by_excess
             } else {
-                rate / flows.iter().map(|t| t.2).sum::<f64>()
+                rate / by_rate
             }
         };
         let bytes = -g.drift * jump.as_secs_f64();
         let queue = &self.ports[g.link as usize].data;
-        let mut out = Vec::with_capacity(flows.len());
-        for &(f, hop, rate) in flows {
+        let mut out = Vec::new();
+        for &(f, _, hop, rate) in flows() {
             let packets = (bytes * weight(f, rate) / frame).round() as u64;
             if packets == 0 {
                 continue;
@@ -378,7 +391,7 @@ impl Engine<'_> {
             let in_link = self.paths[(self.flows[f as usize].fwd.0 + hop - 1) as usize];
             out.push(Carried {
                 flow: f,
-                queue: 0,
+                queue: q,
                 hop,
                 in_link,
                 packets,
@@ -388,7 +401,7 @@ impl Engine<'_> {
     }
 
     /// Takes out of each draining queue the packets its flows lost in the jump
-    /// ([`Engine::drain_flow`] moved each sender back by them, after its move on by what it
+    /// ([`Engine::carry_sender`] moved each sender back by them, after its move on by what it
     /// delivered): each flow's highest-numbered packets waiting there, which after the
     /// renumbering carry the numbers its packets upstream of the queue took.
     pub(super) fn take_drained(&mut self, queues: &[CarriedQueue], carried: &[Carried]) {
@@ -410,7 +423,7 @@ impl Engine<'_> {
     }
 
     /// Appends the carried packets to their queues, after the jump's renumbering and with
-    /// `carried` holding the packets each sender moved on by ([`Engine::carry_flow`]):
+    /// `carried` holding the packets each sender moved on by ([`Engine::carry_sender`]):
     /// flow by flow in proportion, each flow's taking the numbers between its packets in
     /// or past the queue and those still upstream of it (the first upstream one's number
     /// after the receiver's move, or its sender's next packet's if none is on the way).
@@ -422,13 +435,15 @@ impl Engine<'_> {
     ) {
         let cfg = self.cfg;
         let frame = cfg.mtu_payload + cfg.header_bytes;
+        // The first number of each growing queue's flow's appended packets (its sender
+        // moved on by them); a draining queue's flows append none.
         let first: Vec<u64> = carried
             .iter()
             .map(|c| {
                 let i = c.flow as usize;
                 match ff.carry_first[i] {
-                    // Only read for a growing queue's flows, whose senders moved on.
-                    u64::MAX => self.flows[i].snd_nxt.saturating_sub(c.packets),
+                    _ if queues[c.queue].drift < 0.0 => 0,
+                    u64::MAX => self.flows[i].snd_nxt - c.packets,
                     u => u + ff.shift[i],
                 }
             })
