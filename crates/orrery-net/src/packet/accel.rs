@@ -607,12 +607,12 @@ impl Engine<'_> {
     /// that hold `2 / theta` packets each on average (40 at the default 5%), and over three
     /// blocks at least. A sample counts the packets delivered in its interval, which for a
     /// flow delivering at an even pace is one of two neighbouring whole numbers: a packet
-    /// of spread that says nothing about its rate. At 5 us a 25 Gb/s flow delivers about
-    /// 16 packets per sample, so that packet alone is 6% of it and a test on single
+    /// of spread that says nothing about its rate. At 2.5 us a 25 Gb/s flow delivers
+    /// about 8 packets per sample, so that packet alone is 13% of it and a test on single
     /// samples would call it unsteady at random; on blocks the packet is at most half of
     /// `theta`. A slow flow thus needs more samples to be found steady (a quiet 25 Gb/s
-    /// flow 9 samples, blocks of 3, 45 us; one at 100 Gb/s or more the quiet window's 3),
-    /// the time its rate takes to be measured to the same precision.
+    /// flow 18 samples, blocks of 6, 45 us; one at 200 Gb/s or more the quiet window's
+    /// 3), the time its rate takes to be measured to the same precision.
     fn steady_rate(
         &self,
         ff: &FastForward,
@@ -1124,7 +1124,8 @@ impl Engine<'_> {
             // was quiet in a row (up to the window), the quiet window's at least.
             let quiet_run = g.flows.iter().map(|&f| p.quiet[f as usize]).min();
             let queue_span = quiet_run.map_or(span, |n| (n as usize).clamp(span, ff.window));
-            let Some(calm) = self.calm_queues(ff, links, queue_span, horizon) else {
+            let Some(calm) = self.calm_queues(ff, links, queue_span, horizon, &g.flows, &rates)
+            else {
                 return false;
             };
             tail_margin = Picos(a.quiet_tail_margin.0 + calm.drain.0);

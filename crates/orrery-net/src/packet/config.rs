@@ -285,32 +285,33 @@ pub struct AccelConfig {
     /// reduce-scatter across two pods simulated 35 of its 63 steps. See "Steady lanes" in
     /// the `periodic` module for the measurements.
     pub period_gap_theta: f64,
-    /// Period of the delivered-rate and queue samples. Default 5 us, about a base RTT of
+    /// Period of the delivered-rate and queue samples. Default 2.5 us, half a base RTT of
     /// a three-tier fabric with 1 us cables. What a partition waits for after a change
     /// (the quiet window, a queue's course, the last sample before a completion or a
     /// release) is counted in samples, so it shrinks with the interval. Measured
-    /// (docs/benchmarks.md, 2026-12-06): the 405B pipeline step on 128 GPUs took 14.5M
-    /// events at 10 us (the default until then), 11.9M at 5 us and 8.7M at 2 us (with
-    /// errors about the reference's own spread over seeds); the 8,192-GPU step
-    /// 1.51G, 1.32G and 2.15G, at 2 us because fewer of its data-parallel reduce-scatters
-    /// went periodic (40 extrapolated against 49, each of the others simulating about
-    /// 990 of its 4,032 flows instead of 252; why was not found). Packet quantisation,
-    /// 4% of a 100 Gb/s flow's sample at 2 us and 1.6% at 5 us, is kept out of the
-    /// steadiness test by testing blocks of samples ([`AccelConfig::theta`]). Sampling
-    /// costs a pass over the active partitions per interval.
+    /// (docs/benchmarks.md, 2026-12-06): the 405B pipeline step on 128 GPUs (`orrery
+    /// netsim`) took 14.5M events at 10 us (the default until the morning), 11.9M at 5 us
+    /// (until the evening), 9.0M at 2.5 us and 8.2M at 2 us, with errors about the
+    /// reference's own spread over seeds; the 8,192-GPU step 1.51G, 1.32G, 1.24G and
+    /// 2.15G, at 2 us because fewer of its data-parallel reduce-scatters went periodic (40
+    /// extrapolated against 49, each of the others simulating about 990 of its 4,032 flows
+    /// instead of 252; why was not found; at 2.5 us all 49 go periodic). Packet
+    /// quantisation, 4% of a 100 Gb/s flow's sample at 2 us and 3.2% at 2.5 us, is kept
+    /// out of the steadiness test by testing blocks of samples ([`AccelConfig::theta`]).
+    /// Sampling costs a pass over the active partitions per interval.
     pub sample_interval: Picos,
-    /// Samples a flow must be steady over. Default 40 (200 us at the default interval):
+    /// Samples a flow must be steady over. Default 80 (200 us at the default interval):
     /// four DCQCN CNP intervals (50 us) and 50 rate-decrease periods (4 us), so a flow under
     /// rate control has been cut and recovered within the window. The published default
-    /// (2000) is for per-RTT-scale sampling of long runs; at 5 us it would require 10 ms
+    /// (2000) is for per-RTT-scale sampling of long runs; at 2.5 us it would require 5 ms
     /// of steadiness and nothing shorter than a few hundred MB per flow would ever jump.
     /// The fast-forward state holds this many samples per flow (32 bytes each) and per
     /// link (8 bytes).
     pub window: usize,
     /// Largest relative spread `(max - min) / mean` of a steady flow's samples. Default
     /// 0.05 (the published value). The spread is taken over blocks of consecutive samples
-    /// that deliver `2 / theta` packets each on average (one sample at 100 Gb/s and 5 us,
-    /// two at 50 Gb/s), three blocks at least, so the packet by which an even pace's
+    /// that deliver `2 / theta` packets each on average (one sample at 200 Gb/s and
+    /// 2.5 us, two at 100 Gb/s), three blocks at least, so the packet by which an even pace's
     /// counts differ is at most half of `theta`.
     pub theta: f64,
     /// Largest relative spread `(max - min) / max` of a steady flow's DCQCN sending rate
@@ -350,13 +351,13 @@ pub struct AccelConfig {
     /// waits out; a flow recovering from an earlier cut changes its rate at its next
     /// increase, where the jump stops, and a queue growing towards its threshold or
     /// draining after a cut is carried through the jump (`packet/accel/carry.rs`).
-    /// Default 3 (15 us at the
-    /// default interval, a few round trips; a flow too slow to fill three blocks of the
-    /// steadiness test in that time waits until it has); the delivered-rate spread is
-    /// still tested over those samples. On the 405B pipeline step (128 GPUs), over seeds
-    /// 0 to 2, the flows more than 5% off the reference of their seed numbered 29, 46 and
-    /// 59 (5 us, 3 samples), 52, 39 and 94 (2 us, 3 samples) and 29, 43 and 87 (2 us, 5
-    /// samples), against 37 to 68 between the reference's own seeds (docs/benchmarks.md).
+    /// Default 3 (7.5 us at the default interval, a few round trips; a flow too slow to
+    /// fill three blocks of the steadiness test in that time waits until it has); the
+    /// delivered-rate spread is still tested over those samples. On the 405B pipeline
+    /// step (128 GPUs), over seeds 0 to 2, the flows more than 5% off the reference of
+    /// their seed numbered 29, 46 and 59 (5 us, 3 samples), 52, 39 and 94 (2 us, 3
+    /// samples) and 29, 43 and 87 (2 us, 5 samples), against 37 to 68 between the
+    /// reference's own seeds (docs/benchmarks.md).
     /// At 10 us samples, windows of 3, 5 and 10 for every partition, quiet or not, tried
     /// on the bench's GPT 350M step on 64 GPUs, left its p99 flow error against the
     /// reference at 0.046% (as with 20) and its mean between 0.002% and 0.0035%; on
@@ -403,8 +404,8 @@ impl Default for AccelConfig {
             period_window: 5,
             period_theta: 0.01,
             period_gap_theta: 0.05,
-            sample_interval: Picos::from_micros(5),
-            window: 40,
+            sample_interval: Picos(2_500_000),
+            window: 80,
             theta: 0.05,
             rate_theta: 0.01,
             queue_theta: 0.01,

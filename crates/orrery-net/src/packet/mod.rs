@@ -185,8 +185,8 @@
 //! (`orrery netsim --reference`, or `--no-fast-forward`, `--no-partitioning`,
 //! `--no-memo`, `--no-mirror`, `--no-periodic`, `--no-collective-memo`, `--no-symmetry`
 //! one by one). `accel.fast_forward` turns on *steady-state fast-forwarding*: every
-//! `accel.sample_interval` (5 us) the engine samples each active flow's delivered bytes
-//! and DCQCN rate, and when every active flow has been steady for `accel.window` (40)
+//! `accel.sample_interval` (2.5 us) the engine samples each active flow's delivered bytes
+//! and DCQCN rate, and when every active flow has been steady for `accel.window` (80)
 //! samples since the last release or completion (delivered spread under `theta` = 5%,
 //! over blocks of samples long enough that packet quantisation stays under half of it,
 //! sending-rate spread and recovery gap under `rate_theta` = 1%), and the switch queues
