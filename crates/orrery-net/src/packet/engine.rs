@@ -1015,8 +1015,8 @@ impl<'a> Engine<'a> {
     /// Records a scheduled event in the ledger, if there is one.
     fn ledger_push(&mut self, key: EventKey, at: Picos, ev: Ev) {
         if let Some(l) = self.ledger.as_mut() {
-            // Fast-forward samples compact the ledger; without them (mirrors alone) it is
-            // compacted when it has doubled, amortised O(1) per event.
+            // Compacted to the pending events when it has doubled, amortised O(1) per
+            // event (a jump skips the stale entries its scan meets).
             if l.len() >= self.ledger_cap {
                 let q = &self.q;
                 l.retain(|e| q.contains(e.0));
