@@ -305,8 +305,8 @@ pub struct AccelConfig {
     /// rate control has been cut and recovered within the window. The published default
     /// (2000) is for per-RTT-scale sampling of long runs; at 2.5 us it would require 5 ms
     /// of steadiness and nothing shorter than a few hundred MB per flow would ever jump.
-    /// The fast-forward state holds this many samples per flow (32 bytes each) and per
-    /// link (8 bytes).
+    /// The fast-forward state holds this many samples per flow being sampled (32 bytes
+    /// each; a finished flow's ring goes to the next) and per link (8 bytes).
     pub window: usize,
     /// Largest relative spread `(max - min) / mean` of a steady flow's samples. Default
     /// 0.05 (the published value). The spread is taken over blocks of consecutive samples
