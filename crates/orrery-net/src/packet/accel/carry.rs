@@ -54,6 +54,7 @@
 use super::super::engine::{Engine, Kind, Packet};
 use super::FastForward;
 use orrery_units::Picos;
+use std::collections::HashMap;
 
 /// A switch egress queue of a calm partition carried through the jump: one growing
 /// towards its ECN threshold (packets appended) or one draining (packets taken out).
@@ -88,6 +89,16 @@ pub(super) struct Carried {
     pub hop: u32,
     pub in_link: u32,
     pub packets: u64,
+}
+
+/// What a partition's flows bring one link at their delivered rates: bytes per second on
+/// the wire (data frames and ACKs with their headers and framing), and the link every
+/// packet of theirs reaches it by, if it is only one.
+#[derive(Debug, Clone, Copy)]
+struct Inflow {
+    offered: f64,
+    ingress: Option<u32>,
+    one_ingress: bool,
 }
 
 /// The longest jump (picoseconds) that carries a queue drifting by `drift` bytes per
@@ -147,6 +158,8 @@ impl Engine<'_> {
             queues: Vec::new(),
             limit: u64::MAX,
         };
+        // What the flows bring each link, gathered once for the shallow queues below.
+        let mut inflows: Option<HashMap<u32, Inflow>> = None;
         for l in links {
             let port = &self.ports[l as usize];
             if !port.from_switch {
@@ -161,8 +174,11 @@ impl Engine<'_> {
                 .max()
                 .unwrap_or(0)
                 .max(port.queued);
-            if deepest <= frame && !self.may_outgrow_a_frame(l, flows, rates) {
-                continue;
+            if deepest <= frame {
+                let inflows = inflows.get_or_insert_with(|| self.inflows(flows, rates));
+                if !self.may_outgrow_a_frame(l, inflows.get(&l)) {
+                    continue;
+                }
             }
             // A queue left standing drifts by at most `queue_theta` (or holds the jump
             // back); a carried one is made deeper below, up to its threshold.
@@ -218,46 +234,54 @@ impl Engine<'_> {
         Some(out)
     }
 
+    /// What partition `flows`, delivering at `rates` (bytes per second), bring each link
+    /// of their data and reverse paths.
+    fn inflows(&self, flows: &[u32], rates: &[f64]) -> HashMap<u32, Inflow> {
+        let cfg = self.cfg;
+        let payload = f64::from(cfg.mtu_payload.max(1));
+        let data_wire = f64::from(cfg.mtu_payload + cfg.header_bytes + cfg.framing_bytes);
+        let ack_wire =
+            f64::from(cfg.ack_bytes + cfg.framing_bytes) / f64::from(cfg.ack_every.max(1));
+        let mut out: HashMap<u32, Inflow> = HashMap::new();
+        for (&f, &rate) in flows.iter().zip(rates) {
+            let fl = &self.flows[f as usize];
+            for ((start, len), wire) in [(fl.fwd, data_wire), (fl.rev, ack_wire)] {
+                let path = &self.paths[start as usize..(start + len) as usize];
+                for (h, &l) in path.iter().enumerate() {
+                    let from = h.checked_sub(1).map(|p| path[p]);
+                    let x = out.entry(l).or_insert(Inflow {
+                        offered: 0.0,
+                        ingress: from,
+                        one_ingress: true,
+                    });
+                    x.offered += rate / payload * wire;
+                    x.one_ingress &= from.is_some() && from == x.ingress;
+                }
+            }
+        }
+        out
+    }
+
     /// Whether switch egress `l`, whose queue held at most a frame at every sample tested,
-    /// may still be growing: what reaches it could be more than it sends. A queue that
+    /// may still be growing, given what the partition's flows bring it (`inflow`, from
+    /// [`Engine::inflows`]): what reaches it could be more than it sends. A queue that
     /// grows by a frame every few samples (a 100 Gb/s link carrying one flow at line rate
     /// and, beside it, the coalesced ACKs of another: 1% more than it sends) stays within
     /// a frame over a short window, and frozen there through a jump it never marks: at
     /// 2.5 us samples the slow-drift chain's first flow finished 24% early. It may not
-    /// grow if every packet of partition `flows` through it comes in by one ingress link
-    /// no faster than it (the switch passes on what one cable brings), or if what they
-    /// bring at their delivered `rates` (bytes per second; data frames and ACKs, with
-    /// their headers and framing) is more than 1% under its speed. Otherwise its course is
-    /// tested like a deeper queue's.
-    fn may_outgrow_a_frame(&self, l: u32, flows: &[u32], rates: &[f64]) -> bool {
-        let cfg = self.cfg;
-        let payload = f64::from(cfg.mtu_payload.max(1));
-        let data_wire = f64::from(cfg.mtu_payload + cfg.header_bytes + cfg.framing_bytes);
-        let ack_wire = f64::from(cfg.ack_bytes + cfg.framing_bytes);
-        let per_ack = f64::from(cfg.ack_every.max(1));
+    /// grow if every packet through it comes in by one ingress link no faster than it (the
+    /// switch passes on what one cable brings), or if what the flows bring at their
+    /// delivered rates is more than 1% under its speed. Otherwise its course is tested
+    /// like a deeper queue's.
+    fn may_outgrow_a_frame(&self, l: u32, inflow: Option<&Inflow>) -> bool {
+        let Some(x) = inflow else {
+            return false; // none of the flows goes through it
+        };
         let port = &self.ports[l as usize];
-        let mut ingress = None;
-        let mut one_ingress = true;
-        let mut offered = 0.0;
-        for (&f, &rate) in flows.iter().zip(rates) {
-            let fl = &self.flows[f as usize];
-            for ((start, len), wire) in [(fl.fwd, data_wire), (fl.rev, ack_wire / per_ack)] {
-                let path = &self.paths[start as usize..(start + len) as usize];
-                for (h, _) in path.iter().enumerate().filter(|&(_, &x)| x == l) {
-                    offered += rate / payload * wire;
-                    let from = h.checked_sub(1).map(|p| path[p]);
-                    match (ingress, from) {
-                        (_, None) => one_ingress = false,
-                        (None, Some(x)) => ingress = Some(x),
-                        (Some(i), Some(x)) if i != x => one_ingress = false,
-                        _ => {}
-                    }
-                }
-            }
-        }
-        let fed_by_one =
-            one_ingress && ingress.is_some_and(|i| self.ports[i as usize].bw <= port.bw);
-        !fed_by_one && offered > 0.99 * port.bw
+        let fed_by_one = x.one_ingress
+            && x.ingress
+                .is_some_and(|i| self.ports[i as usize].bw <= port.bw);
+        !fed_by_one && x.offered > 0.99 * port.bw
     }
 
     /// The course of link `l`'s queue over the longest stretch of its last `m` samples
