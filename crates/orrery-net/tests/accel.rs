@@ -569,9 +569,9 @@ fn chain_of(n: u32, bytes: u64) -> (NetGraph, FlowSet) {
 /// eight took 1,982,451 events against 2,027,504 (default thresholds). With the default
 /// RED thresholds the first mark is a draw among the packets over `kmin`, and a queue a
 /// few packets off moves it: the chain of two then ends within 0.2% of the range of the
-/// reference's ends over seeds 0 to 4 (measured: 1,123.2 to 1,136.7 us, and the
-/// accelerated run 1,137.8 us at 5 us samples (1,138.0 at 10 us), 1.13% after the
-/// reference's seed 0 and 0.10% after its latest, just outside the range itself).
+/// reference's ends over seeds 0 to 4 (measured: 1,123.2 to 1,136.7 us; the accelerated
+/// run 1,125.6 us at 2.5 us samples, inside the range, and 1,137.8 us at 5 us and 1,138.0
+/// at 10 us, 0.10% after its latest).
 #[test]
 fn a_queue_growing_towards_its_first_mark_is_carried_through_a_jump() {
     let step = step_ecn();
@@ -628,9 +628,9 @@ fn a_queue_growing_towards_its_first_mark_is_carried_through_a_jump() {
 /// and jump), the chain of two (96 MB flows, long enough for the queue to reach 3 MB;
 /// one flow in the draining queue) and a two-to-one incast (two flows sharing it, their
 /// shares weighted by what each delivers beyond its DCQCN rate) land within 0.1% of the
-/// reference with every link's bytes equal to its (measured: 0.006% and 0.011% mean),
-/// the chain in under half its events (562,697 against 1,234,441; 2,328 packets taken
-/// out of the draining queue).
+/// reference with every link's bytes equal to its (measured at 2.5 us samples: 0.008%
+/// and 0.015% mean), the chain in under half its events (541,928 against 1,234,441;
+/// 2,571 packets taken out of the draining queue; the incast 108,050 against 373,519).
 #[test]
 fn a_queue_draining_after_a_cut_is_carried_through_a_jump() {
     let step = step_ecn_at(3_000_000);
@@ -788,8 +788,8 @@ fn quiet_partitions_jump_after_a_short_window_within_bounds() {
 /// steady and jumps after the whole window. Under DCQCN the queue is marked and the flows
 /// cut; once cut below the link's speed the queue drains, and the partition is quiet only
 /// while the rates are held, so a quiet jump goes no farther than the flows' next
-/// increase (one did at 2 us samples, 636 us; at 10 us the queue never stayed under its
-/// threshold for the three samples).
+/// increase (one did at 2.5 us samples, 627.5 us, and at 2 us, 636 us; at 10 us the
+/// queue never stayed under its threshold for the three samples).
 #[test]
 fn an_incast_is_quiet_only_while_dcqcn_holds_its_rates() {
     let g = NetGraph::single_switch(5, gbps(100.0), us(1)).unwrap();
@@ -853,7 +853,7 @@ fn a_recovering_flow_jumps_between_its_rate_increases_which_keep_their_time() {
     // Recovering, the long flow is never steady for the whole-network jump (its clocks stay
     // in local time there) and was not for the partitioned one before it kept its clock.
     // The whole network may jump while the two share the link at rates DCQCN holds (at
-    // 2 us samples it jumped once, 25 us, before the short flow's tail), never after: a
+    // 2.5 us samples it jumped once, 23.8 us, before the short flow's tail), never after: a
     // jump of the recovering flow with its clocks in local time would delay its increases
     // by the jump, and its end with them.
     let whole_errors = check_bounds(&base, &off, &whole, &fs, "recovery (whole network)");

@@ -355,9 +355,10 @@ pub struct AccelConfig {
     /// fill three blocks of the steadiness test in that time waits until it has); the
     /// delivered-rate spread is still tested over those samples. On the 405B pipeline
     /// step (128 GPUs), over seeds 0 to 2, the flows more than 5% off the reference of
-    /// their seed numbered 29, 46 and 59 (5 us, 3 samples), 52, 39 and 94 (2 us, 3
-    /// samples) and 29, 43 and 87 (2 us, 5 samples), against 37 to 68 between the
-    /// reference's own seeds (docs/benchmarks.md).
+    /// their seed numbered 83, 45 and 59 (2.5 us, 3 samples; 67 and 67 on seeds 3 and 4),
+    /// 29, 46 and 59 (5 us, 3 samples), 52, 39 and 94 (2 us, 3 samples) and 29, 43 and 87
+    /// (2 us, 5 samples), against 37 to 73 between the reference's own seeds
+    /// (docs/benchmarks.md).
     /// At 10 us samples, windows of 3, 5 and 10 for every partition, quiet or not, tried
     /// on the bench's GPT 350M step on 64 GPUs, left its p99 flow error against the
     /// reference at 0.046% (as with 20) and its mean between 0.002% and 0.0035%; on
