@@ -124,7 +124,7 @@
 //!   a whole window after each cut (docs/benchmarks.md). A partition quiet at each of
 //!   its last `quiet_window` fresh samples is tested over those samples only (delivered
 //!   spread under `theta`, the rate from the slope over their second half) and, steady,
-//!   jumps to `quiet_tail_margin` (20 us) before its earliest completion instead of
+//!   jumps to `quiet_tail_margin` (10 us) before its earliest completion instead of
 //!   `tail_margin` (50 us, which leaves room for a CNP interval), plus, where a queue
 //!   stands deeper than a frame, the time it takes to drain, as the last packets wait
 //!   behind it. A queue that builds (senders above a link's speed) or drains is carried,

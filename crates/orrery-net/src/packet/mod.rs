@@ -205,7 +205,7 @@
 //! connected component of active flows and their links jumps on its own (its pending
 //! events postponed, its queues frozen), stopping at any release that touches it. A
 //! partition in which nothing queues at a switch and no flow has a rate cut pending
-//! (quiet, `accel.quiet_window`) jumps after 3 samples instead of 20 and stops 20 us
+//! (quiet, `accel.quiet_window`) jumps after 3 samples instead of 80 and stops 10 us
 //! before a completion (or at a recovering flow's next rate increase) instead of 50: no
 //! ECN mark can reach its flows, so there is no rate drift to wait out.
 //! `accel.memoize` looks up isolated episodes (a group of flows released together onto
