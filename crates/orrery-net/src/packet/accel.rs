@@ -417,6 +417,15 @@ impl FastForward {
         self.link_samples[l] = n + 1;
     }
 
+    /// Adds `delta` bytes (at least down to empty) to every sample link `l`'s ring holds.
+    fn shift_queue_history(&mut self, l: usize, delta: i64) {
+        let kept = self.link_samples[l].min(self.window as u64) as usize;
+        let ring = &mut self.queue_ring[l * self.window..(l + 1) * self.window];
+        for q in &mut ring[..kept] {
+            *q = q.saturating_add_signed(delta);
+        }
+    }
+
     /// Link `l`'s queue (bytes) `back` samples ago, 1 being its latest sample (`back` at
     /// most the window and at most the link's samples).
     fn queue_sample(&self, l: u32, back: u64) -> u64 {
@@ -1241,8 +1250,20 @@ impl Engine<'_> {
             self.renumber_packets(ff);
         }
         if appended > 0 || taken > 0 {
+            let before: Vec<u64> = queues
+                .iter()
+                .map(|q| self.ports[q.link as usize].queued)
+                .collect();
             self.append_carried(ff, &queues, &carried);
             self.take_drained(&queues, &carried);
+            // A queue's samples, like its flows', are kept in its partition's own time
+            // (a frozen partition records none): what the jump carried into or out of it
+            // goes into its earlier samples too, so its course is measured on through
+            // the jump instead of from the thaw.
+            for (q, before) in queues.iter().zip(before) {
+                let after = self.ports[q.link as usize].queued;
+                ff.shift_queue_history(q.link as usize, after as i64 - before as i64);
+            }
             for c in &carried {
                 ff.carry[c.flow as usize] = 0;
             }
