@@ -68,3 +68,26 @@ fn hold<Q: HoldQueue>(bencher: Bencher, n: usize) {
         .counter(ItemsCount::new(1usize))
         .bench_local(move || hold_once(&mut q, &mut rng));
 }
+
+/// The hold model as an accelerated packet run sees it: few events pending (the packets of
+/// a handful of flows between fast-forward jumps), tens of nanoseconds apart, in the
+/// default layout of 1 ns buckets, so most buckets between two events are empty.
+#[divan::bench(args = [4, 16, 64])]
+fn sparse_hold(bencher: Bencher, n: usize) {
+    let mut rng = Rng::seed_from_u64(0x5a45);
+    let mut q = CalendarQueue::new();
+    let step = |rng: &mut Rng| Picos(rng.gen_range(0, 2 * 40_000 * n as u64));
+    for i in 0..n as u64 {
+        q.schedule(step(&mut rng), i);
+    }
+    for _ in 0..n {
+        let (t, e) = q.pop().expect("the hold model never empties the queue");
+        q.schedule(t + step(&mut rng), e);
+    }
+    bencher
+        .counter(ItemsCount::new(1usize))
+        .bench_local(move || {
+            let (t, e) = q.pop().expect("the hold model never empties the queue");
+            q.schedule(t + step(&mut rng), e);
+        });
+}

@@ -24,7 +24,11 @@ const DEFAULT_BUCKETS: usize = 4096;
 /// is kept sorted, and a bucket is sorted once, when it becomes current. An event beyond the
 /// window waits in an overflow heap and moves into the ring as the window slides over it; when
 /// the ring is empty the window jumps straight to the earliest overflow event, so a far-future
-/// event costs one heap operation, not a walk over empty buckets.
+/// event costs one heap operation, not a walk over empty buckets. A bitmap marks the buckets
+/// that may hold keys, so sliding to the next one reads a word per 64 buckets: with few
+/// events pending and tens of buckets between them (an accelerated packet run between its
+/// jumps) the slide had tested every bucket on the way (`sparse_hold` in the queue bench:
+/// 67-104 ns per hold before, 43-63 ns with the bitmap).
 ///
 /// When the width matches the event density (a few events per bucket) a hold operation is
 /// O(1) amortised, against the heap's O(log n). A poor width only costs speed: the order is
@@ -46,6 +50,12 @@ pub struct CalendarQueue<E> {
     /// `buckets[(cur + k) & mask]` for `0 < k < buckets.len()` holds, unsorted, the keys with
     /// time in `[cur_start + k·width, cur_start + (k+1)·width)`.
     buckets: Vec<Vec<QKey>>,
+    /// One bit per bucket other than the current one that may hold keys (set when a key
+    /// is filed there, cleared when the bucket becomes current or is found empty), so the
+    /// slide to the next bucket holding keys reads a word per 64 buckets instead of every
+    /// bucket's length: between an accelerated run's jumps few flows are active and
+    /// events lie tens of 1 ns buckets apart.
+    occupied: Vec<u64>,
     mask: usize,
     width: u64,
     cur: usize,
@@ -84,6 +94,7 @@ impl<E> CalendarQueue<E> {
         let n = buckets.clamp(1, MAX_BUCKETS).next_power_of_two();
         CalendarQueue {
             buckets: (0..n).map(|_| Vec::new()).collect(),
+            occupied: vec![0; n.div_ceil(64)],
             mask: n - 1,
             width: bucket_width.0.max(1),
             cur: 0,
@@ -243,7 +254,38 @@ impl<E> CalendarQueue<E> {
             // offset < bucket count by the window test, so it fits in usize.
             let idx = (self.cur + offset as usize) & self.mask;
             self.buckets[idx].push(k);
+            self.occupied[idx / 64] |= 1 << (idx % 64);
         }
+    }
+
+    /// The distance from the current bucket to the next one marked occupied, going round
+    /// the ring (a marked bucket may have been emptied by a compaction since). `None` if
+    /// none is marked.
+    fn next_marked(&self) -> Option<usize> {
+        let n = self.buckets.len();
+        let words = self.occupied.len();
+        let first = (self.cur + 1) & self.mask;
+        let (w0, b0) = (first / 64, first % 64);
+        // The first word from `first` on, then the others round the ring, then the first
+        // word's bits before `first`.
+        let head = self.occupied[w0] & (u64::MAX << b0);
+        if head != 0 {
+            let idx = w0 * 64 + head.trailing_zeros() as usize;
+            return Some((idx + n - self.cur) & self.mask);
+        }
+        for k in 1..=words {
+            let w = (w0 + k) % words;
+            let bits = if k == words {
+                self.occupied[w] & !(u64::MAX << b0)
+            } else {
+                self.occupied[w]
+            };
+            if bits != 0 {
+                let idx = w * 64 + bits.trailing_zeros() as usize;
+                return Some((idx + n - self.cur) & self.mask);
+            }
+        }
+        None
     }
 
     /// Makes the current bucket non-empty if any key remains anywhere: slides the window to
@@ -258,6 +300,8 @@ impl<E> CalendarQueue<E> {
                 return false;
             };
             self.cur_start = top.time.0;
+            // Every bucket is empty: marks left by compactions go.
+            self.occupied.fill(0);
         } else {
             // Slide to the next bucket holding keys (there is one: the ring holds keys and
             // the current bucket none), testing each for emptiness only: after the packet
@@ -266,12 +310,26 @@ impl<E> CalendarQueue<E> {
             // bucket and the empty ones after it become the last buckets of the window;
             // overflow keys that now fall in the window move in below, behind the new
             // current bucket, since every overflow key is later than the whole old window.
-            let mut d = 1;
-            while self.buckets[(self.cur + d) & self.mask].is_empty() {
-                d += 1;
-            }
+            // Every filing into a bucket other than the current one marks it, so the next
+            // marked bucket that is not empty is the one (should none be marked, the walk
+            // over the buckets finds it).
+            let d = loop {
+                let Some(d) = self.next_marked() else {
+                    let mut d = 1;
+                    while self.buckets[(self.cur + d) & self.mask].is_empty() {
+                        d += 1;
+                    }
+                    break d;
+                };
+                let idx = (self.cur + d) & self.mask;
+                if !self.buckets[idx].is_empty() {
+                    break d;
+                }
+                self.occupied[idx / 64] &= !(1 << (idx % 64));
+            };
             self.cur = (self.cur + d) & self.mask;
             self.cur_start += d as u64 * self.width;
+            self.occupied[self.cur / 64] &= !(1 << (self.cur % 64));
         }
         let end = self.window_end();
         while let Some(Reverse(k)) = self.overflow.peek() {
@@ -284,6 +342,9 @@ impl<E> CalendarQueue<E> {
                 let offset = (k.time.0 - self.cur_start) / self.width;
                 let idx = (self.cur + offset as usize) & self.mask;
                 self.buckets[idx].push(k);
+                if idx != self.cur {
+                    self.occupied[idx / 64] |= 1 << (idx % 64);
+                }
                 self.in_ring += 1;
             }
         }

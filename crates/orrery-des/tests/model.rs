@@ -80,6 +80,11 @@ fn queues() -> Vec<(&'static str, Box<dyn Queue>)> {
             "calendar-64x100",
             Box::new(CalendarQueue::with_layout(Picos(100), 64)),
         ),
+        // Several words of the occupancy bitmap, and a window the `After` times wrap.
+        (
+            "calendar-256x3",
+            Box::new(CalendarQueue::with_layout(Picos(3), 256)),
+        ),
     ]
 }
 
