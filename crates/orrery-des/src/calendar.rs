@@ -304,9 +304,9 @@ impl<E> CalendarQueue<E> {
             self.occupied.fill(0);
         } else {
             // Slide to the next bucket holding keys (there is one: the ring holds keys and
-            // the current bucket none), testing each for emptiness only: after the packet
-            // model's fast-forward jumps the ring is sparse, and filtering and sorting
-            // every empty bucket on the way cost more than the events. The old current
+            // the current bucket none), without filtering or sorting the empty ones on the
+            // way: after the packet model's fast-forward jumps the ring is sparse, and
+            // that cost more than the events. The old current
             // bucket and the empty ones after it become the last buckets of the window;
             // overflow keys that now fall in the window move in below, behind the new
             // current bucket, since every overflow key is later than the whole old window.
