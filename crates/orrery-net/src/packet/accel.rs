@@ -1052,7 +1052,13 @@ impl Engine<'_> {
     ///   of the flows (`cut_recently`) has had its rate cut within the window: the jump
     ///   leaves out the marks of the packets it moves, which DCQCN's equilibrium can do
     ///   without (each mark a small cut, the rate holding on average), but for flows no
-    ///   mark has reached yet the first is a cut of up to half their rate.
+    ///   mark has reached yet the first is a cut of up to half their rate. The drift bound
+    ///   has never been what refused a jump in the equivalence tests, the pinned bench
+    ///   rows or the ECMP GPT 350M step on 512 GPUs (a temporary count, 2026-12-06): once
+    ///   every flow has passed [`Engine::steady_rate`] (its DCQCN rate within `rate_theta`
+    ///   over the window), no queue over its threshold was found drifting by more. It
+    ///   stays as the guard for a looser `rate_theta`, and has no test that fails without
+    ///   it.
     ///
     /// Without DCQCN nothing is marked and a queue is steady when its drift is within
     /// `queue_theta` of its link's speed (PFC holds a growing one at its pause threshold).
