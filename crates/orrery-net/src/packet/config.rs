@@ -375,9 +375,9 @@ pub struct AccelConfig {
     /// added, as the flows' last packets wait behind it. On the 405B pipeline step (128
     /// GPUs) the flows more than 5% off the reference of their seed numbered 24, 45, 59, 64
     /// and 60 over seeds 0 to 4 at 10 us, 83, 45, 59, 67 and 67 at 20 us, with 4% to 11%
-    /// fewer events; at 5 us and 2.5 us more flows changed places in races (seeds 1 and 2:
-    /// 51 and 75, 60 and 88; docs/benchmarks.md). 50 us (`tail_margin`) until the morning
-    /// of 2026-12-06, 20 us until its evening.
+    /// fewer events; shorter margins moved more flows across races (on seeds 1 and 2, 51
+    /// and 75 flows off at 5 us, 60 and 88 at 2.5 us; docs/benchmarks.md). 50 us
+    /// (`tail_margin`) until the morning of 2026-12-06, 20 us until its evening.
     pub quiet_tail_margin: Picos,
 }
 
