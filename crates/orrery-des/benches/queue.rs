@@ -43,9 +43,9 @@ fn increment(rng: &mut Rng) -> Picos {
     Picos(rng.gen_range(0, 2 * MEAN_INCREMENT))
 }
 
-/// One hold operation: pop the earliest event and schedule it again a random increment later.
+/// One hold operation: pop the earliest event and schedule it again `increment` later.
 #[inline]
-fn hold_once<Q: EventQueue<u64>>(q: &mut Q, rng: &mut Rng) {
+fn hold_once<Q: EventQueue<u64>>(q: &mut Q, rng: &mut Rng, increment: impl Fn(&mut Rng) -> Picos) {
     let (t, e) = q.pop().expect("the hold model never empties the queue");
     q.schedule(t + increment(rng), e);
 }
@@ -62,11 +62,11 @@ fn hold<Q: HoldQueue>(bencher: Bencher, n: usize) {
     }
     // Warm up into the steady-state distribution of pending times.
     for _ in 0..n {
-        hold_once(&mut q, &mut rng);
+        hold_once(&mut q, &mut rng, increment);
     }
     bencher
         .counter(ItemsCount::new(1usize))
-        .bench_local(move || hold_once(&mut q, &mut rng));
+        .bench_local(move || hold_once(&mut q, &mut rng, increment));
 }
 
 /// The hold model as an accelerated packet run sees it: few events pending (the packets of
@@ -81,13 +81,9 @@ fn sparse_hold(bencher: Bencher, n: usize) {
         q.schedule(step(&mut rng), i);
     }
     for _ in 0..n {
-        let (t, e) = q.pop().expect("the hold model never empties the queue");
-        q.schedule(t + step(&mut rng), e);
+        hold_once(&mut q, &mut rng, step);
     }
     bencher
         .counter(ItemsCount::new(1usize))
-        .bench_local(move || {
-            let (t, e) = q.pop().expect("the hold model never empties the queue");
-            q.schedule(t + step(&mut rng), e);
-        });
+        .bench_local(move || hold_once(&mut q, &mut rng, step));
 }

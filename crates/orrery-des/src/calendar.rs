@@ -254,8 +254,18 @@ impl<E> CalendarQueue<E> {
             // offset < bucket count by the window test, so it fits in usize.
             let idx = (self.cur + offset as usize) & self.mask;
             self.buckets[idx].push(k);
-            self.occupied[idx / 64] |= 1 << (idx % 64);
+            self.mark(idx);
         }
+    }
+
+    /// Marks bucket `idx` as one that may hold keys.
+    fn mark(&mut self, idx: usize) {
+        self.occupied[idx / 64] |= 1 << (idx % 64);
+    }
+
+    /// Clears bucket `idx`'s mark: it has become current, or it is empty.
+    fn unmark(&mut self, idx: usize) {
+        self.occupied[idx / 64] &= !(1 << (idx % 64));
     }
 
     /// The distance from the current bucket to the next one marked occupied, going round
@@ -315,6 +325,7 @@ impl<E> CalendarQueue<E> {
             // over the buckets finds it).
             let d = loop {
                 let Some(d) = self.next_marked() else {
+                    debug_assert!(false, "keys in the ring but no bucket marked");
                     let mut d = 1;
                     while self.buckets[(self.cur + d) & self.mask].is_empty() {
                         d += 1;
@@ -325,11 +336,11 @@ impl<E> CalendarQueue<E> {
                 if !self.buckets[idx].is_empty() {
                     break d;
                 }
-                self.occupied[idx / 64] &= !(1 << (idx % 64));
+                self.unmark(idx);
             };
             self.cur = (self.cur + d) & self.mask;
             self.cur_start += d as u64 * self.width;
-            self.occupied[self.cur / 64] &= !(1 << (self.cur % 64));
+            self.unmark(self.cur);
         }
         let end = self.window_end();
         while let Some(Reverse(k)) = self.overflow.peek() {
@@ -343,7 +354,7 @@ impl<E> CalendarQueue<E> {
                 let idx = (self.cur + offset as usize) & self.mask;
                 self.buckets[idx].push(k);
                 if idx != self.cur {
-                    self.occupied[idx / 64] |= 1 << (idx % 64);
+                    self.mark(idx);
                 }
                 self.in_ring += 1;
             }
