@@ -50,17 +50,19 @@ fn hold_once<Q: EventQueue<u64>>(q: &mut Q, rng: &mut Rng, increment: impl Fn(&m
     q.schedule(t + increment(rng), e);
 }
 
-#[divan::bench(
-    types = [HeapQueue<u64>, CalendarQueue<u64>],
-    args = [1_000, 100_000, 1_000_000],
-)]
-fn hold<Q: HoldQueue>(bencher: Bencher, n: usize) {
-    let mut rng = Rng::seed_from_u64(0x0de5);
-    let mut q = Q::for_hold(n);
+/// Fills `q` with `n` events `increment` apart on average, warms it up into the
+/// steady-state distribution of pending times, and times one hold operation.
+fn bench_hold<Q: EventQueue<u64>>(
+    bencher: Bencher,
+    mut q: Q,
+    n: usize,
+    seed: u64,
+    increment: impl Fn(&mut Rng) -> Picos + Copy,
+) {
+    let mut rng = Rng::seed_from_u64(seed);
     for i in 0..n as u64 {
         q.schedule(increment(&mut rng), i);
     }
-    // Warm up into the steady-state distribution of pending times.
     for _ in 0..n {
         hold_once(&mut q, &mut rng, increment);
     }
@@ -69,21 +71,20 @@ fn hold<Q: HoldQueue>(bencher: Bencher, n: usize) {
         .bench_local(move || hold_once(&mut q, &mut rng, increment));
 }
 
+#[divan::bench(
+    types = [HeapQueue<u64>, CalendarQueue<u64>],
+    args = [1_000, 100_000, 1_000_000],
+)]
+fn hold<Q: HoldQueue>(bencher: Bencher, n: usize) {
+    bench_hold(bencher, Q::for_hold(n), n, 0x0de5, increment);
+}
+
 /// The hold model as an accelerated packet run sees it: few events pending (the packets of
 /// a handful of flows between fast-forward jumps), tens of nanoseconds apart, in the
 /// default layout of 1 ns buckets, so most buckets between two events are empty.
 #[divan::bench(args = [4, 16, 64])]
 fn sparse_hold(bencher: Bencher, n: usize) {
-    let mut rng = Rng::seed_from_u64(0x5a45);
-    let mut q = CalendarQueue::new();
-    let step = |rng: &mut Rng| Picos(rng.gen_range(0, 2 * 40_000 * n as u64));
-    for i in 0..n as u64 {
-        q.schedule(step(&mut rng), i);
-    }
-    for _ in 0..n {
-        hold_once(&mut q, &mut rng, step);
-    }
-    bencher
-        .counter(ItemsCount::new(1usize))
-        .bench_local(move || hold_once(&mut q, &mut rng, step));
+    let mean = 40_000 * n as u64;
+    let step = move |rng: &mut Rng| Picos(rng.gen_range(0, 2 * mean));
+    bench_hold(bencher, CalendarQueue::new(), n, 0x5a45, step);
 }
