@@ -149,24 +149,53 @@ pub fn flow_hash(src: u32, dst: u32, index: usize) -> u64 {
     mix(mix((u64::from(src) << 32) | u64::from(dst)) ^ index as u64)
 }
 
-/// Each flow's connection number: how many earlier flows of the same collective go from
-/// the same source to the same destination. Flows of one collective between one pair of
-/// endpoints are distinct connections (as NCCL's channels are distinct queue pairs), and
-/// the k-th connection between a pair is the same in every collective (as a communicator
-/// reuses its queue pairs), so the ECMP hash of `(src, dst, connection)` puts a repeated
-/// collective on the same paths every time: its contention is the same, as on a real
-/// fabric, and the packet model's memoization can recognise it.
+/// Each flow's connection number: which queue pair between its two endpoints carries it.
+///
+/// A flow that continues a chain of its collective between the same two endpoints (its
+/// first dependency of the same collective, source and destination that no other flow
+/// continues yet) goes on that flow's connection; any other flow opens the next
+/// connection of its collective between the pair. A ring's step after step between two
+/// ranks, a pipelined chain's chunk after chunk over one hop and an all-reduce's
+/// reduce-scatter half continuing into its all-gather half are each one connection, as
+/// NCCL sends every step of a channel over that channel's queue pair; its parallel
+/// channels are distinct connections. The k-th connection between a pair is the same in
+/// every collective (as a communicator reuses its queue pairs), so the ECMP hash of
+/// `(src, dst, connection)` puts a repeated collective on the same paths every time: its
+/// contention is the same, as on a real fabric, and the packet model's memoization can
+/// recognise it.
+///
+/// (Earlier every flow of a collective between a pair opened a new connection, so each
+/// ring step was hashed afresh and its collisions changed from step to step, which no
+/// RoCE fabric does to one queue pair: collisions averaged out over a ring's steps that
+/// persist on a real fabric.)
+///
+/// A dependency on a later flow (which [`FlowSet::check`] rejects) continues nothing.
 pub fn connection_numbers(flows: &FlowSet) -> Vec<usize> {
-    let mut seen: crate::word_hash::WordMap<(u32, u32, u32), usize> = Default::default();
-    flows
-        .flows
-        .iter()
-        .map(|f| {
-            let k = seen.entry((f.collective, f.src, f.dst)).or_insert(0);
-            *k += 1;
-            *k - 1
-        })
-        .collect()
+    let mut opened: crate::word_hash::WordMap<(u32, u32, u32), usize> = Default::default();
+    let mut continued = vec![false; flows.flows.len()];
+    let mut connection: Vec<usize> = Vec::with_capacity(flows.flows.len());
+    for (i, f) in flows.flows.iter().enumerate() {
+        let chain = f.deps.iter().map(|d| d.0 as usize).find(|&d| {
+            if d >= i {
+                return false;
+            }
+            let g = &flows.flows[d];
+            !continued[d] && g.collective == f.collective && g.src == f.src && g.dst == f.dst
+        });
+        let k = match chain {
+            Some(d) => {
+                continued[d] = true;
+                connection[d]
+            }
+            None => {
+                let n = opened.entry((f.collective, f.src, f.dst)).or_insert(0);
+                *n += 1;
+                *n - 1
+            }
+        };
+        connection.push(k);
+    }
+    connection
 }
 
 /// Max-min fair rates by progressive filling.
@@ -726,6 +755,46 @@ mod tests {
         assert_eq!(flow_hash(1, 2, 3), flow_hash(1, 2, 3));
         assert_ne!(flow_hash(1, 2, 3), flow_hash(1, 2, 4));
         assert_ne!(flow_hash(1, 2, 3), flow_hash(2, 1, 3));
+    }
+
+    /// A ring's steps between two ranks ride one connection per channel, in both halves
+    /// of an all-reduce, and a second collective of the same shape gets the same numbers;
+    /// an all-to-all opens one connection per pair.
+    #[test]
+    fn connections_follow_chains_not_steps() {
+        use crate::flows::{collective_flows, FlowAlgorithm};
+        use crate::CollectiveKind;
+        use orrery_units::Bytes;
+        let mut set = FlowSet::default();
+        let ranks: Vec<u32> = (0..8).collect();
+        let step = Picos::from_nanos(1000);
+        for name in ["first", "second"] {
+            let ring = FlowAlgorithm::Ring { channels: 2 };
+            let (kind, bytes) = (CollectiveKind::AllReduce, Bytes(1 << 20));
+            collective_flows(&mut set, name, kind, ring, &ranks, bytes, 8, step).unwrap();
+        }
+        let (kind, a2a) = (CollectiveKind::AllToAll, FlowAlgorithm::Direct);
+        collective_flows(&mut set, "a2a", kind, a2a, &ranks, Bytes(1 << 20), 8, step).unwrap();
+        let connection = connection_numbers(&set);
+        let per_collective = |c: u32| -> std::collections::BTreeSet<(u32, u32, usize)> {
+            set.flows
+                .iter()
+                .zip(&connection)
+                .filter(|(f, _)| f.collective == c)
+                .map(|(f, &k)| (f.src, f.dst, k))
+                .collect()
+        };
+        let (first, second, a2a) = (per_collective(0), per_collective(1), per_collective(2));
+        // 8 ranks x 2 channels x 14 steps each, on 16 connections.
+        assert_eq!(
+            set.flows.iter().filter(|f| f.collective == 0).count(),
+            8 * 2 * 14
+        );
+        assert_eq!(first.len(), 16, "{first:?}");
+        assert!(first.iter().all(|&(_, _, k)| k < 2));
+        assert_eq!(first, second);
+        assert_eq!(a2a.len(), 8 * 7);
+        assert!(a2a.iter().all(|&(_, _, k)| k == 0));
     }
 
     #[test]
