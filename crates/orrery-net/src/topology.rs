@@ -7,8 +7,10 @@
 //!
 //! Routing is shortest-path with equal-cost multi-path: among all shortest paths from a
 //! source to a destination, a flow takes the one chosen hop by hop by a deterministic hash
-//! of the flow's identity (its `flow_hash`) and the hop's index, like switch ECMP hashing on
-//! the 5-tuple. The same flow always takes the same path; different flows spread. One
+//! of the flow's identity (its `flow_hash`: its ends and its connection, the queue pair
+//! that carries it, see [`crate::flow_model::connection_numbers`]) and the hop's index,
+//! like switch ECMP hashing on the 5-tuple. The same connection always takes the same
+//! path; different ones spread. One
 //! tie-break overrides the hash: where an NVLink switch is among the equal-cost next hops,
 //! it is taken (GPUs of one host that also share a leaf talk over NVLink, as NCCL does).
 //!
