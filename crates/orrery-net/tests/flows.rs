@@ -576,6 +576,51 @@ fn algorithms() -> impl Strategy<Value = (A, K)> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
+    /// ECMP connections (`connection_numbers`) are dependency chains: the flows of one
+    /// collective between two endpoints on one connection each depend on the one before,
+    /// a pair's connections are numbered from 0 without gaps, and a ring keeps a pair's
+    /// steps on no more connections than it has channels (one per channel that uses the
+    /// pair), both halves of an all-reduce included.
+    #[test]
+    fn connections_are_dependency_chains(
+        (alg, kind) in algorithms(),
+        n in 1u64..13,
+        s in prop_oneof![1u64..100, 1000u64..5_000_000],
+    ) {
+        let n = if matches!(alg, A::HalvingDoubling) && kind != K::AllReduce {
+            1u64 << (63 - n.leading_zeros())
+        } else {
+            n
+        };
+        let ranks: Vec<u32> = (0..n as u32).collect();
+        let (set, r) = build(kind, alg, &ranks, s, 4);
+        let connection = orrery_net::flow_model::connection_numbers(&set);
+        let mut on: std::collections::BTreeMap<(u32, u32, u32), Vec<Vec<usize>>> =
+            Default::default();
+        for i in r {
+            let f = &set.flows[i];
+            let per_pair = on.entry((f.collective, f.src, f.dst)).or_default();
+            if per_pair.len() <= connection[i] {
+                per_pair.resize(connection[i] + 1, Vec::new());
+            }
+            per_pair[connection[i]].push(i);
+        }
+        for (pair, connections) in &on {
+            for chain in connections {
+                prop_assert!(!chain.is_empty(), "a gap in the numbers of {:?}", pair);
+                for w in chain.windows(2) {
+                    prop_assert!(
+                        set.flows[w[1]].deps.iter().any(|d| d.index() == w[0]),
+                        "flow {} does not depend on flow {} before it on {:?}", w[1], w[0], pair
+                    );
+                }
+            }
+            if let A::Ring { channels } = alg {
+                prop_assert!(connections.len() <= channels as usize, "{:?}", pair);
+            }
+        }
+    }
+
     /// Bytes sent per rank match each algorithm's theory, for any group size and buffer
     /// (exactly when the buffer divides evenly, within rounding otherwise), and the
     /// dependencies only point backwards.
