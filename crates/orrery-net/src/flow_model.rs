@@ -151,15 +151,14 @@ pub fn flow_hash(src: u32, dst: u32, index: usize) -> u64 {
 
 /// Each flow's connection number: which queue pair between its two endpoints carries it.
 ///
-/// A flow that continues a chain of its collective between the same two endpoints (its
-/// first dependency of the same collective, source and destination that no other flow
-/// continues yet) goes on that flow's connection; any other flow opens the next
-/// connection of its collective between the pair. A ring's step after step between two
-/// ranks, a pipelined chain's chunk after chunk over one hop and an all-reduce's
-/// reduce-scatter half continuing into its all-gather half are each one connection, as
-/// NCCL sends every step of a channel over that channel's queue pair; its parallel
-/// channels are distinct connections. The k-th connection between a pair is the same in
-/// every collective (as a communicator reuses its queue pairs), so the ECMP hash of
+/// A flow that continues a chain of its collective between the same two endpoints
+/// ([`FlowSet::chain_predecessors`]) goes on its predecessor's connection; any other flow
+/// opens the next connection of its collective between the pair. A ring's step after step
+/// between two ranks, a pipelined chain's chunk after chunk over one hop and an
+/// all-reduce's reduce-scatter half continuing into its all-gather half are each one
+/// connection, as NCCL sends every step of a channel over that channel's queue pair; its
+/// parallel channels are distinct connections. The k-th connection between a pair is the
+/// same in every collective (as a communicator reuses its queue pairs), so the ECMP hash of
 /// `(src, dst, connection)` puts a repeated collective on the same paths every time: its
 /// contention is the same, as on a real fabric, and the packet model's memoization can
 /// recognise it.
@@ -168,25 +167,13 @@ pub fn flow_hash(src: u32, dst: u32, index: usize) -> u64 {
 /// ring step was hashed afresh and its collisions changed from step to step, which no
 /// RoCE fabric does to one queue pair: collisions averaged out over a ring's steps that
 /// persist on a real fabric.)
-///
-/// A dependency on a later flow (which [`FlowSet::check`] rejects) continues nothing.
 pub fn connection_numbers(flows: &FlowSet) -> Vec<usize> {
     let mut opened: crate::word_hash::WordMap<(u32, u32, u32), usize> = Default::default();
-    let mut continued = vec![false; flows.flows.len()];
     let mut connection: Vec<usize> = Vec::with_capacity(flows.flows.len());
-    for (i, f) in flows.flows.iter().enumerate() {
-        let chain = f.deps.iter().map(|d| d.0 as usize).find(|&d| {
-            if d >= i {
-                return false;
-            }
-            let g = &flows.flows[d];
-            !continued[d] && g.collective == f.collective && g.src == f.src && g.dst == f.dst
-        });
-        let k = match chain {
-            Some(d) => {
-                continued[d] = true;
-                connection[d]
-            }
+    let predecessors = flows.chain_predecessors(|_, _| true);
+    for (f, prev) in flows.flows.iter().zip(predecessors) {
+        let k = match prev {
+            Some(d) => connection[d],
             None => {
                 let n = opened.entry((f.collective, f.src, f.dst)).or_insert(0);
                 *n += 1;

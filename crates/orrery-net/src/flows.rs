@@ -116,6 +116,39 @@ pub enum FlowError {
 }
 
 impl FlowSet {
+    /// Each flow's predecessor in a chain of flows between the same two endpoints: its
+    /// first dependency `d` of the same collective, source and destination, with
+    /// `alike(d, flow)`, that no earlier flow continues already; `None` where the flow
+    /// starts a chain. A ring's steps on one channel between two ranks form such a chain,
+    /// as do a pipelined chain's chunks over one hop. ECMP connections
+    /// ([`crate::flow_model::connection_numbers`]) and the periodic model's lanes (which
+    /// also want sizes within a byte) are these chains. A dependency on a later flow
+    /// (which [`FlowSet::check`] rejects) continues nothing.
+    pub fn chain_predecessors(
+        &self,
+        alike: impl Fn(&FlowSpec, &FlowSpec) -> bool,
+    ) -> Vec<Option<usize>> {
+        let mut continued = vec![false; self.flows.len()];
+        let mut predecessor = Vec::with_capacity(self.flows.len());
+        for (i, f) in self.flows.iter().enumerate() {
+            let prev = f.deps.iter().map(|d| d.index()).find(|&d| {
+                let Some(g) = self.flows.get(d).filter(|_| d < i) else {
+                    return false;
+                };
+                !continued[d]
+                    && g.collective == f.collective
+                    && g.src == f.src
+                    && g.dst == f.dst
+                    && alike(g, f)
+            });
+            if let Some(d) = prev {
+                continued[d] = true;
+            }
+            predecessor.push(prev);
+        }
+        predecessor
+    }
+
     /// Checks that dependencies point to earlier flows and no flow is a self-loop.
     pub fn check(&self) -> Result<(), FlowError> {
         for (i, f) in self.flows.iter().enumerate() {

@@ -16,9 +16,10 @@
 //! A *lane* is a chain of flows of one collective from the same source to the same
 //! destination, each depending on the previous one, with sizes equal to within one byte
 //! (collective builders split buffers into chunks that differ by at most a byte). Lanes are
-//! found once, from the flow set: a flow continues the lane of its first dependency of the
-//! same collective, source, destination and size that no other flow continues yet; otherwise
-//! it starts a lane. A rank's ring step, a pipelined chunk moving along a chain or a tree
+//! found once, from the flow set ([`FlowSet::chain_predecessors`], the chains ECMP
+//! connections follow too, here with sizes within a byte): a flow continues the lane of its
+//! first dependency of the same collective, source, destination and size that no other flow
+//! continues yet; otherwise it starts a lane. A rank's ring step, a pipelined chunk moving along a chain or a tree
 //! edge are lanes; an all-to-all flow is a lane of one flow and is never extrapolated.
 //!
 //! ## When a collective goes periodic
@@ -382,28 +383,17 @@ impl Periodic {
     pub fn new(set: &FlowSet, links: usize, window: usize, theta: f64, gap_theta: f64) -> Periodic {
         let n = set.flows.len();
         let mut lane_of = vec![NONE; n];
-        let mut continued = vec![false; n];
         let mut lanes: Vec<Lane> = Vec::new();
         let mut colls: Vec<Coll> = (0..set.collectives.len())
             .map(|_| Coll::default())
             .collect();
         let mut coll_of = Vec::with_capacity(n);
         let mut index_in_coll = vec![0; n];
-        for (i, f) in set.flows.iter().enumerate() {
+        let predecessors = set.chain_predecessors(|g, f| g.bytes.0.abs_diff(f.bytes.0) <= 1);
+        for ((i, f), prev) in set.flows.iter().enumerate().zip(predecessors) {
             coll_of.push(f.collective);
-            let prev = f.deps.iter().map(|d| d.0 as usize).find(|&d| {
-                let g = &set.flows[d];
-                !continued[d]
-                    && g.collective == f.collective
-                    && g.src == f.src
-                    && g.dst == f.dst
-                    && g.bytes.0.abs_diff(f.bytes.0) <= 1
-            });
             let lane = match prev {
-                Some(d) => {
-                    continued[d] = true;
-                    lane_of[d]
-                }
+                Some(d) => lane_of[d],
                 None => {
                     lanes.push(Lane {
                         coll: f.collective,
