@@ -752,7 +752,13 @@ impl<'a> Engine<'a> {
                 cfg.accel.period_window,
                 cfg.accel.period_theta,
                 cfg.accel.period_gap_theta,
-            );
+            )
+            .with_data_paths(cfg.accel.period_own_paths, |f| {
+                let (start, len) = states[f as usize].fwd;
+                paths[start as usize..(start + len) as usize]
+                    .iter()
+                    .copied()
+            });
             if cfg.accel.collective_memo {
                 // Each link's digest once, not once per flow that crosses it.
                 let link_words: Vec<u64> = ports
