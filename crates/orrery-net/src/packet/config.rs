@@ -292,8 +292,8 @@ pub struct AccelConfig {
     /// ACKs against its data; chains that share links (the channels of a multi-channel
     /// ring) keep the bound. On the GPT 350M step at 2,048 GPUs (pinned), whose
     /// data-parallel rings of 1 MB steps cross between two pods, the period bound kept
-    /// every reduce-scatter simulating 33 of its 63 steps; see "Steady lanes" in the
-    /// `periodic` module for the measurements.
+    /// its gradient reduce-scatters simulating 32 to 36 of each lane's 63 steps (4 to 6
+    /// without it); see "Steady lanes" in the `periodic` module for the measurements.
     pub period_own_paths: bool,
     /// Period of the delivered-rate and queue samples. Default 2.5 us, half a base RTT of
     /// a three-tier fabric with 1 us cables. What a partition waits for after a change

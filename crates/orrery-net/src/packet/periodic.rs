@@ -106,8 +106,8 @@
 //! `accel.period_own_paths`, on by default) is not held to the period bound at all: its
 //! completion times must still agree within `theta`, but its phase against its
 //! neighbours moves only their ACKs against its data, never data against data. Lanes
-//! that share a link (the channels of a multi-channel ring, which drift against each
-//! other and met a 5.3% p99 error on an 8-rank ring) keep the bound. What this costs is
+//! that share a link (the channels of a multi-channel ring sent over one NIC, which
+//! drift against each other, data against data) keep the bound. What this costs is
 //! the part of a flow's time its neighbours' ACKs take on its links, which a phase shift
 //! can take away or add: at most the ACKs' share of the link (8% with the default
 //! per-packet ACKs of 66 bytes behind 1,000-byte payloads; the whole of it only if the
@@ -118,12 +118,12 @@
 //! of each lane they simulate (4 to 6 unbounded), for 39,385,360 events for the step
 //! against 18,778,168 with lanes on their own paths unbounded (every lane of that step
 //! has its own path) and 7,469,005,104 for the reference (1,187 s): 398x fewer instead
-//! of 190x. The parameter all-gathers still simulate 32 to 38 steps per lane: their
-//! lanes' completion times move by more than `theta` while the delay passes, which no
-//! rule on the period lets through. The per-flow errors rose from 0.009%
-//! mean and 0.27% p99 to 0.21% and 0.94% (the reduce-scatters' flows 0.41% mean, 1.56% at
-//! most; no flow of the step more than 5% off, the end 0.0025% late instead of 0.0022%
-//! early; `orrery netsim --out` against `--reference`, 2026-12-06). The 16- to 32-rank
+//! of 190x. The per-flow errors rose from 0.009% mean and 0.27% p99 to 0.21% and 0.94%
+//! (the reduce-scatters' flows 0.41% mean, 1.56% at most; no flow of the step more than
+//! 5% off, the end 0.0025% late instead of 0.0022% early; `orrery netsim --out` against
+//! `--reference`, 2026-12-06). The parameter all-gathers still simulate 32 to 38 steps
+//! per lane: their lanes' completion times move by more than `theta` while the delay
+//! passes, which no rule on the period lets through. The 16- to 32-rank
 //! rings above are such lanes, now at the unbounded errors. Tests hold a 16-rank ring
 //! across two pods with 1 MB steps to the bounds with its lanes unbounded, held to 5%
 //! and to 1%, with more virtual flows under 5% than under 1%, and the same ring with
