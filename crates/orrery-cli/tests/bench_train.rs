@@ -507,6 +507,7 @@ fn accel_json_report_has_the_row_and_its_errors() {
     assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
     assert!(e["p99_fct"].as_f64().unwrap() < 0.05, "{r}");
     assert!(e["collective"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(e["collective_time"].as_f64().unwrap() < 0.01, "{r}");
     assert!(
         !stdout.contains("orrery bench --accel:"),
         "no table heading in JSON"
@@ -514,7 +515,13 @@ fn accel_json_report_has_the_row_and_its_errors() {
     // The reference against itself with the next seed, and on its flows renumbered:
     // errors of the same kind.
     for spread in ["reference_seed_spread", "reference_label_spread"] {
-        for key in ["mean_fct", "p99_fct", "end", "collective"] {
+        for key in [
+            "mean_fct",
+            "p99_fct",
+            "end",
+            "collective",
+            "collective_time",
+        ] {
             let x = r[spread][key].as_f64().unwrap_or(f64::NAN);
             assert!(x.is_finite() && x >= 0.0, "{spread} {key}: {r}");
         }
@@ -548,6 +555,7 @@ fn accel_bench_runs_its_scenarios_on_pinned_paths() {
     let e = &r["errors"];
     assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
     assert!(e["collective"].as_f64().unwrap() < 0.01, "{r}");
+    assert!(e["collective_time"].as_f64().unwrap() < 0.01, "{r}");
 
     let (code, _, stderr) = orrery(&["bench", "--accel", "--routing", "spray"]);
     assert_eq!(code, 2, "{stderr}");

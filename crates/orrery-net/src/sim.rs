@@ -77,7 +77,8 @@ impl AccelCounts {
 
 /// How far one report is from a reference report of the same flows: the error measures the
 /// accelerated packet model is held to (mean and p99 of the per-flow completion-time errors,
-/// the run's end, the worst collective's finish). All relative, as fractions.
+/// the run's end, the worst collective's finish and completion time). All relative, as
+/// fractions.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct RunErrors {
     pub mean_fct: f64,
@@ -85,6 +86,12 @@ pub struct RunErrors {
     pub end: f64,
     /// Worst relative error of a collective's finish (zero without collectives).
     pub collective: f64,
+    /// Worst relative error of a collective's completion time: from its first flow's
+    /// release to its last flow's finish, in each run (zero without collectives). A
+    /// finish is measured from time zero, so a late collective's error is diluted by all
+    /// that came before; a completion time is not, and a collective released late because
+    /// an earlier one finished late is not charged for that.
+    pub collective_time: f64,
 }
 
 impl RunErrors {
@@ -105,13 +112,18 @@ impl RunErrors {
             .get(((per.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
             .copied()
             .unwrap_or(0.0);
-        // Each collective's finish in both runs, in one pass over the flows.
+        // Each collective's first release and last finish in both runs, in one pass over
+        // the flows.
         let n = flows.collectives.len();
         let (mut fin_ref, mut fin) = (vec![Picos::ZERO; n], vec![Picos::ZERO; n]);
+        let (mut start_ref, mut start) = (vec![Picos(u64::MAX); n], vec![Picos(u64::MAX); n]);
         for ((f, r), o) in flows.flows.iter().zip(&reference.flows).zip(&report.flows) {
-            if let Some(c) = fin_ref.get_mut(f.collective as usize) {
-                *c = (*c).max(r.finish);
-                fin[f.collective as usize] = fin[f.collective as usize].max(o.finish);
+            let c = f.collective as usize;
+            if c < n {
+                fin_ref[c] = fin_ref[c].max(r.finish);
+                fin[c] = fin[c].max(o.finish);
+                start_ref[c] = start_ref[c].min(r.start);
+                start[c] = start[c].min(o.start);
             }
         }
         let collective = fin_ref
@@ -119,11 +131,17 @@ impl RunErrors {
             .zip(&fin)
             .map(|(&r, &o)| rel(o, r))
             .fold(0.0, f64::max);
+        let span = |s: Picos, f: Picos| Picos(f.0.saturating_sub(s.0));
+        let collective_time = (0..n)
+            .filter(|&c| start_ref[c].0 != u64::MAX)
+            .map(|c| rel(span(start[c], fin[c]), span(start_ref[c], fin_ref[c])))
+            .fold(0.0, f64::max);
         RunErrors {
             mean_fct,
             p99_fct,
             end: rel(report.end, reference.end),
             collective,
+            collective_time,
         }
     }
 }
@@ -223,5 +241,52 @@ mod tests {
         assert!((e.p99_fct - 0.1).abs() < 1e-12, "{e:?}");
         assert!((e.end - 0.05).abs() < 1e-12, "{e:?}");
         assert!((e.collective - 0.1).abs() < 1e-12, "{e:?}");
+        // Released at zero, a collective's completion time is its finish.
+        assert!((e.collective_time - 0.1).abs() < 1e-12, "{e:?}");
+    }
+
+    #[test]
+    fn a_collective_released_late_is_charged_for_its_own_time_only() {
+        let spec = |c: u32| FlowSpec {
+            src: 0,
+            dst: 1,
+            bytes: orrery_units::Bytes(1),
+            deps: Default::default(),
+            delay: Picos::ZERO,
+            collective: c,
+        };
+        let info = crate::flows::CollectiveInfo {
+            name: "a".into(),
+            kind: None,
+            ranks: Vec::new(),
+            bytes: orrery_units::Bytes(0),
+        };
+        let flows = FlowSet {
+            flows: vec![spec(0), spec(1)],
+            collectives: vec![info.clone(), info],
+        };
+        let run = |spans: [(u64, u64); 2]| SimReport {
+            flows: spans
+                .iter()
+                .map(|&(s, f)| FlowOutcome {
+                    start: Picos(s),
+                    finish: Picos(f),
+                })
+                .collect(),
+            end: Picos(spans[1].1),
+            ..SimReport::default()
+        };
+        // The first collective finishes 10 late (1% of its 1,000); the second, released
+        // when it finished, takes its 100 again and so finishes 10 late too (0.9% of its
+        // finish, a tenth of its time), but its completion time is exact: the worst
+        // completion-time error is the first's 1%.
+        let reference = run([(0, 1000), (1000, 1100)]);
+        let e = RunErrors::between(&reference, &run([(0, 1010), (1010, 1110)]), &flows);
+        assert!((e.collective - 0.01).abs() < 1e-12, "{e:?}");
+        assert!((e.collective_time - 0.01).abs() < 1e-12, "{e:?}");
+        // Taking 120 instead, the second is 20% off in completion time.
+        let e = RunErrors::between(&reference, &run([(0, 1010), (1010, 1130)]), &flows);
+        assert!((e.collective - 30.0 / 1100.0).abs() < 1e-12, "{e:?}");
+        assert!((e.collective_time - 0.2).abs() < 1e-12, "{e:?}");
     }
 }

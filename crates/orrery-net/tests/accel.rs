@@ -76,6 +76,7 @@ fn check_bounds(
     assert!(e.p99_fct < 0.05, "{name}: {e:?}");
     assert!(e.end < 0.01, "{name}: {e:?}");
     assert!(e.collective < 0.01, "{name}: {e:?}");
+    assert!(e.collective_time < 0.01, "{name}: {e:?}");
     let total: u64 = fs.flows.iter().map(|f| f.bytes.0).sum();
     assert_eq!(on.report.bytes_delivered, total, "{name}");
     assert_eq!(on.report.bytes_sent, off.report.bytes_sent, "{name}");
