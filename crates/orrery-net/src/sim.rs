@@ -208,8 +208,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn run_errors_are_relative_to_the_reference() {
+    /// One-byte flows from 0 to 1, each in the collective given (numbered from 0 up to
+    /// the largest).
+    fn flows_in(collectives: &[u32]) -> FlowSet {
         let spec = |c: u32| FlowSpec {
             src: 0,
             dst: 1,
@@ -218,18 +219,22 @@ mod tests {
             delay: Picos::ZERO,
             collective: c,
         };
-        let flows = FlowSet {
-            flows: vec![spec(0), spec(0), spec(1), spec(1)],
-            collectives: vec![
-                crate::flows::CollectiveInfo {
-                    name: "a".into(),
-                    kind: None,
-                    ranks: Vec::new(),
-                    bytes: orrery_units::Bytes(0),
-                };
-                2
-            ],
+        let info = crate::flows::CollectiveInfo {
+            name: "a".into(),
+            kind: None,
+            ranks: Vec::new(),
+            bytes: orrery_units::Bytes(0),
         };
+        let n = collectives.iter().max().map_or(0, |&c| c as usize + 1);
+        FlowSet {
+            flows: collectives.iter().map(|&c| spec(c)).collect(),
+            collectives: vec![info; n],
+        }
+    }
+
+    #[test]
+    fn run_errors_are_relative_to_the_reference() {
+        let flows = flows_in(&[0, 0, 1, 1]);
         let reference = report(&[100, 200, 400, 1000]);
         assert_eq!(
             RunErrors::between(&reference, &reference, &flows),
@@ -247,24 +252,7 @@ mod tests {
 
     #[test]
     fn a_collective_released_late_is_charged_for_its_own_time_only() {
-        let spec = |c: u32| FlowSpec {
-            src: 0,
-            dst: 1,
-            bytes: orrery_units::Bytes(1),
-            deps: Default::default(),
-            delay: Picos::ZERO,
-            collective: c,
-        };
-        let info = crate::flows::CollectiveInfo {
-            name: "a".into(),
-            kind: None,
-            ranks: Vec::new(),
-            bytes: orrery_units::Bytes(0),
-        };
-        let flows = FlowSet {
-            flows: vec![spec(0), spec(1)],
-            collectives: vec![info.clone(), info],
-        };
+        let flows = flows_in(&[0, 1]);
         let run = |spans: [(u64, u64); 2]| SimReport {
             flows: spans
                 .iter()
