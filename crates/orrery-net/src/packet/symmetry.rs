@@ -126,7 +126,15 @@
 //! over 128 GPUs of `orrery bench --accel`, with both shifts and every other mechanism
 //! off, all 260,096 are (`cargo run --release -p orrery-net --example ring_symmetry`).
 //! With marking draws they are the full run with other draws, which is what another seed
-//! gives.
+//! gives, with one difference: every copy takes the simulated copy's draws, where the full
+//! run draws for each copy's links on its own. Where a rare draw decides a large outcome
+//! (DCQCN starving one of several queue pairs on one path), one copy of the full run may
+//! draw it and the step wait for that copy, and the expanded run, all of whose copies
+//! drew alike, does not. On the Mixtral step of `orrery bench --accel` (64 GPUs, x16) a
+//! pipeline send converging with four relayed all-to-all blocks starved one block by
+//! 650 us in one of the 16 copies; with symmetry the step ends 0.23% early at every seed
+//! tried, without it (`accel.symmetry = false`) within 0.004% and with the straggler
+//! (docs/benchmarks.md, 2026-12-07).
 //!
 //! Until 2026-12-05 such queue pairs were served in flow order, so on every host the
 //! lowest-numbered ring channel went first while the shifts map each channel to the
