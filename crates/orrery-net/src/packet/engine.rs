@@ -476,6 +476,18 @@ pub(super) struct Engine<'a> {
     pub stats: PacketStats,
 }
 
+/// The links of flow `f`'s data path, first hop first (see [`links_of`]).
+pub(super) fn data_links_of<'p>(
+    flows: &[FlowState],
+    paths: &'p [u32],
+    f: u32,
+) -> impl Iterator<Item = u32> + 'p {
+    let (start, len) = flows[f as usize].fwd;
+    paths[start as usize..(start + len) as usize]
+        .iter()
+        .copied()
+}
+
 /// The links of flow `f`, data path then reverse path. A free function over the two fields
 /// so callers can hold other parts of the engine mutably meanwhile.
 pub(super) fn links_of<'p>(
@@ -752,13 +764,12 @@ impl<'a> Engine<'a> {
                 cfg.accel.period_window,
                 cfg.accel.period_theta,
                 cfg.accel.period_gap_theta,
-            )
-            .with_data_paths(cfg.accel.period_own_paths, |f| {
-                let (start, len) = states[f as usize].fwd;
-                paths[start as usize..(start + len) as usize]
-                    .iter()
-                    .copied()
-            });
+            );
+            let p = if cfg.accel.period_own_paths {
+                p.with_data_paths(|f| data_links_of(&states, &paths, f))
+            } else {
+                p
+            };
             if cfg.accel.collective_memo {
                 // Each link's digest once, not once per flow that crosses it.
                 let link_words: Vec<u64> = ports

@@ -531,15 +531,11 @@ impl Periodic {
     /// flow's data route). Such a lane's period is not held to `gap_theta` (see "Steady
     /// lanes" in the module essay): a change of its phase against its neighbours moves
     /// only their ACKs against its data, not data against data.
-    /// With `on` false no lane has its own path (`accel.period_own_paths`).
+    /// Without this (`accel.period_own_paths` off) no lane has its own path.
     pub fn with_data_paths<I: Iterator<Item = u32>>(
         mut self,
-        on: bool,
         data_links: impl Fn(u32) -> I,
     ) -> Periodic {
-        if !on {
-            return self;
-        }
         // (collective, link, lane) for every link of every lane's data path; a link
         // that two lanes of one collective share takes both off their own paths.
         let mut uses: Vec<(u32, u32, u32)> = Vec::new();
@@ -1392,19 +1388,17 @@ mod tests {
             std::iter::once(spec.src * 8 + spec.dst)
         };
         let one = ring(8, 1, 1 << 20);
-        let p =
-            Periodic::new(&one, 64, 3, 0.01, 0.05).with_data_paths(true, |f| pair_link(&one, f));
+        let p = Periodic::new(&one, 64, 3, 0.01, 0.05).with_data_paths(|f| pair_link(&one, f));
         assert_eq!(p.lanes.len(), 8);
         assert!(p.lanes.iter().all(|l| l.own_path));
         // Two channels send every step over the same hop: no lane has its path to itself.
         let two = ring(8, 2, 1 << 20);
-        let p =
-            Periodic::new(&two, 64, 3, 0.01, 0.05).with_data_paths(true, |f| pair_link(&two, f));
+        let p = Periodic::new(&two, 64, 3, 0.01, 0.05).with_data_paths(|f| pair_link(&two, f));
         assert_eq!(p.lanes.len(), 16);
         assert!(p.lanes.iter().all(|l| !l.own_path));
         // One link shared by two lanes (rank 0's hop carrying rank 3's data too) takes
         // just those two off their own paths.
-        let p = Periodic::new(&one, 64, 3, 0.01, 0.05).with_data_paths(true, |f| {
+        let p = Periodic::new(&one, 64, 3, 0.01, 0.05).with_data_paths(|f| {
             let spec = &one.flows[f as usize];
             let link = if spec.src == 3 {
                 1
