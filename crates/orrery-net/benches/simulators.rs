@@ -1,9 +1,12 @@
-//! Simulator speed: packet-level events per second on an incast and a ring all-reduce, and
-//! the flow-level model on the same ring. Run with `cargo bench -p orrery-net`.
+//! Simulator speed: packet-level events per second on an incast and a ring all-reduce, the
+//! flow-level model on the same ring, and the accelerated packet model (every mechanism on,
+//! the default) on the 128-GPU ring of `orrery bench --accel`, whose run is mostly set-up:
+//! routes, tie keys and the symmetry search over its 260,096 flows. Run with
+//! `cargo bench -p orrery-net`.
 
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
-use orrery_net::packet::PacketSimulator;
+use orrery_net::packet::{PacketConfig, PacketSimulator};
 use orrery_net::sim::FlowSimulator;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
@@ -27,22 +30,27 @@ fn incast() -> (NetGraph, FlowSet) {
     (g, set)
 }
 
-fn ring() -> (NetGraph, FlowSet) {
-    let g = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(2)).expect("topology");
+/// An 8-channel ring all-reduce of `mib` MiB over the GPUs of `hosts` DGX-H100-like hosts.
+fn ring_over(hosts: usize, mib: u64) -> (NetGraph, FlowSet) {
+    let g = NetGraph::rail_optimized(&RailOptimizedSpec::dgx_h100(hosts)).expect("topology");
     let mut set = FlowSet::default();
-    let ranks: Vec<u32> = (0..16).collect();
+    let ranks: Vec<u32> = (0..8 * hosts as u32).collect();
     collective_flows(
         &mut set,
         "ring",
         CollectiveKind::AllReduce,
         FlowAlgorithm::Ring { channels: 8 },
         &ranks,
-        Bytes(16 << 20),
+        Bytes(mib << 20),
         8,
         Picos::from_nanos(2000),
     )
     .expect("flows");
     (g, set)
+}
+
+fn ring() -> (NetGraph, FlowSet) {
+    ring_over(2, 16)
 }
 
 #[divan::bench(sample_count = 10)]
@@ -60,6 +68,16 @@ fn packet_ring_16_gpus_16mib(b: divan::Bencher) {
     let (g, set) = ring();
     b.bench(|| {
         PacketSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+#[divan::bench(sample_count = 20)]
+fn accelerated_ring_128_gpus_64mib(b: divan::Bencher) {
+    let (g, set) = ring_over(16, 64);
+    b.bench(|| {
+        PacketSimulator::new(PacketConfig::default())
             .simulate(&g, &set)
             .map(|r| r.events)
     });

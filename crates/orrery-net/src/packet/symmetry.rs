@@ -1175,31 +1175,34 @@ fn quotient(
         .zip(shift.copies)
         .map(|(&r, &c)| c * (u64::from(order) / orbit_size[r as usize].max(1)))
         .collect();
-    let mut copy_index = vec![0u32; fimg.len()];
-    for &r in &reps {
-        let mut at = fimg[r as usize];
-        let mut k = 1;
-        while at != r {
-            copy_index[at as usize] = k;
-            at = fimg[at as usize];
-            k += 1;
-        }
-    }
-    let mut waits_for_exempt = vec![false; flows.flows.len()];
+    // The flows that wait for an exempt flow, directly or not (none without exempt
+    // flows, and then the pass over the flows is skipped), with the copy of its orbit
+    // each is: how many times the shift takes the orbit's representative to it.
     let mut late = Vec::new();
-    for (i, f) in flows.flows.iter().enumerate() {
-        if f.deps
-            .iter()
-            .any(|d| keys.is_exempt(d.index()) || waits_for_exempt[d.index()])
-        {
-            waits_for_exempt[i] = true;
-            late.push(LateFlow {
-                flow: i as u32,
-                copy: copy_index[i],
-                exempt: keys.is_exempt(i),
-                deps: f.deps.iter().map(|d| d.0).collect(),
-                delay: f.delay,
-            });
+    if keys.exempt.iter().any(|&e| e) {
+        let copy_of = |f: usize| {
+            let (mut at, mut k) = (flow_rep[f], 0);
+            while at != f as u32 {
+                at = fimg[at as usize];
+                k += 1;
+            }
+            k
+        };
+        let mut waits_for_exempt = vec![false; flows.flows.len()];
+        for (i, f) in flows.flows.iter().enumerate() {
+            if f.deps
+                .iter()
+                .any(|d| keys.is_exempt(d.index()) || waits_for_exempt[d.index()])
+            {
+                waits_for_exempt[i] = true;
+                late.push(LateFlow {
+                    flow: i as u32,
+                    copy: copy_of(i),
+                    exempt: keys.is_exempt(i),
+                    deps: f.deps.iter().map(|d| d.0).collect(),
+                    delay: f.delay,
+                });
+            }
         }
     }
     let ties = reps
