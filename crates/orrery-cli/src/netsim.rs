@@ -4,7 +4,7 @@
 use crate::{atomic_write, atomic_write_with, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
-use orrery_net::packet::{MemoCache, PacketConfig, PacketSimulator, TraceRequest};
+use orrery_net::packet::{FastForwardHeld, MemoCache, PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
 use orrery_net::sim::{FlowSimulator, SimProgress, SimReport};
 use orrery_units::Picos;
@@ -385,6 +385,26 @@ fn render_event_owners(s: &NetsimSummary, o: &EventOwners) -> String {
     out
 }
 
+/// Where the partitions' flow-samples went ([`FastForwardHeld`]), the largest share
+/// first; `None` when none was counted (no partitioned fast-forwarding).
+fn render_held(held: &FastForwardHeld) -> Option<String> {
+    let total = held.total();
+    if total == 0 {
+        return None;
+    }
+    let mut counts: Vec<(&str, u64)> = held.counts().into_iter().filter(|&(_, n)| n > 0).collect();
+    // Largest first; equal counts keep the order of the tests.
+    counts.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let shares: Vec<String> = counts
+        .iter()
+        .map(|&(name, n)| format!("{name} {:.1}%", 100.0 * n as f64 / total as f64))
+        .collect();
+    Some(format!(
+        "  partitions' flow-samples by the test that held them ({total}): {}\n",
+        shares.join(", ")
+    ))
+}
+
 fn render(s: &NetsimSummary) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "orrery netsim: {} ({} model)", s.scenario, s.model);
@@ -461,6 +481,9 @@ fn render(s: &NetsimSummary) -> String {
             "fast-forward: {} jumps ({} up to a recovering flow's rate increase, {} of quiet partitions, {} packets carried into growing queues, {} out of draining ones) over {} of simulated time, ~{} events skipped",
             p.fast_forwards, p.recovering_jumps, p.quiet_jumps, p.carried_packets, p.drained_packets, p.jumped_time, p.skipped_events
         );
+        if let Some(line) = render_held(&p.ff_held) {
+            out.push_str(&line);
+        }
         let _ = writeln!(
             out,
             "memo: {} lookups, {} hits ({:.1}%), {} recorded, {} aborted ({} events replayed), {} mirrored ({} broken), ~{} events skipped",
@@ -824,5 +847,23 @@ mod tests {
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{text}");
         assert_eq!(full["flows"][0]["events"], 3);
         assert_eq!(full["flows"][0]["bytes"], 1000);
+    }
+
+    #[test]
+    fn held_back_samples_are_listed_largest_share_first() {
+        assert_eq!(render_held(&FastForwardHeld::default()), None);
+        let held = FastForwardHeld {
+            jumped: 1,
+            busy: 2,
+            settling: 2,
+            completion_near: 5,
+            ..Default::default()
+        };
+        // Equal shares keep the order of the tests (busy before settling).
+        assert_eq!(
+            render_held(&held).unwrap(),
+            "  partitions' flow-samples by the test that held them (10): completion near 50.0%, busy 20.0%, \
+             settling 20.0%, jumped 10.0%\n"
+        );
     }
 }

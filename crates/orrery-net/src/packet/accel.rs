@@ -172,6 +172,11 @@
 //!   that merges partitions therefore finds all of them at the release time: no rollback is
 //!   needed. A partition frozen past a release touching no link of it is fine: the new
 //!   flow cannot reach it.
+//! - **What held a partition back** is counted at every sample, once per flow of the
+//!   partition, under its jump or the first test it failed ([`super::FastForwardHeld`],
+//!   `orrery netsim`'s report): the tests above leave their reason in
+//!   [`FastForward::held`] as they fail. Until it was counted, each look at why a run did
+//!   not jump was a temporary diagnostic written anew.
 
 mod carry;
 
@@ -180,6 +185,7 @@ use super::image::{owner_of, Owner};
 use super::partition::Partitions;
 #[cfg(debug_assertions)]
 use super::partition::{components, find};
+use super::FastForwardHeld;
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -187,6 +193,47 @@ const NONE: u32 = u32::MAX;
 
 /// The fewest blocks of samples a steadiness test looks at ([`Engine::steady_rate`]).
 const MIN_BLOCKS: usize = 3;
+
+/// The test a partition failed at a sample, counted in [`FastForwardHeld`] (whose fields
+/// say what each is). The tests leave it in [`FastForward::held`] as they fail, so the
+/// count is of the first failure of the attempt that decided the sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HeldBy {
+    Jumped,
+    Draining,
+    Busy,
+    Settling,
+    FlowEnding,
+    FlowUnmeasured,
+    FlowUnsteady,
+    RateMoving,
+    QueueUnmeasured,
+    QueueAtLimit,
+    QueueDrifting,
+    CompletionNear,
+    BoundNear,
+}
+
+impl FastForwardHeld {
+    fn add(&mut self, by: HeldBy, flows: u64) {
+        let slot = match by {
+            HeldBy::Jumped => &mut self.jumped,
+            HeldBy::Draining => &mut self.draining,
+            HeldBy::Busy => &mut self.busy,
+            HeldBy::Settling => &mut self.settling,
+            HeldBy::FlowEnding => &mut self.flow_ending,
+            HeldBy::FlowUnmeasured => &mut self.flow_unmeasured,
+            HeldBy::FlowUnsteady => &mut self.flow_unsteady,
+            HeldBy::RateMoving => &mut self.rate_moving,
+            HeldBy::QueueUnmeasured => &mut self.queue_unmeasured,
+            HeldBy::QueueAtLimit => &mut self.queue_at_limit,
+            HeldBy::QueueDrifting => &mut self.queue_drifting,
+            HeldBy::CompletionNear => &mut self.completion_near,
+            HeldBy::BoundNear => &mut self.bound_near,
+        };
+        *slot += flows;
+    }
+}
 
 /// Samples per block of a steadiness test for a flow delivering `per_sample` packets per
 /// sample: enough for `2 / theta` packets, so the one packet by which an even pace's counts
@@ -271,6 +318,8 @@ pub(crate) struct FastForward {
     since_change: u64,
     /// A sample event is pending.
     pending: bool,
+    /// The test the partition being tested failed last ([`HeldBy`]).
+    held: std::cell::Cell<HeldBy>,
     /// Per-partition state (`accel.partitioning` only).
     parts: Option<Parts>,
 }
@@ -342,6 +391,7 @@ impl FastForward {
             samples: 0,
             since_change: 0,
             pending: false,
+            held: std::cell::Cell::new(HeldBy::Jumped),
         }
     }
 }
@@ -684,21 +734,29 @@ impl Engine<'_> {
         let w = ff.window;
         let span = span.clamp(1, w);
         let fl = &self.flows[i];
+        let held = |by| {
+            ff.held.set(by);
+            None
+        };
         if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
-            return None;
+            return held(HeldBy::FlowEnding);
         }
         // Sample `n` of the flow is in slot `n % w`; `slot(k)` is its `k`-th latest.
-        let start = ff.ring_at(i)?;
+        let Some(start) = ff.ring_at(i) else {
+            return held(HeldBy::FlowUnmeasured);
+        };
         let slot = |k: u64| start + ((samples.wrapping_sub(k)) % w as u64) as usize;
         let span_bytes: u64 = (1..=span as u64).map(|k| ff.ring[slot(k)]).sum();
         let per_sample = span_bytes as f64 / span as f64 / f64::from(cfg.mtu_payload.max(1));
         if per_sample <= 0.0 {
-            return None;
+            return held(HeldBy::FlowUnsteady);
         }
-        let block = block_samples(per_sample, a.theta)?;
+        let Some(block) = block_samples(per_sample, a.theta) else {
+            return held(HeldBy::FlowUnmeasured);
+        };
         let used = span.max(MIN_BLOCKS * block);
         if used > w || used as u64 > avail {
-            return None;
+            return held(HeldBy::FlowUnmeasured);
         }
         let blocks = used / block;
         let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
@@ -712,7 +770,7 @@ impl Engine<'_> {
         }
         let mean = sum as f64 / blocks as f64;
         if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
-            return None;
+            return held(HeldBy::FlowUnsteady);
         }
         let span = used;
         let slots = (1..=span as u64).map(slot);
@@ -725,7 +783,7 @@ impl Engine<'_> {
                 .fold(f64::INFINITY, f64::min);
             let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
             if hi - lo > a.rate_theta * hi {
-                return None;
+                return held(HeldBy::RateMoving);
             }
             if quiet {
                 // A quiet partition: nothing can mark its flows, so a flow whose increase
@@ -923,9 +981,22 @@ impl Engine<'_> {
                     ready_quiet &= p.fresh[i] > q as u64 && p.quiet[i] >= q as u64;
                 }
                 let jumped = ready_quiet && self.try_jump_group(ff, &mut p, g, q, true);
-                if ready && !jumped {
-                    self.try_jump_group(ff, &mut p, g, w, false);
-                }
+                let quiet_held = ff.held.get();
+                let jumped = jumped || (ready && self.try_jump_group(ff, &mut p, g, w, false));
+                let held = if jumped {
+                    HeldBy::Jumped
+                } else if g.flows.iter().any(|&f| ff.active_pos[f as usize] == NONE) {
+                    HeldBy::Draining
+                } else if ready_quiet {
+                    quiet_held
+                } else if ready {
+                    ff.held.get()
+                } else if quiet_now {
+                    HeldBy::Settling
+                } else {
+                    HeldBy::Busy
+                };
+                self.stats.ff_held.add(held, g.flows.len() as u64);
             }
             ff.samples += 1;
             if self.unfinished > 0 && self.pending_beyond(self.trace_pending()) {
@@ -1191,10 +1262,13 @@ impl Engine<'_> {
             limit = limit.min(calm.limit);
             queues = calm.queues;
         } else if !self.queues_steady(ff, links, span, horizon, cut_recently) {
+            ff.held.set(HeldBy::QueueDrifting);
             return false;
         }
-        limit = limit.min(earliest.0.saturating_sub(tail_margin.0));
+        let before_completion = earliest.0.saturating_sub(tail_margin.0);
+        limit = limit.min(before_completion);
         if limit == u64::MAX {
+            ff.held.set(HeldBy::BoundNear);
             return false;
         }
         // Nor past the earliest a flow nobody announced yet could land on it.
@@ -1204,6 +1278,13 @@ impl Engine<'_> {
         let iv = a.sample_interval.0.max(1);
         let limit = limit / iv * iv;
         if limit < a.min_jump.0 || limit == 0 {
+            // Which bound held it: the completion's, or a release's, an increase's or a
+            // memoized episode's.
+            ff.held.set(if before_completion / iv * iv == limit {
+                HeldBy::CompletionNear
+            } else {
+                HeldBy::BoundNear
+            });
             return false;
         }
         let jump = Picos(limit);
@@ -1212,7 +1293,10 @@ impl Engine<'_> {
         } else {
             match self.plan_carry(&queues, &g.flows, &rates, jump) {
                 Some(c) => c,
-                None => return false,
+                None => {
+                    ff.held.set(HeldBy::QueueAtLimit);
+                    return false;
+                }
             }
         };
         // The jump postpones the partition's pending port events, dormant frees included.

@@ -425,6 +425,77 @@ pub struct PacketStats {
     /// their copies (the run was then simulated again with a stricter symmetry); they are
     /// included in the run's `events`.
     pub symmetry_retried_events: u64,
+    /// Why partitions did not jump (with `accel.partitioning`; see [`FastForwardHeld`]).
+    pub ff_held: FastForwardHeld,
+}
+
+/// What held partitioned fast-forwarding back, in *flow-samples*: at each fast-forward
+/// sample, every active flow of a partition that is not frozen in a jump counts once, under
+/// `jumped` if its partition jumped then and otherwise under the first test it failed (the
+/// order of the fields below; the `accel` module's essay says what each test is for). A
+/// flow-sample is `accel.sample_interval` of that flow's simulated time, so the shares say
+/// where the simulated flow-time went and which rule kept it from being skipped. With a
+/// symmetry quotient these are the quotient's flows'. Zero without partitioning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct FastForwardHeld {
+    /// The partition jumped at this sample.
+    pub jumped: u64,
+    /// A member has finished and its last packets are still in flight.
+    pub draining: u64,
+    /// Not quiet (a queue deep enough to be marked, a PFC pause, or a DCQCN cut pending),
+    /// and the long window has not passed since the partition last changed.
+    pub busy: u64,
+    /// Quiet, but not yet for `accel.quiet_window` samples since the partition last
+    /// changed (a flow started or ended on its links).
+    pub settling: u64,
+    /// A flow is retransmitting, or has sent its last packet.
+    pub flow_ending: u64,
+    /// A flow has too few samples at its rate to measure that rate to `accel.theta`.
+    pub flow_unmeasured: u64,
+    /// A flow's delivered bytes per block of samples spread by more than `accel.theta`.
+    pub flow_unsteady: u64,
+    /// A flow's DCQCN sending rate moved by more than `accel.rate_theta` (the long window).
+    pub rate_moving: u64,
+    /// A switch queue whose course is not yet known well enough to freeze it or carry it
+    /// through a jump (too few samples, not on a line, its drift not measured to a tenth,
+    /// or level within what its samples can tell but close enough to its threshold).
+    pub queue_unmeasured: u64,
+    /// A carried queue a guard or less from its ECN threshold (or, draining, from empty),
+    /// or a carry the path or the switch buffer does not allow.
+    pub queue_at_limit: u64,
+    /// A queue drifting by more than `accel.queue_theta` (the long window).
+    pub queue_drifting: u64,
+    /// A flow's completion is closer than the tail margin plus `accel.min_jump`.
+    pub completion_near: u64,
+    /// Another bound closer than `accel.min_jump`: a release that will touch the
+    /// partition, a recovering flow's next rate increase, a memoized episode's end.
+    pub bound_near: u64,
+}
+
+impl FastForwardHeld {
+    /// Every flow-sample counted, jumped or not.
+    pub fn total(&self) -> u64 {
+        self.counts().iter().map(|&(_, n)| n).sum()
+    }
+
+    /// The counters with their names, in the order of the tests.
+    pub fn counts(&self) -> [(&'static str, u64); 13] {
+        [
+            ("jumped", self.jumped),
+            ("draining", self.draining),
+            ("busy", self.busy),
+            ("settling", self.settling),
+            ("flow ending", self.flow_ending),
+            ("flow rate unmeasured", self.flow_unmeasured),
+            ("flow unsteady", self.flow_unsteady),
+            ("DCQCN rate moving", self.rate_moving),
+            ("queue course unmeasured", self.queue_unmeasured),
+            ("queue at its limit", self.queue_at_limit),
+            ("queue drifting", self.queue_drifting),
+            ("completion near", self.completion_near),
+            ("other bound near", self.bound_near),
+        ]
+    }
 }
 
 impl PacketStats {

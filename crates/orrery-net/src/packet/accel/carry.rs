@@ -59,7 +59,7 @@
 //! queue growing by a frame every few samples waits until its growth is measured.
 
 use super::super::engine::{Engine, Kind, Packet};
-use super::FastForward;
+use super::{FastForward, HeldBy};
 use orrery_units::Picos;
 use std::collections::HashMap;
 
@@ -111,7 +111,7 @@ struct Inflow {
 /// The longest jump (picoseconds) that carries a queue drifting by `drift` bytes per
 /// second (measured to `resolution`) no closer than a guard to a mark `distance` bytes
 /// away: its threshold for a growing queue, empty for a draining one. The guard is two
-/// sample intervals of drift (`interval` seconds), two frames at least. `None` if the
+/// sample intervals of drift (`interval` seconds), two frames at least. Fails if the
 /// drift is not known to a tenth or the queue is already within the guard.
 ///
 /// A tenth (about 2.5% at one standard error) because the queue's error after the jump is
@@ -126,14 +126,18 @@ fn carry_limit(
     distance: f64,
     interval: f64,
     frame: u64,
-) -> Option<u64> {
+) -> Result<u64, HeldBy> {
     let speed = drift.abs();
     if resolution > 0.1 * speed {
-        return None;
+        return Err(HeldBy::QueueUnmeasured);
     }
     let guard = (2.0 * speed * interval).max(2.0 * frame as f64);
     let secs = (distance - guard) / speed;
-    (secs > 0.0).then(|| Picos::from_secs_f64(secs).0)
+    if secs > 0.0 {
+        Ok(Picos::from_secs_f64(secs).0)
+    } else {
+        Err(HeldBy::QueueAtLimit)
+    }
 }
 
 impl Engine<'_> {
@@ -145,7 +149,7 @@ impl Engine<'_> {
     /// The queue test of a calm partition over the last `span` samples of its queues (at
     /// least the quiet window, at most the window: the samples since the partition last
     /// changed), its flows' completions `horizon` away at the latest (see the module
-    /// docs); `None` if a queue holds the jump back.
+    /// docs); `None` if a queue holds the jump back (why, in `ff.held`).
     pub(super) fn calm_queues(
         &self,
         ff: &FastForward,
@@ -167,6 +171,10 @@ impl Engine<'_> {
         };
         // What the flows bring each link, gathered once for the shallow queues below.
         let mut inflows: Option<HashMap<u32, Inflow>> = None;
+        let held = |by| {
+            ff.held.set(by);
+            None
+        };
         for l in links {
             let port = &self.ports[l as usize];
             if !port.from_switch {
@@ -174,7 +182,7 @@ impl Engine<'_> {
             }
             let n = ff.link_samples[l as usize];
             if n < m {
-                return None;
+                return held(HeldBy::QueueUnmeasured);
             }
             let deepest = (1..=m)
                 .map(|k| ff.queue_sample(l, k))
@@ -195,24 +203,23 @@ impl Engine<'_> {
                 // The queue test is off: every queue is frozen, as before it.
                 continue;
             }
-            let (drift, resolution) = self.queue_course(ff, l, m, frame)?;
+            let Some((drift, resolution)) = self.queue_course(ff, l, m, frame) else {
+                return held(HeldBy::QueueUnmeasured);
+            };
             let flat = drift.abs() <= a.queue_theta * port.bw;
             if !self.cfg.dcqcn {
                 if !flat {
-                    return None;
+                    return held(HeldBy::QueueDrifting);
                 }
                 continue;
             }
             if drift < 0.0 && !flat {
                 // Draining: carried as far as a guard above empty. It serves its flows
                 // faster than they arrive, and their delivered rate falls when it empties.
-                out.limit = out.limit.min(carry_limit(
-                    drift,
-                    resolution,
-                    port.queued as f64,
-                    iv,
-                    frame,
-                )?);
+                match carry_limit(drift, resolution, port.queued as f64, iv, frame) {
+                    Ok(limit) => out.limit = out.limit.min(limit),
+                    Err(by) => return held(by),
+                }
                 out.queues.push(CarriedQueue { link: l, drift });
                 continue;
             }
@@ -229,12 +236,13 @@ impl Engine<'_> {
                 continue;
             }
             if drift <= 0.0 {
-                return None;
+                return held(HeldBy::QueueUnmeasured);
             }
             // Growing towards the threshold: carried as far as a guard short of it.
-            out.limit = out
-                .limit
-                .min(carry_limit(drift, resolution, room, iv, frame)?);
+            match carry_limit(drift, resolution, room, iv, frame) {
+                Ok(limit) => out.limit = out.limit.min(limit),
+                Err(by) => return held(by),
+            }
             out.drain = out.drain.max(drain(port.ecn.kmin));
             out.queues.push(CarriedQueue { link: l, drift });
         }
