@@ -12,7 +12,7 @@
 
 use anyhow::{Context, Result};
 use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet};
-use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
+use orrery_net::packet::{FastForwardHeld, PacketConfig, PacketRun, PacketSimulator, TraceRequest};
 use orrery_net::sim::RunErrors;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
@@ -356,6 +356,9 @@ struct AccelRow {
     /// `accel.quiet_window` samples instead of the whole window).
     fast_forwards: u64,
     quiet_jumps: u64,
+    /// What held the accelerated run's partitions back, in flow-samples
+    /// ([`FastForwardHeld`]; the quotient's flows' when symmetry was found).
+    ff_held: FastForwardHeld,
     memo_lookups: u64,
     memo_hits: u64,
     /// `memo_hits / memo_lookups` (0 without lookups).
@@ -591,6 +594,7 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         skipped_events: skipped,
         fast_forwards: st.fast_forwards,
         quiet_jumps: st.quiet_jumps,
+        ff_held: st.ff_held,
         memo_lookups: st.memo_lookups,
         memo_hits: st.memo_hits,
         memo_hit_rate: st.memo_hit_rate(),

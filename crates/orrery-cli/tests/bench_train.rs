@@ -503,6 +503,8 @@ fn accel_json_report_has_the_row_and_its_errors() {
     assert!(hits <= lookups, "{r}");
     let jumps = r["fast_forwards"].as_u64().unwrap();
     assert!(r["quiet_jumps"].as_u64().unwrap() <= jumps, "{r}");
+    // Each partitioned jump is counted, once for every flow of the partition that took it.
+    assert!(r["ff_held"]["jumped"].as_u64().unwrap() >= jumps, "{r}");
     let e = &r["errors"];
     assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
     assert!(e["p99_fct"].as_f64().unwrap() < 0.05, "{r}");
