@@ -431,12 +431,12 @@ pub struct PacketStats {
 
 /// What held partitioned fast-forwarding back, in *flow-samples*: at each fast-forward
 /// sample, every member flow (active, or finished with packets still in flight) of a
-/// partition that is not frozen in a jump counts once, under
-/// `jumped` if its partition jumped then and otherwise under the first test it failed (the
-/// order of the fields below; the `accel` module's essay says what each test is for). A
-/// flow-sample is `accel.sample_interval` of that flow's simulated time, so the shares say
-/// where the simulated flow-time went and which rule kept it from being skipped. With a
-/// symmetry quotient these are the quotient's flows'. Zero without partitioning.
+/// partition that is not frozen in a jump counts once, under `jumped` if its partition
+/// jumped then and otherwise under the first test it failed (the order of the fields
+/// below; the `accel` module's essay says what each test is for). A flow-sample is
+/// `accel.sample_interval` of that flow's simulated time, so the shares say where the
+/// simulated flow-time went and which rule kept it from being skipped. With a symmetry
+/// quotient these are the quotient's flows'. Zero without partitioning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct FastForwardHeld {
     /// The partition jumped at this sample.
