@@ -4,7 +4,9 @@
 use crate::{atomic_write, atomic_write_with, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
-use orrery_net::packet::{FastForwardHeld, MemoCache, PacketConfig, PacketSimulator, TraceRequest};
+use orrery_net::packet::{
+    FastForwardHeld, HeldBy, MemoCache, PacketConfig, PacketSimulator, TraceRequest,
+};
 use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
 use orrery_net::sim::{FlowSimulator, SimProgress, SimReport};
 use orrery_units::Picos;
@@ -392,12 +394,12 @@ fn render_held(held: &FastForwardHeld) -> Option<String> {
     if total == 0 {
         return None;
     }
-    let mut counts: Vec<(&str, u64)> = held.counts().into_iter().filter(|&(_, n)| n > 0).collect();
+    let mut counts: Vec<(HeldBy, u64)> = held.counts().filter(|&(_, n)| n > 0).collect();
     // Largest first; equal counts keep the order of the tests.
     counts.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
     let shares: Vec<String> = counts
         .iter()
-        .map(|&(name, n)| format!("{name} {:.1}%", 100.0 * n as f64 / total as f64))
+        .map(|&(by, n)| format!("{} {:.1}%", by.name(), 100.0 * n as f64 / total as f64))
         .collect();
     Some(format!(
         "  partitions' flow-samples by the test that held them ({total}): {}\n",
@@ -852,13 +854,15 @@ mod tests {
     #[test]
     fn held_back_samples_are_listed_largest_share_first() {
         assert_eq!(render_held(&FastForwardHeld::default()), None);
-        let held = FastForwardHeld {
-            jumped: 1,
-            busy: 2,
-            settling: 2,
-            completion_near: 5,
-            ..Default::default()
-        };
+        let mut held = FastForwardHeld::default();
+        for (by, n) in [
+            (HeldBy::Jumped, 1),
+            (HeldBy::Busy, 2),
+            (HeldBy::Settling, 2),
+            (HeldBy::CompletionNear, 5),
+        ] {
+            held.add(by, n);
+        }
         // Equal shares keep the order of the tests (busy before settling).
         assert_eq!(
             render_held(&held).unwrap(),

@@ -505,6 +505,11 @@ fn accel_json_report_has_the_row_and_its_errors() {
     assert!(r["quiet_jumps"].as_u64().unwrap() <= jumps, "{r}");
     // Each partitioned jump is counted, once for every flow of the partition that took it.
     assert!(r["ff_held"]["jumped"].as_u64().unwrap() >= jumps, "{r}");
+    // And every sample of the quotient's partitions is counted under some reason.
+    let held: u64 = (r["ff_held"].as_object().unwrap().values())
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert!(held > 0, "{r}");
     let e = &r["errors"];
     assert!(e["mean_fct"].as_f64().unwrap() < 0.01, "{r}");
     assert!(e["p99_fct"].as_f64().unwrap() < 0.05, "{r}");

@@ -14,7 +14,7 @@ use orrery_net::flows::{
     collective_flows, dependency_order, CollectiveInfo, FlowAlgorithm, FlowSet,
 };
 use orrery_net::packet::{
-    EcnPoint, FastForwardHeld, PacketConfig, PacketRun, PacketSimulator, SymmetryShift,
+    EcnPoint, FastForwardHeld, HeldBy, PacketConfig, PacketRun, PacketSimulator, SymmetryShift,
     TraceRequest,
 };
 use orrery_net::sim::RunErrors;
@@ -506,12 +506,14 @@ fn held_back_flow_samples_name_the_test_that_kept_each_partition_from_jumping() 
     // Every jump is counted, once per flow of the partition that took it: the lone pair's
     // one flow, or the incast's four.
     let jumps = parts.stats.fast_forwards;
-    assert!(jumps > 0 && held.jumped >= jumps && held.jumped <= 4 * jumps);
+    let jumped = held.get(HeldBy::Jumped);
+    assert!(jumps > 0 && jumped >= jumps && jumped <= 4 * jumps);
     // The incast under DCQCN is what kept samples from jumping: its rates moved, its
     // deliveries spread, or its queue was deep enough to be marked (1,772 flow-samples
     // against 5 jumped when this was written).
-    let dcqcn = held.rate_moving + held.flow_unsteady + held.busy;
-    assert!(held.rate_moving > 0 && dcqcn > 10 * held.jumped, "{held:?}");
+    let rate_moving = held.get(HeldBy::DcqcnRateMoving);
+    let dcqcn = rate_moving + held.get(HeldBy::FlowUnsteady) + held.get(HeldBy::Busy);
+    assert!(rate_moving > 0 && dcqcn > 10 * jumped, "{held:?}");
 }
 
 // ---- Queues that are still moving -----------------------------------------------------

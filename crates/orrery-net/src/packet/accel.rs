@@ -174,9 +174,9 @@
 //!   flow cannot reach it.
 //! - **What held a partition back** is counted at every sample, once per flow of the
 //!   partition, under its jump or the first test it failed ([`super::FastForwardHeld`],
-//!   `orrery netsim`'s report): the tests above leave their reason in
-//!   [`FastForward::held`] as they fail. Until it was counted, each look at why a run did
-//!   not jump was a temporary diagnostic written anew.
+//!   `orrery netsim`'s report): each test returns its [`super::HeldBy`] when it fails.
+//!   Until it was counted, each look at why a run did not jump was a temporary diagnostic
+//!   written anew.
 
 mod carry;
 
@@ -185,7 +185,7 @@ use super::image::{owner_of, Owner};
 use super::partition::Partitions;
 #[cfg(debug_assertions)]
 use super::partition::{components, find};
-use super::FastForwardHeld;
+use super::HeldBy;
 use orrery_des::EventQueue;
 use orrery_units::Picos;
 
@@ -193,47 +193,6 @@ const NONE: u32 = u32::MAX;
 
 /// The fewest blocks of samples a steadiness test looks at ([`Engine::steady_rate`]).
 const MIN_BLOCKS: usize = 3;
-
-/// The test a partition failed at a sample, counted in [`FastForwardHeld`] (whose fields
-/// say what each is). The tests leave it in [`FastForward::held`] as they fail, so the
-/// count is of the first failure of the attempt that decided the sample.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum HeldBy {
-    Jumped,
-    Draining,
-    Busy,
-    Settling,
-    FlowEnding,
-    FlowUnmeasured,
-    FlowUnsteady,
-    RateMoving,
-    QueueUnmeasured,
-    QueueAtLimit,
-    QueueDrifting,
-    CompletionNear,
-    BoundNear,
-}
-
-impl FastForwardHeld {
-    fn add(&mut self, by: HeldBy, flows: u64) {
-        let slot = match by {
-            HeldBy::Jumped => &mut self.jumped,
-            HeldBy::Draining => &mut self.draining,
-            HeldBy::Busy => &mut self.busy,
-            HeldBy::Settling => &mut self.settling,
-            HeldBy::FlowEnding => &mut self.flow_ending,
-            HeldBy::FlowUnmeasured => &mut self.flow_unmeasured,
-            HeldBy::FlowUnsteady => &mut self.flow_unsteady,
-            HeldBy::RateMoving => &mut self.rate_moving,
-            HeldBy::QueueUnmeasured => &mut self.queue_unmeasured,
-            HeldBy::QueueAtLimit => &mut self.queue_at_limit,
-            HeldBy::QueueDrifting => &mut self.queue_drifting,
-            HeldBy::CompletionNear => &mut self.completion_near,
-            HeldBy::BoundNear => &mut self.bound_near,
-        };
-        *slot += flows;
-    }
-}
 
 /// Samples per block of a steadiness test for a flow delivering `per_sample` packets per
 /// sample: enough for `2 / theta` packets, so the one packet by which an even pace's counts
@@ -318,8 +277,6 @@ pub(crate) struct FastForward {
     since_change: u64,
     /// A sample event is pending.
     pending: bool,
-    /// The test the partition being tested failed last ([`HeldBy`]).
-    held: std::cell::Cell<HeldBy>,
     /// Per-partition state (`accel.partitioning` only).
     parts: Option<Parts>,
 }
@@ -391,7 +348,6 @@ impl FastForward {
             samples: 0,
             since_change: 0,
             pending: false,
-            held: std::cell::Cell::new(HeldBy::Jumped),
         }
     }
 }
@@ -703,7 +659,7 @@ impl Engine<'_> {
 
     /// The steadiness test of one active flow (see the module docs): its delivered rate in
     /// bytes per second and the time its sender needs at that rate to reach its last packet,
-    /// or `None` when it is not steady. `samples` is the flow's sample count (the network's,
+    /// or the test it failed. `samples` is the flow's sample count (the network's,
     /// or its partition's), against which its last rate decrease is dated. The test looks
     /// at the last `span` samples at least: the whole window, or `quiet_window` of them for
     /// a flow of a `quiet` partition (see [`Engine::partition_quiet`]); `avail` is how many
@@ -728,35 +684,27 @@ impl Engine<'_> {
         span: usize,
         avail: u64,
         quiet: bool,
-    ) -> Option<Steady> {
+    ) -> Result<Steady, HeldBy> {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let w = ff.window;
         let span = span.clamp(1, w);
         let fl = &self.flows[i];
-        let held = |by| {
-            ff.held.set(by);
-            None
-        };
         if fl.dead || fl.snd_nxt < fl.high || fl.snd_nxt >= fl.npkts {
-            return held(HeldBy::FlowEnding);
+            return Err(HeldBy::FlowEnding);
         }
         // Sample `n` of the flow is in slot `n % w`; `slot(k)` is its `k`-th latest.
-        let Some(start) = ff.ring_at(i) else {
-            return held(HeldBy::FlowUnmeasured);
-        };
+        let start = ff.ring_at(i).ok_or(HeldBy::FlowRateUnmeasured)?;
         let slot = |k: u64| start + ((samples.wrapping_sub(k)) % w as u64) as usize;
         let span_bytes: u64 = (1..=span as u64).map(|k| ff.ring[slot(k)]).sum();
         let per_sample = span_bytes as f64 / span as f64 / f64::from(cfg.mtu_payload.max(1));
         if per_sample <= 0.0 {
-            return held(HeldBy::FlowUnsteady);
+            return Err(HeldBy::FlowUnsteady);
         }
-        let Some(block) = block_samples(per_sample, a.theta) else {
-            return held(HeldBy::FlowUnmeasured);
-        };
+        let block = block_samples(per_sample, a.theta).ok_or(HeldBy::FlowRateUnmeasured)?;
         let used = span.max(MIN_BLOCKS * block);
         if used > w || used as u64 > avail {
-            return held(HeldBy::FlowUnmeasured);
+            return Err(HeldBy::FlowRateUnmeasured);
         }
         let blocks = used / block;
         let (mut lo, mut hi, mut sum) = (u64::MAX, 0u64, 0u64);
@@ -770,7 +718,7 @@ impl Engine<'_> {
         }
         let mean = sum as f64 / blocks as f64;
         if mean <= 0.0 || (hi - lo) as f64 >= a.theta * mean {
-            return held(HeldBy::FlowUnsteady);
+            return Err(HeldBy::FlowUnsteady);
         }
         let span = used;
         let slots = (1..=span as u64).map(slot);
@@ -783,7 +731,7 @@ impl Engine<'_> {
                 .fold(f64::INFINITY, f64::min);
             let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
             if hi - lo > a.rate_theta * hi {
-                return held(HeldBy::RateMoving);
+                return Err(HeldBy::DcqcnRateMoving);
             }
             if quiet {
                 // A quiet partition: nothing can mark its flows, so a flow whose increase
@@ -805,7 +753,7 @@ impl Engine<'_> {
             .unwrap_or(mean / block as f64 / a.sample_interval.as_secs_f64());
         // Full packets the sender has left before its last one.
         let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
-        Some(Steady {
+        Ok(Steady {
             rate,
             t_left: Picos::from_secs_f64(left as f64 / rate),
             recovering_until,
@@ -835,7 +783,7 @@ impl Engine<'_> {
             let i = f as usize;
             // The whole-network jump keeps every clock in local time, so a recovering
             // flow's increase would come late by the jump: such a flow is not steady here.
-            let Some(Steady {
+            let Ok(Steady {
                 rate,
                 t_left,
                 recovering_until: None,
@@ -964,10 +912,12 @@ impl Engine<'_> {
                 let quiet_now = q > 0 && self.partition_quiet(&p, g);
                 let mut ready = true;
                 let mut ready_quiet = quiet_now;
+                let mut draining = false;
                 for &f in &g.flows {
                     let i = f as usize;
                     if ff.active_pos[i] == NONE {
-                        ready = false; // draining
+                        draining = true;
+                        ready = false;
                         ready_quiet = false;
                         continue;
                     }
@@ -980,21 +930,18 @@ impl Engine<'_> {
                     // still covers a stretch from before the change.
                     ready_quiet &= p.fresh[i] > q as u64 && p.quiet[i] >= q as u64;
                 }
-                let jumped = ready_quiet && self.try_jump_group(ff, &mut p, g, q, true);
-                let quiet_held = ff.held.get();
-                let jumped = jumped || (ready && self.try_jump_group(ff, &mut p, g, w, false));
-                let held = if jumped {
-                    HeldBy::Jumped
-                } else if g.flows.iter().any(|&f| ff.active_pos[f as usize] == NONE) {
-                    HeldBy::Draining
-                } else if ready_quiet {
-                    quiet_held
-                } else if ready {
-                    ff.held.get()
-                } else if quiet_now {
-                    HeldBy::Settling
-                } else {
-                    HeldBy::Busy
+                // The quiet window's attempt first and, if it did not jump, the long
+                // window's. A sample that jumped in neither counts under the test that held
+                // back the first attempt made.
+                let quiet_try = ready_quiet.then(|| self.try_jump_group(ff, &mut p, g, q, true));
+                let long_try = (ready && quiet_try != Some(Ok(())))
+                    .then(|| self.try_jump_group(ff, &mut p, g, w, false));
+                let held = match (quiet_try, long_try) {
+                    (Some(Ok(())), _) | (_, Some(Ok(()))) => HeldBy::Jumped,
+                    (Some(Err(by)), _) | (None, Some(Err(by))) => by,
+                    (None, None) if draining => HeldBy::Draining,
+                    (None, None) if quiet_now => HeldBy::Settling,
+                    (None, None) => HeldBy::Busy,
                 };
                 self.stats.ff_held.add(held, g.flows.len() as u64);
             }
@@ -1200,8 +1147,8 @@ impl Engine<'_> {
     /// [`Engine::try_jump`] for its flows only, stopping at the next release touching it,
     /// and postponing all its pending events and kept times by the jump so it stays frozen
     /// meanwhile. A `quiet` partition (see [`Engine::partition_quiet`]) stops
-    /// `quiet_tail_margin` before a completion instead of `tail_margin`. Returns whether
-    /// it jumped.
+    /// `quiet_tail_margin` before a completion instead of `tail_margin`. Returns the
+    /// test that held it back if it did not jump.
     fn try_jump_group(
         &mut self,
         ff: &mut FastForward,
@@ -1209,7 +1156,7 @@ impl Engine<'_> {
         g: &Group,
         span: usize,
         quiet: bool,
-    ) -> bool {
+    ) -> Result<(), HeldBy> {
         let cfg = self.cfg;
         let a = &cfg.accel;
         let now = self.now;
@@ -1228,9 +1175,7 @@ impl Engine<'_> {
             // covers a stretch from before; quiet ones, for a quiet jump.
             let fresh = p.fresh[i].saturating_sub(1);
             let avail = if quiet { fresh.min(p.quiet[i]) } else { fresh };
-            let Some(st) = self.steady_rate(ff, i, p.nsamp[i], span, avail, quiet) else {
-                return false;
-            };
+            let st = self.steady_rate(ff, i, p.nsamp[i], span, avail, quiet)?;
             earliest = earliest.min(st.t_left);
             horizon = horizon.max(st.t_left);
             cut_recently |= st.cut_in_window;
@@ -1254,22 +1199,17 @@ impl Engine<'_> {
             // was quiet in a row (up to the window), the quiet window's at least.
             let quiet_run = g.flows.iter().map(|&f| p.quiet[f as usize]).min();
             let queue_span = quiet_run.map_or(span, |n| (n as usize).clamp(span, ff.window));
-            let Some(calm) = self.calm_queues(ff, links, queue_span, horizon, &g.flows, &rates)
-            else {
-                return false;
-            };
+            let calm = self.calm_queues(ff, links, queue_span, horizon, &g.flows, &rates)?;
             tail_margin = Picos(a.quiet_tail_margin.0 + calm.drain.0);
             limit = limit.min(calm.limit);
             queues = calm.queues;
         } else if !self.queues_steady(ff, links, span, horizon, cut_recently) {
-            ff.held.set(HeldBy::QueueDrifting);
-            return false;
+            return Err(HeldBy::QueueDrifting);
         }
         let before_completion = earliest.0.saturating_sub(tail_margin.0);
         limit = limit.min(before_completion);
         if limit == u64::MAX {
-            ff.held.set(HeldBy::BoundNear);
-            return false;
+            return Err(HeldBy::OtherBoundNear);
         }
         // Nor past the earliest a flow nobody announced yet could land on it.
         let limit = self.unannounced_release_bound(ff, p, g.part, limit);
@@ -1280,12 +1220,11 @@ impl Engine<'_> {
         if limit < a.min_jump.0 || limit == 0 {
             // Which bound held it: the completion's, or a release's, an increase's or a
             // memoized episode's.
-            ff.held.set(if before_completion / iv * iv == limit {
+            return Err(if before_completion / iv * iv == limit {
                 HeldBy::CompletionNear
             } else {
-                HeldBy::BoundNear
+                HeldBy::OtherBoundNear
             });
-            return false;
         }
         let jump = Picos(limit);
         let mut carried = if queues.is_empty() {
@@ -1293,10 +1232,7 @@ impl Engine<'_> {
         } else {
             match self.plan_carry(&queues, &g.flows, &rates, jump) {
                 Some(c) => c,
-                None => {
-                    ff.held.set(HeldBy::QueueAtLimit);
-                    return false;
-                }
+                None => return Err(HeldBy::QueueAtItsLimit),
             }
         };
         // The jump postpones the partition's pending port events, dormant frees included.
@@ -1401,7 +1337,7 @@ impl Engine<'_> {
             let per_packet = self.events as f64 / self.data_packets as f64;
             st.skipped_events += (moved as f64 * per_packet).round() as u64;
         }
-        true
+        Ok(())
     }
 }
 

@@ -431,71 +431,128 @@ pub struct PacketStats {
 
 /// What held partitioned fast-forwarding back, in *flow-samples*: at each fast-forward
 /// sample, every member flow (active, or finished with packets still in flight) of a
-/// partition that is not frozen in a jump counts once, under `jumped` if its partition
-/// jumped then and otherwise under the first test it failed (the order of the fields
-/// below; the `accel` module's essay says what each test is for). A flow-sample is
+/// partition that is not frozen in a jump counts once, under [`HeldBy::Jumped`] if its
+/// partition jumped then and otherwise under the first test it failed. A flow-sample is
 /// `accel.sample_interval` of that flow's simulated time, so the shares say where the
 /// simulated flow-time went and which rule kept it from being skipped. With a symmetry
-/// quotient these are the quotient's flows'. Zero without partitioning.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+/// quotient these are the quotient's flows'. Zero without partitioning. Serialised as one
+/// count per [`HeldBy::key`], in the order of the tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FastForwardHeld {
+    counts: [u64; HeldBy::ALL.len()],
+}
+
+/// Where a partition's sample went: its jump, or the test that held it back, in the order
+/// the tests are made (the `accel` module's essay says what each is for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldBy {
     /// The partition jumped at this sample.
-    pub jumped: u64,
+    Jumped,
     /// A member has finished and its last packets are still in flight.
-    pub draining: u64,
+    Draining,
     /// Not quiet (a queue deep enough to be marked, a PFC pause, or a DCQCN cut pending),
     /// and the long window has not passed since the partition last changed.
-    pub busy: u64,
+    Busy,
     /// Quiet, but not yet for `accel.quiet_window` samples since the partition last
     /// changed (a flow started or ended on its links).
-    pub settling: u64,
+    Settling,
     /// A flow is retransmitting, or has sent its last packet.
-    pub flow_ending: u64,
+    FlowEnding,
     /// A flow has too few samples at its rate to measure that rate to `accel.theta`.
-    pub flow_unmeasured: u64,
+    FlowRateUnmeasured,
     /// A flow's delivered bytes per block of samples spread by more than `accel.theta`.
-    pub flow_unsteady: u64,
-    /// A flow's DCQCN sending rate moved by more than `accel.rate_theta` (the long window).
-    pub rate_moving: u64,
+    FlowUnsteady,
+    /// A flow's DCQCN sending rate moved by more than `accel.rate_theta`.
+    DcqcnRateMoving,
     /// A switch queue whose course is not yet known well enough to freeze it or carry it
     /// through a jump (too few samples, not on a line, its drift not measured to a tenth,
     /// or level within what its samples can tell but close enough to its threshold).
-    pub queue_unmeasured: u64,
+    QueueCourseUnmeasured,
     /// A carried queue a guard or less from its ECN threshold (or, draining, from empty),
     /// or a carry the path or the switch buffer does not allow.
-    pub queue_at_limit: u64,
-    /// A queue drifting by more than `accel.queue_theta` (the long window).
-    pub queue_drifting: u64,
+    QueueAtItsLimit,
+    /// A queue drifting by more than `accel.queue_theta`.
+    QueueDrifting,
     /// A flow's completion is closer than the tail margin plus `accel.min_jump`.
-    pub completion_near: u64,
+    CompletionNear,
     /// Another bound closer than `accel.min_jump`: a release that will touch the
     /// partition, a recovering flow's next rate increase, a memoized episode's end.
-    pub bound_near: u64,
+    OtherBoundNear,
+}
+
+impl HeldBy {
+    /// Every reason, in the order of the tests.
+    pub const ALL: [HeldBy; 13] = [
+        HeldBy::Jumped,
+        HeldBy::Draining,
+        HeldBy::Busy,
+        HeldBy::Settling,
+        HeldBy::FlowEnding,
+        HeldBy::FlowRateUnmeasured,
+        HeldBy::FlowUnsteady,
+        HeldBy::DcqcnRateMoving,
+        HeldBy::QueueCourseUnmeasured,
+        HeldBy::QueueAtItsLimit,
+        HeldBy::QueueDrifting,
+        HeldBy::CompletionNear,
+        HeldBy::OtherBoundNear,
+    ];
+
+    /// Its name in a report.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeldBy::Jumped => "jumped",
+            HeldBy::Draining => "draining",
+            HeldBy::Busy => "busy",
+            HeldBy::Settling => "settling",
+            HeldBy::FlowEnding => "flow ending",
+            HeldBy::FlowRateUnmeasured => "flow rate unmeasured",
+            HeldBy::FlowUnsteady => "flow unsteady",
+            HeldBy::DcqcnRateMoving => "DCQCN rate moving",
+            HeldBy::QueueCourseUnmeasured => "queue course unmeasured",
+            HeldBy::QueueAtItsLimit => "queue at its limit",
+            HeldBy::QueueDrifting => "queue drifting",
+            HeldBy::CompletionNear => "completion near",
+            HeldBy::OtherBoundNear => "other bound near",
+        }
+    }
+
+    /// Its key in JSON: its name in snake case (`dcqcn_rate_moving`).
+    pub fn key(self) -> String {
+        self.name().to_lowercase().replace(' ', "_")
+    }
 }
 
 impl FastForwardHeld {
-    /// Every flow-sample counted, jumped or not.
-    pub fn total(&self) -> u64 {
-        self.counts().iter().map(|&(_, n)| n).sum()
+    /// The flow-samples counted under `by`.
+    pub fn get(&self, by: HeldBy) -> u64 {
+        self.counts[by as usize]
     }
 
-    /// The counters with their names, in the order of the tests.
-    pub fn counts(&self) -> [(&'static str, u64); 13] {
-        [
-            ("jumped", self.jumped),
-            ("draining", self.draining),
-            ("busy", self.busy),
-            ("settling", self.settling),
-            ("flow ending", self.flow_ending),
-            ("flow rate unmeasured", self.flow_unmeasured),
-            ("flow unsteady", self.flow_unsteady),
-            ("DCQCN rate moving", self.rate_moving),
-            ("queue course unmeasured", self.queue_unmeasured),
-            ("queue at its limit", self.queue_at_limit),
-            ("queue drifting", self.queue_drifting),
-            ("completion near", self.completion_near),
-            ("other bound near", self.bound_near),
-        ]
+    /// Counts `flows` flow-samples under `by`.
+    pub fn add(&mut self, by: HeldBy, flows: u64) {
+        self.counts[by as usize] += flows;
+    }
+
+    /// Every flow-sample counted, jumped or not.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// Every reason with its count, in the order of the tests.
+    pub fn counts(&self) -> impl Iterator<Item = (HeldBy, u64)> + '_ {
+        HeldBy::ALL.iter().map(|&by| (by, self.get(by)))
+    }
+}
+
+impl Serialize for FastForwardHeld {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(HeldBy::ALL.len()))?;
+        for (by, n) in self.counts() {
+            map.serialize_entry(&by.key(), &n)?;
+        }
+        map.end()
     }
 }
 
@@ -722,5 +779,31 @@ impl FlowSimulator for PacketSimulator {
         Ok(self
             .run_with_progress(graph, flows, &TraceRequest::default(), progress)?
             .report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_back_counts_are_indexed_and_serialised_in_the_order_of_the_tests() {
+        // A reason's count sits at its place in `ALL`, so each counts under its own key.
+        for (i, by) in HeldBy::ALL.into_iter().enumerate() {
+            assert_eq!(by as usize, i, "{by:?}");
+        }
+        let mut held = FastForwardHeld::default();
+        held.add(HeldBy::DcqcnRateMoving, 3);
+        held.add(HeldBy::Jumped, 2);
+        held.add(HeldBy::DcqcnRateMoving, 1);
+        assert_eq!(held.get(HeldBy::DcqcnRateMoving), 4);
+        assert_eq!(held.total(), 6);
+        let json = serde_json::to_string(&held).unwrap();
+        assert!(
+            json.starts_with("{\"jumped\":2,\"draining\":0,\"busy\":0,"),
+            "{json}"
+        );
+        assert!(json.contains("\"dcqcn_rate_moving\":4,"), "{json}");
+        assert!(json.ends_with("\"other_bound_near\":0}"), "{json}");
     }
 }

@@ -129,14 +129,14 @@ fn carry_limit(
 ) -> Result<u64, HeldBy> {
     let speed = drift.abs();
     if resolution > 0.1 * speed {
-        return Err(HeldBy::QueueUnmeasured);
+        return Err(HeldBy::QueueCourseUnmeasured);
     }
     let guard = (2.0 * speed * interval).max(2.0 * frame as f64);
     let secs = (distance - guard) / speed;
     if secs > 0.0 {
         Ok(Picos::from_secs_f64(secs).0)
     } else {
-        Err(HeldBy::QueueAtLimit)
+        Err(HeldBy::QueueAtItsLimit)
     }
 }
 
@@ -149,7 +149,7 @@ impl Engine<'_> {
     /// The queue test of a calm partition over the last `span` samples of its queues (at
     /// least the quiet window, at most the window: the samples since the partition last
     /// changed), its flows' completions `horizon` away at the latest (see the module
-    /// docs); `None` if a queue holds the jump back (why, in `ff.held`).
+    /// docs), or the test a queue failed if one holds the jump back.
     pub(super) fn calm_queues(
         &self,
         ff: &FastForward,
@@ -158,7 +158,7 @@ impl Engine<'_> {
         horizon: Picos,
         flows: &[u32],
         rates: &[f64],
-    ) -> Option<CalmQueues> {
+    ) -> Result<CalmQueues, HeldBy> {
         let a = &self.cfg.accel;
         let w = ff.window;
         let m = span.clamp(3, w.max(3)) as u64;
@@ -171,10 +171,6 @@ impl Engine<'_> {
         };
         // What the flows bring each link, gathered once for the shallow queues below.
         let mut inflows: Option<HashMap<u32, Inflow>> = None;
-        let held = |by| {
-            ff.held.set(by);
-            None
-        };
         for l in links {
             let port = &self.ports[l as usize];
             if !port.from_switch {
@@ -182,7 +178,7 @@ impl Engine<'_> {
             }
             let n = ff.link_samples[l as usize];
             if n < m {
-                return held(HeldBy::QueueUnmeasured);
+                return Err(HeldBy::QueueCourseUnmeasured);
             }
             let deepest = (1..=m)
                 .map(|k| ff.queue_sample(l, k))
@@ -203,23 +199,21 @@ impl Engine<'_> {
                 // The queue test is off: every queue is frozen, as before it.
                 continue;
             }
-            let Some((drift, resolution)) = self.queue_course(ff, l, m, frame) else {
-                return held(HeldBy::QueueUnmeasured);
-            };
+            let (drift, resolution) = self
+                .queue_course(ff, l, m, frame)
+                .ok_or(HeldBy::QueueCourseUnmeasured)?;
             let flat = drift.abs() <= a.queue_theta * port.bw;
             if !self.cfg.dcqcn {
                 if !flat {
-                    return held(HeldBy::QueueDrifting);
+                    return Err(HeldBy::QueueDrifting);
                 }
                 continue;
             }
             if drift < 0.0 && !flat {
                 // Draining: carried as far as a guard above empty. It serves its flows
                 // faster than they arrive, and their delivered rate falls when it empties.
-                match carry_limit(drift, resolution, port.queued as f64, iv, frame) {
-                    Ok(limit) => out.limit = out.limit.min(limit),
-                    Err(by) => return held(by),
-                }
+                let limit = carry_limit(drift, resolution, port.queued as f64, iv, frame)?;
+                out.limit = out.limit.min(limit);
                 out.queues.push(CarriedQueue { link: l, drift });
                 continue;
             }
@@ -236,17 +230,16 @@ impl Engine<'_> {
                 continue;
             }
             if drift <= 0.0 {
-                return held(HeldBy::QueueUnmeasured);
+                return Err(HeldBy::QueueCourseUnmeasured);
             }
             // Growing towards the threshold: carried as far as a guard short of it.
-            match carry_limit(drift, resolution, room, iv, frame) {
-                Ok(limit) => out.limit = out.limit.min(limit),
-                Err(by) => return held(by),
-            }
+            out.limit = out
+                .limit
+                .min(carry_limit(drift, resolution, room, iv, frame)?);
             out.drain = out.drain.max(drain(port.ecn.kmin));
             out.queues.push(CarriedQueue { link: l, drift });
         }
-        Some(out)
+        Ok(out)
     }
 
     /// What partition `flows`, delivering at `rates` (bytes per second), bring each link
