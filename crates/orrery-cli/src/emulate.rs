@@ -220,9 +220,12 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }
         "packet" => {
-            let sim = orrery_net::packet::PacketSimulator::new(args.packet.config());
-            let net = orrery_predict::sim_network_for(&job, sim);
-            emulate_with(&job, &net, &live, pruning, &perturb)?
+            // A clone shares the simulator's memo cache (see `run_predict`).
+            let sim = args.packet.simulator();
+            let net = orrery_predict::sim_network_for(&job, sim.clone());
+            let done = emulate_with(&job, &net, &live, pruning, &perturb)?;
+            args.packet.save_cache(&sim)?;
+            done
         }
         _ => {
             let net = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto);

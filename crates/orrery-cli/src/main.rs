@@ -428,8 +428,16 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
             simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         "packet" => {
-            let sim = orrery_net::packet::PacketSimulator::new(args.packet.config());
-            simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
+            // A clone shares the simulator's memo cache, so it holds what every
+            // simulation of the step learned once the step has been predicted.
+            let sim = args.packet.simulator();
+            let out = simulated(
+                &job,
+                orrery_predict::sim_network_for(&job, sim.clone()),
+                mode,
+            )?;
+            args.packet.save_cache(&sim)?;
+            out
         }
         _ => {
             let net = orrery_net::AnalyticalNetwork::new(fabric, orrery_net::AlgorithmChoice::Auto);

@@ -4,9 +4,7 @@
 use crate::{atomic_write, atomic_write_with, bad};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
-use orrery_net::packet::{
-    FastForwardHeld, HeldBy, MemoCache, PacketConfig, PacketSimulator, TraceRequest,
-};
+use orrery_net::packet::{FastForwardHeld, HeldBy, PacketConfig, TraceRequest};
 use orrery_net::scenario::{build, parse_scenario, Scenario, ScenarioSpec, SimModel};
 use orrery_net::sim::{FlowSimulator, SimProgress, SimReport};
 use orrery_units::Picos;
@@ -40,11 +38,6 @@ pub struct NetsimArgs {
     queue_trace_us: f64,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
-    /// Packet model: load memoized episodes and kept collectives from this file if it
-    /// exists (a corrupt or foreign file is reported and ignored) and save the cache back
-    /// to it afterwards.
-    #[arg(long, value_name = "FILE")]
-    memo_cache: Option<PathBuf>,
 }
 
 /// A distribution summary.
@@ -744,17 +737,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                     flows: false,
                 };
             }
-            let cache = match &args.memo_cache {
-                Some(path) if path.exists() => match MemoCache::load(path) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        eprintln!("warning: ignoring memo cache {}: {e}", path.display());
-                        MemoCache::new()
-                    }
-                },
-                _ => MemoCache::new(),
-            };
-            let sim = PacketSimulator::with_cache(config, cache);
+            let sim = args.packet.simulator_with(config);
             let result = sim
                 .run_with_progress(&scenario.graph, &scenario.flows, &trace, &mut progress)
                 .map(|run| {
@@ -764,10 +747,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                     symmetry = run.symmetry;
                     run.report
                 });
-            if let (Some(path), true) = (&args.memo_cache, result.is_ok()) {
-                sim.cache()
-                    .save(path)
-                    .map_err(|e| anyhow::anyhow!("saving the memo cache: {e}"))?;
+            if result.is_ok() {
+                args.packet.save_cache(&sim)?;
             }
             result
         }

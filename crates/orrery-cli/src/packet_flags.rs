@@ -1,8 +1,11 @@
 //! The packet model's acceleration switches, one set of flags for every command that can
 //! run the packet model (`netsim`, and `predict` and `emulate` with `--network packet`), so
-//! each mechanism can be turned off wherever the accelerated model answers.
+//! each mechanism can be turned off, and the memo cache kept in a file, wherever the
+//! accelerated model answers.
 
-use orrery_net::packet::PacketConfig;
+use anyhow::Context;
+use orrery_net::packet::{MemoCache, PacketConfig, PacketSimulator};
+use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PacketFlags {
@@ -50,6 +53,11 @@ pub struct PacketFlags {
     /// (`lazy_port_frees = false`; the same results with more events; see the field's docs).
     #[arg(long)]
     eager_port_frees: bool,
+    /// Packet model: load memoized episodes and kept collectives from this file if it
+    /// exists (a corrupt or foreign file is reported and ignored) and save the cache back
+    /// to it afterwards.
+    #[arg(long, value_name = "FILE")]
+    memo_cache: Option<PathBuf>,
 }
 
 impl PacketFlags {
@@ -79,6 +87,41 @@ impl PacketFlags {
         config
     }
 
+    /// A simulator with the default packet model and the flags applied (see
+    /// [`PacketFlags::simulator_with`]).
+    pub fn simulator(&self) -> PacketSimulator {
+        self.simulator_with(self.config())
+    }
+
+    /// A simulator with `config`, whose memo cache starts from the `--memo-cache` file when
+    /// one is named and exists. A file that does not load (corrupt, truncated, written by
+    /// another version) is reported on stderr and ignored, never trusted: the run starts
+    /// with an empty cache, as without the flag, and [`PacketFlags::save_cache`] replaces
+    /// the file.
+    pub fn simulator_with(&self, config: PacketConfig) -> PacketSimulator {
+        let cache = match &self.memo_cache {
+            Some(path) if path.exists() => MemoCache::load(path).unwrap_or_else(|e| {
+                eprintln!("warning: ignoring memo cache {}: {e}", path.display());
+                MemoCache::new()
+            }),
+            _ => MemoCache::new(),
+        };
+        PacketSimulator::with_cache(config, cache)
+    }
+
+    /// Writes `sim`'s memo cache to the `--memo-cache` file (atomically, see
+    /// [`MemoCache::save`]); nothing without the flag. Call it after a run that succeeded,
+    /// so the file keeps what every run of the command learned.
+    pub fn save_cache(&self, sim: &PacketSimulator) -> anyhow::Result<()> {
+        match &self.memo_cache {
+            Some(path) => sim
+                .cache()
+                .save(path)
+                .with_context(|| format!("saving the memo cache to {}", path.display())),
+            None => Ok(()),
+        }
+    }
+
     /// The flags given, as typed, so a command whose network is not the packet model can
     /// refuse them by name.
     pub fn given(&self) -> Vec<&'static str> {
@@ -94,6 +137,7 @@ impl PacketFlags {
             (self.strict_symmetry, "--strict-symmetry"),
             (self.reference, "--reference"),
             (self.eager_port_frees, "--eager-port-frees"),
+            (self.memo_cache.is_some(), "--memo-cache"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))

@@ -613,6 +613,82 @@ fn predict_on_the_packet_network_takes_the_acceleration_switches() {
     }
 }
 
+/// `--memo-cache` carries the packet model's memo from one `predict` (or `emulate`) to
+/// the next, as it does for `netsim`: the second prediction of the same step finds every
+/// episode in the file and gives the same step. A corrupt file is reported and ignored,
+/// and without the packet model the flag is refused.
+#[test]
+fn predict_keeps_the_packet_memo_cache_between_runs() {
+    let dir = temp_dir("predict-memo-cache");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SMALL_JOB).unwrap();
+    let job = job.to_str().unwrap();
+    let cache = dir.join("memo.bin");
+    let cache = cache.to_str().unwrap();
+    let run_with = |command: &str, cache: &str| {
+        let mut args = vec![command, job, "--network", "packet", "--json"];
+        args.extend(["--memo-cache", cache]);
+        if command == "emulate" {
+            args.extend(["--real-ranks", "0"]);
+        }
+        let (code, stdout, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        let v = serde_json::from_str::<serde_json::Value>(&stdout).unwrap();
+        (v, stderr)
+    };
+    let run = |command: &str| run_with(command, cache);
+    let accel =
+        |v: &serde_json::Value, k: &str| v["network_simulation"]["accel"][k].as_u64().unwrap();
+    let events = |v: &serde_json::Value| v["network_simulation"]["events"].as_u64().unwrap();
+    let step = |v: &serde_json::Value| v["step_time"].as_f64().unwrap();
+    let (cold, _) = run("predict");
+    assert!(std::path::Path::new(cache).exists());
+    let (warm, _) = run("predict");
+    assert!(accel(&cold, "memo_lookups") > 0);
+    assert!(
+        accel(&warm, "memo_hits") > accel(&cold, "memo_hits"),
+        "{} against {}",
+        warm["network_simulation"],
+        cold["network_simulation"]
+    );
+    assert!(events(&warm) < events(&cold));
+    assert!(
+        (step(&warm) - step(&cold)).abs() / step(&cold) < 0.01,
+        "{} vs {}",
+        step(&warm),
+        step(&cold)
+    );
+    // The emulator writes its own file and reads it back, to the same step.
+    let emulate_cache = dir.join("emulate.bin");
+    let emulate_cache = emulate_cache.to_str().unwrap();
+    let (cold_emulation, _) = run_with("emulate", emulate_cache);
+    assert!(std::path::Path::new(emulate_cache).exists());
+    let (warm_emulation, stderr) = run_with("emulate", emulate_cache);
+    assert!(!stderr.contains("ignoring memo cache"), "{stderr}");
+    assert!(
+        (step(&warm_emulation) - step(&cold_emulation)).abs() / step(&cold_emulation) < 0.01,
+        "{} vs {}",
+        step(&warm_emulation),
+        step(&cold_emulation)
+    );
+    // A corrupt cache is reported and ignored: the run is a cold one.
+    let mut bytes = std::fs::read(cache).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(cache, &bytes).unwrap();
+    let (again, stderr) = run("predict");
+    assert!(stderr.contains("ignoring memo cache"), "{stderr}");
+    assert_eq!(accel(&again, "memo_hits"), accel(&cold, "memo_hits"));
+    assert_eq!(events(&again), events(&cold));
+    // Without the packet model there is no cache to keep.
+    let (code, _, stderr) = orrery(&["predict", job, "--memo-cache", cache]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--memo-cache") && stderr.contains("--network packet"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_closed_pipe_ends_quietly() {
     use std::process::Stdio;
