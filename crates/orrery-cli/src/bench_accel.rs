@@ -353,9 +353,11 @@ struct AccelRow {
     event_ratio: f64,
     skipped_events: u64,
     /// Fast-forward jumps taken, and of those the jumps of quiet partitions (after
-    /// `accel.quiet_window` samples instead of the whole window).
+    /// `accel.quiet_window` samples instead of the whole window) and the cut jumps
+    /// (through DCQCN's cuts while every packet is marked, `accel.cut_jumps`).
     fast_forwards: u64,
     quiet_jumps: u64,
+    cut_jumps: u64,
     /// What held the accelerated run's partitions back, in flow-samples
     /// ([`FastForwardHeld`]; the quotient's flows' when symmetry was found).
     ff_held: FastForwardHeld,
@@ -594,6 +596,7 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         skipped_events: skipped,
         fast_forwards: st.fast_forwards,
         quiet_jumps: st.quiet_jumps,
+        cut_jumps: st.cut_jumps,
         ff_held: st.ff_held,
         memo_lookups: st.memo_lookups,
         memo_hits: st.memo_hits,

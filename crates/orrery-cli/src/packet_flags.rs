@@ -21,6 +21,11 @@ pub struct PacketFlags {
     /// nothing queues and no flow has a rate cut pending (`accel.quiet_window = 0`).
     #[arg(long)]
     no_quiet_jumps: bool,
+    /// Packet model: never jump a partition while DCQCN is cutting its flows' rates, even
+    /// where every packet is marked and the cuts do not change what the flows deliver yet
+    /// (`accel.cut_jumps = false`).
+    #[arg(long)]
+    no_cut_jumps: bool,
     /// Packet model: turn off memoization of repeated isolated episodes
     /// (`accel.memoize = false`).
     #[arg(long)]
@@ -68,6 +73,8 @@ impl PacketFlags {
         let a = &mut config.accel;
         a.fast_forward &= !(self.no_fast_forward || off);
         a.partitioning &= !(self.no_partitioning || off);
+        // As with quiet jumps: with fast-forwarding off no partition jumps at all.
+        a.cut_jumps &= !self.no_cut_jumps;
         // With fast-forwarding off (`--reference`) no partition jumps, quiet or not.
         if self.no_quiet_jumps {
             a.quiet_window = 0;
@@ -129,6 +136,7 @@ impl PacketFlags {
             (self.no_fast_forward, "--no-fast-forward"),
             (self.no_partitioning, "--no-partitioning"),
             (self.no_quiet_jumps, "--no-quiet-jumps"),
+            (self.no_cut_jumps, "--no-cut-jumps"),
             (self.no_memo, "--no-memo"),
             (self.no_mirror, "--no-mirror"),
             (self.no_periodic, "--no-periodic"),

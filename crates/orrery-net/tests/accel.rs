@@ -516,6 +516,56 @@ fn held_back_flow_samples_name_the_test_that_kept_each_partition_from_jumping() 
     assert!(rate_moving > 0 && dcqcn > 10 * jumped, "{held:?}");
 }
 
+/// Two 50 MB flows from two hosts into one at 400 Gb/s: after DCQCN's first cuts and
+/// their recovery, the receiver's port queue stands at PFC's threshold for about a
+/// millisecond while every packet is marked and each CNP cuts both rates by ~1%, from
+/// ~257 Gb/s towards the 200 Gb/s each delivers.
+fn two_into_one(first_mib: u64) -> (NetGraph, FlowSet) {
+    let g = NetGraph::single_switch(3, gbps(400.0), us(1)).unwrap();
+    (
+        g,
+        flow_set(vec![flow(1, 0, first_mib << 20), flow(2, 0, 50 << 20)]),
+    )
+}
+
+#[test]
+fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
+    let (g, fs) = two_into_one(50);
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let cut = run(with_parts(base.clone()), &g, &fs);
+    let mut without = with_parts(base.clone());
+    without.accel.cut_jumps = false;
+    let held = run(without, &g, &fs);
+    let e = check_bounds(&base, &off, &cut, &fs, "two into one (cut jumps)");
+    check_bounds(&base, &off, &held, &fs, "two into one (no cut jumps)");
+    assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
+    assert_eq!(held.stats.cut_jumps, 0);
+    // Without them DCQCN's cuts hold that stretch back, and every packet of it is
+    // simulated: 554,106 events against 356,639 with them when this was written.
+    assert!(
+        cut.report.events * 4 < held.report.events * 3,
+        "{} against {}",
+        cut.report.events,
+        held.report.events
+    );
+    assert!(held.stats.ff_held.get(HeldBy::DcqcnRateMoving) > 0);
+    assert!(e.end < 0.001, "{e:?}");
+    // The cuts the jump stands in for matter once a flow runs on alone at the rate DCQCN
+    // left it: with a 40 MiB first flow, the second ends 0.22% off the reference (0.04%
+    // without cut jumps); frozen through the jump as an ordinary jump would leave it, its
+    // rate was left higher and it ended 0.96% early.
+    let (g, fs) = two_into_one(40);
+    let off = run(base.clone(), &g, &fs);
+    let cut = run(with_parts(base.clone()), &g, &fs);
+    check_bounds(&base, &off, &cut, &fs, "40 and 50 MiB into one (cut jumps)");
+    assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
+    for (on, reference) in cut.report.flows.iter().zip(&off.report.flows) {
+        let (a, b) = (on.fct().0 as f64, reference.fct().0 as f64);
+        assert!((a - b).abs() < 0.005 * b, "{a} against {b}");
+    }
+}
+
 // ---- Queues that are still moving -----------------------------------------------------
 
 /// Host 1 receives a flow from host 0 and sends one to host 2, `bytes` each, on one switch

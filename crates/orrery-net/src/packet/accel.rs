@@ -134,6 +134,34 @@
 //!   (rail-local data-parallel rings, lone pipeline sends) most jumps are quiet ones: the
 //!   bench's GPT 350M step on 64 GPUs went from 2,305,751 events to 1,054,133, with the
 //!   same p99 flow error against the reference (0.046%).
+//! - **Cut jumps** (`accel.cut_jumps`, on by default). Two flows colliding on a port
+//!   settle into a stretch that no test above lets through: the port's queue stands at
+//!   PFC's threshold, every packet is marked, and each CNP (one per `cnp_interval`) cuts
+//!   each flow's DCQCN rate by about 1% (alpha near its equilibrium), while what the
+//!   flows deliver is set by the port and PFC, not by their rates: on two 50 MB flows
+//!   into one 400 Gb/s port, ~1 ms of 2.6 ms, the rates falling from 257 to 200 Gb/s
+//!   while each delivers 200. A flow is *cutting* when its rate moved over the window but
+//!   every data packet it delivered there was marked (`FlowState::last_unmarked`), its
+//!   rate only fell (at its lowest, in no increase stage), and it still sends more than
+//!   `theta` above its delivered rate. A partition whose flows are steady or cutting
+//!   jumps as any other, bytes moving at the delivered rates and queues frozen, but each
+//!   cutting flow's DCQCN state lives through the jump instead of standing still: it is
+//!   driven through the CNPs it would have received ([`ReactionPoint::drive`]: its
+//!   receiver's next CNP one interval plus half a packet's spacing after its last, each
+//!   reaching the sender after the reverse path's latency) with the decrease ticks they
+//!   schedule, and its pending decrease and increase events are rescheduled from the
+//!   state it is left in. The jump stops before any cutting flow's rate comes within
+//!   `theta` of what it delivers (from there its rate sets its pace) or its increase
+//!   timer would fire. Approximated: the CNP times (a real CNP waits for the first marked
+//!   packet after the interval), a CNP in flight at the jump (it arrives after the thaw,
+//!   one cut late), and ECN's draws and the CNPs themselves, not counted, as for every
+//!   jump. The state matters once a flow runs on alone at the rate DCQCN left it: with
+//!   40 and 50 MiB flows the longer ends 0.22% off the reference, where freezing its
+//!   state through the same jump left its rate higher and it ended 0.96% early
+//!   (`tests/accel.rs`). Counted in [`super::PacketStats::cut_jumps`]; the two 50 MB
+//!   flows take 356,639 events instead of 554,106.
+//!
+//!   [`ReactionPoint::drive`]: super::dcqcn::ReactionPoint::drive
 //! - **The jump** of partition `P` by `J` (the whole-network limit restricted to `P`'s
 //!   flows and to the pending releases whose links touch `P`, and to the next rate
 //!   increase of each recovering flow of `P`, rounded down to whole sample intervals so
@@ -207,6 +235,39 @@ fn block_samples(per_sample: f64, theta: f64) -> Option<usize> {
 }
 
 /// What the steadiness test found about one steady flow.
+/// The CNPs a flow whose every packet is marked receives: its receiver sends one at the
+/// first marked packet `cnp_interval` after the last (on average half a packet's spacing
+/// after that), and it reaches the sender after the reverse path's latency.
+struct CnpTrain {
+    /// When the receiver sent its last CNP.
+    last_sent: Option<Picos>,
+    /// Between two CNPs.
+    period: u64,
+    /// From the receiver to the sender.
+    latency: u64,
+}
+
+impl CnpTrain {
+    /// When the CNPs sent after the last one reach the sender, from the first after `now`.
+    fn arrivals(&self, now: Picos) -> impl Iterator<Item = Picos> {
+        let (period, latency) = (self.period.max(1), self.latency);
+        let sent = self.last_sent.map_or(now.0, |t| t.0);
+        (1u64..)
+            .map(move |k| Picos(sent + k * period + latency))
+            .filter(move |t| *t > now)
+    }
+
+    /// When the receiver sent the last of the CNPs that reach the sender after `now` and
+    /// before `until`, if any does.
+    fn last_sent(&self, now: Picos, until: Picos) -> Option<Picos> {
+        let latency = self.latency;
+        self.arrivals(now)
+            .take_while(|t| *t < until)
+            .last()
+            .map(|t| Picos(t.0 - latency))
+    }
+}
+
 struct Steady {
     /// Delivered rate (the slope over the second half of the window), bytes per second.
     rate: f64,
@@ -221,6 +282,12 @@ struct Steady {
     /// Its rate was cut within the window (or it was released within it): DCQCN is at
     /// work on it, which [`Engine::queues_steady`] asks of a queue over its threshold.
     cut_in_window: bool,
+    /// Its DCQCN rate is falling, cut after cut, with every packet marked, while it still
+    /// sends more than `theta` above what it delivers: a cut jump may carry it (see
+    /// [`AccelConfig::cut_jumps`] and "Cut jumps" in the module essay).
+    ///
+    /// [`AccelConfig::cut_jumps`]: super::AccelConfig::cut_jumps
+    cutting: bool,
 }
 
 /// Fast-forwarding state: per-flow rings of delivered-bytes samples and the active set.
@@ -305,6 +372,9 @@ struct Parts {
     /// The flow of the partition being jumped is recovering (see [`Steady`]):
     /// its DCQCN clocks and rate-increase timer keep running through the jump.
     keeps_clock: Vec<bool>,
+    /// Scratch: the flows of the jumping partition whose DCQCN state lives through the
+    /// jump (a cut jump's cutting flows).
+    cutting: Vec<bool>,
     /// Finished flows that still have packets in flight: partition members, never steady.
     draining: Vec<u32>,
 }
@@ -321,6 +391,7 @@ impl FastForward {
             rel_limit: Vec::new(),
             in_group: vec![false; flows],
             keeps_clock: vec![false; flows],
+            cutting: vec![false; flows],
             draining: Vec::new(),
         });
         FastForward {
@@ -724,24 +795,6 @@ impl Engine<'_> {
         let slots = (1..=span as u64).map(slot);
         let mut recovering_until = None;
         let cut_in_window = samples.saturating_sub(ff.last_dec_sample[i]) <= w as u64;
-        if cfg.dcqcn {
-            let lo = slots
-                .clone()
-                .map(|at| ff.rate_ring[at])
-                .fold(f64::INFINITY, f64::min);
-            let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
-            if hi - lo > a.rate_theta * hi {
-                return Err(HeldBy::DcqcnRateMoving);
-            }
-            if quiet {
-                // A quiet partition: nothing can mark its flows, so a flow whose increase
-                // timer runs holds its rate until it fires, whatever the size of the
-                // change then; the jump stops there, its clocks in their own time.
-                recovering_until = fl.rp.next_increase();
-            } else if !cut_in_window && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate {
-                recovering_until = fl.rp.next_increase();
-            }
-        }
         // The slope between two deliveries is exact for a flow that delivers a packet every
         // fixed period, where a count of packets per sample is off by up to one in each. It
         // is taken over the second half of the window: the first half may still hold the
@@ -751,6 +804,28 @@ impl Engine<'_> {
         let rate = ff
             .slope(i, fl, samples, span)
             .unwrap_or(mean / block as f64 / a.sample_interval.as_secs_f64());
+        let mut cutting = false;
+        if cfg.dcqcn {
+            let lo = slots
+                .clone()
+                .map(|at| ff.rate_ring[at])
+                .fold(f64::INFINITY, f64::min);
+            let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
+            if hi - lo > a.rate_theta * hi {
+                // (A quiet partition has no queue deep enough to mark anything.)
+                if quiet || !self.cut_without_effect(fl, lo, rate, span) {
+                    return Err(HeldBy::DcqcnRateMoving);
+                }
+                cutting = true;
+            } else if quiet {
+                // A quiet partition: nothing can mark its flows, so a flow whose increase
+                // timer runs holds its rate until it fires, whatever the size of the
+                // change then; the jump stops there, its clocks in their own time.
+                recovering_until = fl.rp.next_increase();
+            } else if !cut_in_window && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate {
+                recovering_until = fl.rp.next_increase();
+            }
+        }
         // Full packets the sender has left before its last one.
         let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
         Ok(Steady {
@@ -758,7 +833,47 @@ impl Engine<'_> {
             t_left: Picos::from_secs_f64(left as f64 / rate),
             recovering_until,
             cut_in_window,
+            cutting,
         })
+    }
+
+    /// The CNPs flow `f` receives while each of its packets is marked, delivering
+    /// `delivered` bytes per second.
+    fn cnp_train(&self, f: u32, delivered: f64) -> CnpTrain {
+        let cfg = self.cfg;
+        let fl = &self.flows[f as usize];
+        let spacing = super::engine::ser(u64::from(cfg.mtu_payload), delivered).0;
+        let frame = u64::from(cfg.cnp_bytes) + u64::from(cfg.framing_bytes);
+        let latency = (fl.rev.0..fl.rev.0 + fl.rev.1)
+            .map(|h| {
+                let port = &self.ports[self.paths[h as usize] as usize];
+                super::engine::ser(frame, port.bw).0 + port.delay.0
+            })
+            .sum();
+        CnpTrain {
+            last_sent: fl.last_cnp,
+            period: cfg.dcqcn_params.cnp_interval.0 + spacing / 2,
+            latency,
+        }
+    }
+
+    /// Whether flow `fl`, whose DCQCN rate moved over the `span` samples tested (its
+    /// lowest `lowest`), is being cut without effect on what it delivers (`delivered`,
+    /// bytes per second), so a cut jump may carry it: cut jumps are on, every data packet
+    /// it delivered over the span was marked (so a CNP comes every `cnp_interval`), its
+    /// rate only fell (it stands at its lowest, in no increase stage) and it still sends
+    /// more than `theta` above what it delivers (something else, PFC or a shared port,
+    /// sets its pace).
+    fn cut_without_effect(&self, fl: &FlowState, lowest: f64, delivered: f64, span: usize) -> bool {
+        let a = &self.cfg.accel;
+        let marked_for = self.now.0.saturating_sub(fl.last_unmarked.0);
+        a.cut_jumps
+            && fl.last_cnp.is_some()
+            && fl.rp.decreases > 0
+            && fl.rp.stage == 0
+            && marked_for >= span as u64 * a.sample_interval.0
+            && fl.rp.rate <= lowest
+            && fl.rp.rate > (1.0 + a.theta) * delivered
     }
 
     fn try_jump(&mut self, ff: &mut FastForward) {
@@ -782,12 +897,14 @@ impl Engine<'_> {
         for &f in &ff.active {
             let i = f as usize;
             // The whole-network jump keeps every clock in local time, so a recovering
-            // flow's increase would come late by the jump: such a flow is not steady here.
+            // flow's increase would come late by the jump: such a flow is not steady here,
+            // nor is one being cut (cut jumps are the partitioned jump's).
             let Ok(Steady {
                 rate,
                 t_left,
                 recovering_until: None,
                 cut_in_window,
+                cutting: false,
             }) = self.steady_rate(ff, i, ff.samples, ff.window, ff.since_change - 1, false)
             else {
                 return;
@@ -1169,6 +1286,7 @@ impl Engine<'_> {
         let mut earliest = Picos(u64::MAX);
         let mut cut_recently = false;
         let mut recovering = Vec::with_capacity(g.flows.len());
+        let mut cutting = Vec::with_capacity(g.flows.len());
         for &f in &g.flows {
             let i = f as usize;
             // The samples since the partition last changed, the first of which still
@@ -1186,6 +1304,7 @@ impl Engine<'_> {
             }
             rates.push(st.rate);
             recovering.push(st.recovering_until.is_some());
+            cutting.push(st.cutting);
         }
         // A quiet partition's queues were under their ECN thresholds at every sample
         // tested; where they stand deeper than a frame, the jump's tail margin grows by
@@ -1208,6 +1327,23 @@ impl Engine<'_> {
         }
         let before_completion = earliest.0.saturating_sub(tail_margin.0);
         limit = limit.min(before_completion);
+        // A cutting flow's rate falls a CNP's cut at a time: the jump stops before it comes
+        // within `theta` of what the flow delivers, or where its increase timer would fire.
+        let mut trains = Vec::new();
+        for (k, &f) in g.flows.iter().enumerate() {
+            if !cutting[k] {
+                continue;
+            }
+            let train = self.cnp_train(f, rates[k]);
+            let mut rp = self.flows[f as usize].rp.clone();
+            let floor = (1.0 + a.theta) * rates[k];
+            let until = Picos(now.0.saturating_add(limit));
+            let mut arrivals = train.arrivals(now);
+            if let Some(t) = rp.drive(&mut arrivals, until, floor, &cfg.dcqcn_params) {
+                limit = limit.min(t.0.saturating_sub(now.0));
+            }
+            trains.push((f, train));
+        }
         if limit == u64::MAX {
             return Err(HeldBy::OtherBoundNear);
         }
@@ -1252,10 +1388,24 @@ impl Engine<'_> {
             fl.delivered_at = Picos(fl.delivered_at.0 + jump.0);
             ff.jumped_time[i] = Picos(ff.jumped_time[i].0 + jump.0);
             fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
+            fl.last_unmarked = Picos(fl.last_unmarked.0 + jump.0);
             if !keeps_clock {
                 fl.rp.shift(jump);
             }
             moved += self.advance_flow(ff, i, rate * secs);
+        }
+        // A cutting flow's DCQCN state instead lives through the jump, taking the CNPs it
+        // would have taken (the jump stopped before its rate could matter).
+        let until = Picos(now.0 + jump.0);
+        for (f, train) in &trains {
+            let i = *f as usize;
+            p.cutting[i] = true;
+            let fl = &mut self.flows[i];
+            let _ = fl
+                .rp
+                .drive(&mut train.arrivals(now), until, 0.0, &cfg.dcqcn_params);
+            // The receiver sent the last of them; without one, its clock stands.
+            fl.last_cnp = train.last_sent(now, until).or(train.last_sent);
         }
         let (mut appended, mut taken) = (0, 0);
         for c in carried.iter_mut() {
@@ -1301,6 +1451,13 @@ impl Engine<'_> {
         let mut ledger = self.ledger.take().unwrap_or_default();
         self.ledger_gen += 1;
         for e in ledger.iter_mut() {
+            if let Ev::RpDecrease(f) | Ev::RpIncrease(f) = e.2 {
+                if p.cutting[f as usize] {
+                    // Its DCQCN clocks lived through the jump: rescheduled below.
+                    self.q.cancel(e.0);
+                    continue;
+                }
+            }
             let mine = match owner_of(&self.pkts, e.2) {
                 Some(Owner::Flow(f)) => {
                     p.in_group[f as usize]
@@ -1321,6 +1478,17 @@ impl Engine<'_> {
             }
         }
         self.ledger = Some(ledger);
+        for (f, _) in &trains {
+            let rp = &self.flows[*f as usize].rp;
+            let (tick, timer) = (rp.pending_decrease(), rp.next_increase());
+            if let Some(t) = tick {
+                self.sched(t, Ev::RpDecrease(*f));
+            }
+            if let Some(t) = timer {
+                self.sched(t, Ev::RpIncrease(*f));
+            }
+            p.cutting[*f as usize] = false;
+        }
         for &f in &g.flows {
             ff.shift[f as usize] = 0;
             p.in_group[f as usize] = false;
@@ -1330,6 +1498,7 @@ impl Engine<'_> {
         st.fast_forwards += 1;
         st.recovering_jumps += u64::from(recovering.contains(&true));
         st.quiet_jumps += u64::from(quiet);
+        st.cut_jumps += u64::from(!trains.is_empty());
         st.jumped_time = Picos(st.jumped_time.0 + jump.0);
         st.skipped_packets += moved;
         st.skipped_bytes += moved * mtu;

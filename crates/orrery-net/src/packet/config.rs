@@ -331,6 +331,19 @@ pub struct AccelConfig {
     /// builds); a jump freezes that state, and the lag shows once the contention ends and
     /// the flow runs at its own rate again. 1% keeps that lag inside the 1% mean FCT bound.
     pub rate_theta: f64,
+    /// Whether a partition may jump through a stretch in which DCQCN keeps cutting its
+    /// flows' rates while something else holds their deliveries (a *cut jump*): every
+    /// packet of each such flow was marked over the window (its queue stands over the
+    /// marking threshold, typically held there by PFC), its rate has only fallen, and it
+    /// still sends more than `theta` above what it delivers, so the cuts do not change
+    /// what it delivers yet. The jump moves bytes at the delivered rates as any jump does,
+    /// and drives each such flow's DCQCN state through the CNPs it would receive (one per
+    /// `cnp_interval`, every packet being marked), stopping before its rate comes within
+    /// `theta` of its delivered rate. Default true. On two 50 MB flows into one 400 Gb/s
+    /// port the queue stands at PFC's threshold for about a millisecond while their rates
+    /// fall by ~1% per CNP from 257 to 200 Gb/s; without these jumps every packet of that
+    /// stretch is simulated. See "Cut jumps" in the `accel` module.
+    pub cut_jumps: bool,
     /// Largest drift of a switch egress queue on a jumping partition's links over its ECN
     /// threshold (or anywhere, without DCQCN), as a fraction of its link's speed: the
     /// difference between the queue's mean over the second and the first half of the
@@ -427,6 +440,7 @@ impl Default for AccelConfig {
             window: 80,
             theta: 0.05,
             rate_theta: 0.01,
+            cut_jumps: true,
             queue_theta: 0.01,
             tail_margin: Picos::from_micros(50),
             min_jump: Picos::from_micros(20),

@@ -47,6 +47,8 @@ pub struct ReactionPoint {
     cnp_seen: bool,
     decrease_anchor: Picos,
     decrease_pending: bool,
+    /// When the pending decrease tick fires (meaningful while `decrease_pending`).
+    decrease_at: Picos,
     increase_deadline: Picos,
     increase_pending: bool,
     /// Rate decreases applied (for statistics).
@@ -68,6 +70,7 @@ impl ReactionPoint {
             cnp_seen: false,
             decrease_anchor: Picos::ZERO,
             decrease_pending: false,
+            decrease_at: Picos::ZERO,
             increase_deadline: Picos::ZERO,
             increase_pending: false,
             decreases: 0,
@@ -78,6 +81,11 @@ impl ReactionPoint {
     /// fast-forward stops there for a queue pair that is recovering without CNPs).
     pub fn next_increase(&self) -> Option<Picos> {
         self.increase_pending.then_some(self.increase_deadline)
+    }
+
+    /// When the pending decrease tick fires, if a CNP is waiting for one.
+    pub fn pending_decrease(&self) -> Option<Picos> {
+        self.decrease_pending.then_some(self.decrease_at)
     }
 
     /// No rate cut is waiting for its decrease period: without a CNP the rate changes next
@@ -92,6 +100,7 @@ impl ReactionPoint {
     pub fn shift(&mut self, d: Picos) {
         self.alpha_tick = Picos(self.alpha_tick.0 + d.0);
         self.decrease_anchor = Picos(self.decrease_anchor.0 + d.0);
+        self.decrease_at = Picos(self.decrease_at.0.saturating_add(d.0));
         self.increase_deadline = Picos(self.increase_deadline.0.saturating_add(d.0));
     }
 
@@ -151,6 +160,7 @@ impl ReactionPoint {
         } else {
             a + ((now.0 - a) / period + 1) * period
         };
+        self.decrease_at = Picos(next);
         Some(Picos(next))
     }
 
@@ -175,6 +185,44 @@ impl ReactionPoint {
         }
         self.increase_pending = true;
         Some(self.increase_deadline)
+    }
+
+    /// Drives the queue pair from its present state through CNPs arriving at the times
+    /// `cnps` yields (increasing, none before the last event applied), applying each
+    /// decrease tick they schedule, in time order, as the engine's own events would (a
+    /// tick and a CNP at the same time: the tick first, scheduled earlier), up to but not
+    /// including `until`. Stops at the first decrease that leaves the rate below `floor`,
+    /// or where its rate-increase timer would fire, and returns that time (`None`: it
+    /// reached `until`). How a fast-forward jump carries a flow through a stretch in which
+    /// every one of its packets is marked (see the `accel` module: such a flow's rate only
+    /// falls, by a CNP's cut at a time, and the timer never fires while cuts keep coming).
+    pub fn drive(
+        &mut self,
+        cnps: &mut dyn Iterator<Item = Picos>,
+        until: Picos,
+        floor: f64,
+        p: &DcqcnParams,
+    ) -> Option<Picos> {
+        let mut next_cnp = cnps.next();
+        loop {
+            let tick = self.decrease_pending.then_some(self.decrease_at);
+            let timer = self.increase_pending.then_some(self.increase_deadline);
+            let t = [tick, timer, next_cnp].into_iter().flatten().min()?;
+            if t >= until {
+                return None;
+            }
+            if Some(t) == tick {
+                let _ = self.on_decrease_tick(t, p);
+                if self.rate < floor {
+                    return Some(t);
+                }
+            } else if Some(t) == timer {
+                return Some(t);
+            } else {
+                let _ = self.on_cnp(t, p);
+                next_cnp = cnps.next();
+            }
+        }
     }
 
     /// The rate-increase timer fired. Returns when to fire it next, if at all (it stops
@@ -285,6 +333,60 @@ mod tests {
         let again = rp.on_cnp(Picos::from_micros(9), &p).unwrap();
         assert_eq!(again, Picos(1 + 12_000_000));
         assert_eq!(rp.decreases, 1);
+    }
+
+    /// Driving a queue pair through CNPs gives what the same CNPs delivered one by one,
+    /// with their decrease ticks, give; and it stops where the rate falls below the floor.
+    #[test]
+    fn driving_through_cnps_matches_the_events_one_by_one() {
+        let p = DcqcnParams::default();
+        let mut by_events = ReactionPoint::new(LINE);
+        let _ = by_events.on_cnp(Picos::ZERO, &p);
+        let mut driven = by_events.clone();
+        let period = Picos::from_micros(50).0 + 37_000;
+        let cnps = |from: u64| (1..).map(move |k| Picos(from + k * period));
+        // One by one, as the engine would: each CNP, then its decrease tick.
+        let until = Picos::from_micros(2_000);
+        let mut pending = by_events.decrease_pending.then_some(by_events.decrease_at);
+        for t in cnps(0).take_while(|&t| t < until) {
+            if let Some(d) = pending.filter(|&d| d <= t) {
+                let _ = by_events.on_decrease_tick(d, &p);
+                pending = None;
+            }
+            if let Some(d) = by_events.on_cnp(t, &p) {
+                pending = Some(d);
+            }
+        }
+        if let Some(d) = pending.filter(|&d| d < until) {
+            let _ = by_events.on_decrease_tick(d, &p);
+        }
+        assert_eq!(driven.drive(&mut cnps(0), until, 0.0, &p), None);
+        // Equal but for rounding: the lazy alpha is caught up in other steps.
+        assert!((driven.rate - by_events.rate).abs() < 1e-9 * by_events.rate);
+        assert!((driven.alpha - by_events.alpha).abs() < 1e-12);
+        let rounded = ReactionPoint {
+            rate: by_events.rate,
+            alpha: by_events.alpha,
+            ..driven.clone()
+        };
+        assert_eq!(rounded, by_events);
+        assert!(driven.decreases > 30 && driven.rate < LINE / 2.0);
+        // With a floor it stops at the cut that crossed it.
+        let mut floored = ReactionPoint::new(LINE);
+        let _ = floored.on_cnp(Picos::ZERO, &p);
+        let floor = 0.9 * LINE;
+        let stop = floored.drive(&mut cnps(0), until, floor, &p).unwrap();
+        assert!(floored.rate < floor && stop < until);
+        // And at the increase timer, once the CNPs stop.
+        let mut quiet = ReactionPoint::new(LINE);
+        let first = quiet.on_cnp(Picos::ZERO, &p).unwrap();
+        let _ = quiet.on_decrease_tick(first, &p);
+        let timer = quiet.next_increase().unwrap();
+        let none = &mut std::iter::empty();
+        assert_eq!(
+            quiet.drive(none, Picos::from_micros(5_000), 0.0, &p),
+            Some(timer)
+        );
     }
 
     #[test]

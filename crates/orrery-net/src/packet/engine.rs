@@ -258,6 +258,10 @@ pub(super) struct FlowState {
     /// The out-of-order sequence number that triggered the last NACK (`u64::MAX`: none).
     pub nack_trigger: u64,
     pub last_cnp: Option<Picos>,
+    /// When the receiver last took a data packet that carried no ECN mark: since then
+    /// every packet of the flow was marked (a jump through DCQCN's cuts asks that of its
+    /// window; see the `accel` module).
+    pub last_unmarked: Picos,
     pub delivered: u64,
     /// When the receiver last delivered a packet in order (the fast-forward's rate is the
     /// slope between two such instants).
@@ -298,6 +302,7 @@ pub(super) struct FlowDynamics {
     rcv_nxt: u64,
     nack_trigger: u64,
     last_cnp: Option<Picos>,
+    last_unmarked: Picos,
     delivered: u64,
     delivered_at: Picos,
     pace_cap: f64,
@@ -342,6 +347,7 @@ impl FlowState {
             rcv_nxt: 0,
             nack_trigger: u64::MAX,
             last_cnp: None,
+            last_unmarked: Picos::ZERO,
             delivered: 0,
             delivered_at: Picos::ZERO,
             mark_key,
@@ -380,6 +386,7 @@ impl FlowState {
             rcv_nxt: self.rcv_nxt,
             nack_trigger: self.nack_trigger,
             last_cnp: self.last_cnp,
+            last_unmarked: self.last_unmarked,
             delivered: self.delivered,
             delivered_at: self.delivered_at,
             pace_cap: self.pace_cap,
@@ -400,6 +407,7 @@ impl FlowState {
         self.rcv_nxt = d.rcv_nxt;
         self.nack_trigger = d.nack_trigger;
         self.last_cnp = d.last_cnp;
+        self.last_unmarked = d.last_unmarked;
         self.delivered = d.delivered;
         self.delivered_at = d.delivered_at;
         self.pace_cap = d.pace_cap;

@@ -241,6 +241,9 @@ impl Engine<'_> {
         let now = self.now;
         let cfg = self.cfg;
         let f = pk.flow;
+        if !pk.ecn {
+            self.flows[f as usize].last_unmarked = now;
+        }
         if pk.ecn && cfg.dcqcn {
             let fl = &mut self.flows[f as usize];
             let due = fl
