@@ -552,7 +552,7 @@ fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
     assert!(held.stats.ff_held.get(HeldBy::DcqcnRateMoving) > 0);
     assert!(e.end < 0.001, "{e:?}");
     // The cuts the jump stands in for matter once a flow runs on alone at the rate DCQCN
-    // left it: with a 40 MiB first flow, the second ends 0.22% off the reference (0.04%
+    // left it: with a 40 MiB first flow, the second ends 0.014% off the reference (0.035%
     // without cut jumps); frozen through the jump as an ordinary jump would leave it, its
     // rate was left higher and it ended 0.96% early.
     let (g, fs) = two_into_one(40);
@@ -562,7 +562,7 @@ fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
     assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
     for (on, reference) in cut.report.flows.iter().zip(&off.report.flows) {
         let (a, b) = (on.fct().0 as f64, reference.fct().0 as f64);
-        assert!((a - b).abs() < 0.005 * b, "{a} against {b}");
+        assert!((a - b).abs() < 0.001 * b, "{a} against {b}");
     }
 }
 
