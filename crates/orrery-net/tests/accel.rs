@@ -566,6 +566,30 @@ fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
     }
 }
 
+/// A 4-to-1 incast of 30 MiB flows at 400 Gb/s spends most of its time with the
+/// receiver's port held at PFC's threshold and the four rates cut in step: with cut jumps
+/// it takes less than half the events it takes without (330,065 against 799,111, the
+/// reference 872,478, when this was written), within the bounds.
+#[test]
+fn cut_jumps_carry_a_long_incast_held_at_pfc_within_bounds() {
+    let g = NetGraph::single_switch(5, gbps(400.0), us(1)).unwrap();
+    let fs = flow_set((1..5).map(|i| flow(i, 0, 30 << 20)).collect());
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), &g, &fs);
+    let cut = run(with_parts(base.clone()), &g, &fs);
+    let mut without = with_parts(base.clone());
+    without.accel.cut_jumps = false;
+    let held = run(without, &g, &fs);
+    check_bounds(&base, &off, &cut, &fs, "4-to-1 at 400G (cut jumps)");
+    assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
+    assert!(
+        2 * cut.report.events < held.report.events,
+        "{} against {}",
+        cut.report.events,
+        held.report.events
+    );
+}
+
 // ---- Queues that are still moving -----------------------------------------------------
 
 /// Host 1 receives a flow from host 0 and sends one to host 2, `bytes` each, on one switch

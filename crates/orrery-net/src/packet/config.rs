@@ -332,13 +332,13 @@ pub struct AccelConfig {
     /// the flow runs at its own rate again. 1% keeps that lag inside the 1% mean FCT bound.
     pub rate_theta: f64,
     /// Whether a partition may jump through a stretch in which DCQCN keeps cutting its
-    /// flows' rates while something else holds their deliveries (a *cut jump*): every
-    /// packet of each such flow was marked over the window (its queue stands over the
-    /// marking threshold, typically held there by PFC), its rate has only fallen, and it
-    /// still sends more than `theta` above what it delivers, so the cuts do not change
+    /// flows' rates while something else holds their deliveries (a *cut jump*): each such
+    /// flow's receiver sent CNPs in one unbroken run over the window (its queue stands deep
+    /// in the marking range, typically held there by PFC), its rate has only fallen, and
+    /// it still sends more than `theta` above what it delivers, so the cuts do not change
     /// what it delivers yet. The jump moves bytes at the delivered rates as any jump does,
-    /// and drives each such flow's DCQCN state through the CNPs it would receive (one per
-    /// `cnp_interval`, every packet being marked), stopping before its rate comes within
+    /// and drives each such flow's DCQCN state through the CNPs it would receive (at the
+    /// run's cadence, about one per `cnp_interval`), stopping before its rate comes within
     /// `theta` of its delivered rate. Default true. On two 50 MB flows into one 400 Gb/s
     /// port the queue stands at PFC's threshold for about a millisecond while their rates
     /// fall by ~1% per CNP from 257 to 200 Gb/s; without these jumps every packet of that

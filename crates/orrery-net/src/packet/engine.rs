@@ -258,10 +258,12 @@ pub(super) struct FlowState {
     /// The out-of-order sequence number that triggered the last NACK (`u64::MAX`: none).
     pub nack_trigger: u64,
     pub last_cnp: Option<Picos>,
-    /// When the receiver last took a data packet that carried no ECN mark: since then
-    /// every packet of the flow was marked (a jump through DCQCN's cuts asks that of its
-    /// window; see the `accel` module).
-    pub last_unmarked: Picos,
+    /// The receiver's current run of CNPs, each sent at most a tenth of `cnp_interval`
+    /// late (after the interval, at the first marked packet): since when, and how many
+    /// followed the first. A flow whose run spans the fast-forward window is cut at a
+    /// steady cadence, which a cut jump carries on (see the `accel` module).
+    pub cnp_run_since: Picos,
+    pub cnp_run: u32,
     pub delivered: u64,
     /// When the receiver last delivered a packet in order (the fast-forward's rate is the
     /// slope between two such instants).
@@ -302,7 +304,8 @@ pub(super) struct FlowDynamics {
     rcv_nxt: u64,
     nack_trigger: u64,
     last_cnp: Option<Picos>,
-    last_unmarked: Picos,
+    cnp_run_since: Picos,
+    cnp_run: u32,
     delivered: u64,
     delivered_at: Picos,
     pace_cap: f64,
@@ -347,7 +350,8 @@ impl FlowState {
             rcv_nxt: 0,
             nack_trigger: u64::MAX,
             last_cnp: None,
-            last_unmarked: Picos::ZERO,
+            cnp_run_since: Picos::ZERO,
+            cnp_run: 0,
             delivered: 0,
             delivered_at: Picos::ZERO,
             mark_key,
@@ -386,7 +390,8 @@ impl FlowState {
             rcv_nxt: self.rcv_nxt,
             nack_trigger: self.nack_trigger,
             last_cnp: self.last_cnp,
-            last_unmarked: self.last_unmarked,
+            cnp_run_since: self.cnp_run_since,
+            cnp_run: self.cnp_run,
             delivered: self.delivered,
             delivered_at: self.delivered_at,
             pace_cap: self.pace_cap,
@@ -407,7 +412,8 @@ impl FlowState {
         self.rcv_nxt = d.rcv_nxt;
         self.nack_trigger = d.nack_trigger;
         self.last_cnp = d.last_cnp;
-        self.last_unmarked = d.last_unmarked;
+        self.cnp_run_since = d.cnp_run_since;
+        self.cnp_run = d.cnp_run;
         self.delivered = d.delivered;
         self.delivered_at = d.delivered_at;
         self.pace_cap = d.pace_cap;

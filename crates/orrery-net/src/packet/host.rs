@@ -241,15 +241,20 @@ impl Engine<'_> {
         let now = self.now;
         let cfg = self.cfg;
         let f = pk.flow;
-        if !pk.ecn {
-            self.flows[f as usize].last_unmarked = now;
-        }
         if pk.ecn && cfg.dcqcn {
             let fl = &mut self.flows[f as usize];
-            let due = fl
-                .last_cnp
-                .is_none_or(|t| now.0 - t.0 >= cfg.dcqcn_params.cnp_interval.0);
+            let interval = cfg.dcqcn_params.cnp_interval.0;
+            let due = fl.last_cnp.is_none_or(|t| now.0 - t.0 >= interval);
             if due {
+                if fl
+                    .last_cnp
+                    .is_some_and(|t| now.0 - t.0 <= interval + interval / 10)
+                {
+                    fl.cnp_run += 1;
+                } else {
+                    fl.cnp_run_since = now;
+                    fl.cnp_run = 0;
+                }
                 fl.last_cnp = Some(now);
                 self.send_ctrl(f, Kind::Cnp, 0);
             }
