@@ -159,11 +159,12 @@
 //!   single samples (on the ECMP step at 512 GPUs: 434.7M events with them, 442.2M with
 //!   single samples). Approximated: the CNP times (the run's mean cadence), a CNP in
 //!   flight at the jump (it arrives after the thaw, one cut late), and ECN's draws and the
-//!   CNPs themselves, not counted, as for every jump. The state matters once a flow runs on alone at the rate DCQCN left it: with
-//!   40 and 50 MiB flows the longer ends 0.014% off the reference, where freezing its
-//!   state through the same jump left its rate higher and it ended 0.96% early
-//!   (`tests/accel.rs`). Counted in [`super::PacketStats::cut_jumps`]; the two 50 MB
-//!   flows take 356,639 events instead of 554,106.
+//!   CNPs themselves, not counted, as for every jump. The state matters once a flow runs
+//!   on alone at the rate DCQCN left it: with 40 and 50 MiB flows the longer ends 0.017%
+//!   off the reference, where freezing its state through the same jump left its rate
+//!   higher and it ended 0.96% early (`tests/accel.rs`). Counted in
+//!   [`super::PacketStats::cut_jumps`]; the two 50 MB flows take 355,021 events instead
+//!   of 554,106, a 4-to-1 incast of 50 MB flows 331,403 instead of 1,389,029.
 //!
 //!   [`ReactionPoint::drive`]: super::dcqcn::ReactionPoint::drive
 //! - **The jump** of partition `P` by `J` (the whole-network limit restricted to `P`'s
