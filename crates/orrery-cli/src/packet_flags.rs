@@ -22,8 +22,8 @@ pub struct PacketFlags {
     #[arg(long)]
     no_quiet_jumps: bool,
     /// Packet model: never jump a partition while DCQCN is cutting its flows' rates, even
-    /// where every packet is marked and the cuts do not change what the flows deliver yet
-    /// (`accel.cut_jumps = false`).
+    /// where they are cut at a steady cadence and the cuts do not change what the flows
+    /// deliver yet (`accel.cut_jumps = false`).
     #[arg(long)]
     no_cut_jumps: bool,
     /// Packet model: turn off memoization of repeated isolated episodes
@@ -73,9 +73,9 @@ impl PacketFlags {
         let a = &mut config.accel;
         a.fast_forward &= !(self.no_fast_forward || off);
         a.partitioning &= !(self.no_partitioning || off);
-        // As with quiet jumps: with fast-forwarding off no partition jumps at all.
+        // With fast-forwarding off (`--reference`) no partition jumps, quiet, cut or
+        // other: these two only narrow which jumps it takes.
         a.cut_jumps &= !self.no_cut_jumps;
-        // With fast-forwarding off (`--reference`) no partition jumps, quiet or not.
         if self.no_quiet_jumps {
             a.quiet_window = 0;
         }

@@ -194,8 +194,9 @@ impl ReactionPoint {
     /// including `until`. Stops at the first decrease that leaves the rate below `floor`,
     /// or where its rate-increase timer would fire, and returns that time (`None`: it
     /// reached `until`). How a fast-forward jump carries a flow through a stretch in which
-    /// every one of its packets is marked (see the `accel` module: such a flow's rate only
-    /// falls, by a CNP's cut at a time, and the timer never fires while cuts keep coming).
+    /// its packets are marked often enough for a CNP every interval (see the `accel`
+    /// module: such a flow's rate only falls, a CNP's cut at a time, and the timer never
+    /// fires while cuts keep coming).
     pub fn drive(
         &mut self,
         cnps: &mut dyn Iterator<Item = Picos>,
