@@ -1,8 +1,8 @@
 //! Simulator speed: packet-level events per second on an incast and a ring all-reduce, the
 //! flow-level model on the same ring, and the accelerated packet model (every mechanism on,
 //! the default) on the 128-GPU ring of `orrery bench --accel`, whose run is mostly set-up:
-//! routes, tie keys and the symmetry search over its 260,096 flows. Run with
-//! `cargo bench -p orrery-net`.
+//! routes, tie keys and the symmetry search over its 260,096 flows, and on a long 4-to-1
+//! incast at 400 Gb/s with and without cut jumps. Run with `cargo bench -p orrery-net`.
 
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
@@ -78,6 +78,30 @@ fn accelerated_ring_128_gpus_64mib(b: divan::Bencher) {
     let (g, set) = ring_over(16, 64);
     b.bench(|| {
         PacketSimulator::new(PacketConfig::default())
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+/// Four 30 MiB flows into one 400 Gb/s port, accelerated with and without cut jumps
+/// (`accel.cut_jumps`): most of the incast runs with the port held at PFC's threshold
+/// while DCQCN cuts the four rates in step.
+#[divan::bench(sample_count = 10, args = [false, true])]
+fn accelerated_incast_4_to_1_400g(b: divan::Bencher, cut_jumps: bool) {
+    let g = NetGraph::single_switch(
+        5,
+        Bandwidth::from_gbits_per_sec(400.0),
+        Picos::from_nanos(1000),
+    )
+    .expect("topology");
+    let mut set = FlowSet::default();
+    for i in 1..5u32 {
+        set.push_p2p("incast", i, 0, Bytes(30 << 20), Picos::ZERO);
+    }
+    let mut config = PacketConfig::default();
+    config.accel.cut_jumps = cut_jumps;
+    b.bench(|| {
+        PacketSimulator::new(config.clone())
             .simulate(&g, &set)
             .map(|r| r.events)
     });
