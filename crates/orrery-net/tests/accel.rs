@@ -528,15 +528,22 @@ fn two_into_one(first_mib: u64) -> (NetGraph, FlowSet) {
     )
 }
 
+/// Runs `fs` on `g` as the reference, partitioned with cut jumps and partitioned without
+/// them.
+fn with_and_without_cut_jumps(g: &NetGraph, fs: &FlowSet) -> (PacketRun, PacketRun, PacketRun) {
+    let base = PacketConfig::reference();
+    let off = run(base.clone(), g, fs);
+    let cut = run(with_parts(base.clone()), g, fs);
+    let mut without = with_parts(base);
+    without.accel.cut_jumps = false;
+    (off, cut, run(without, g, fs))
+}
+
 #[test]
 fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
     let (g, fs) = two_into_one(50);
     let base = PacketConfig::reference();
-    let off = run(base.clone(), &g, &fs);
-    let cut = run(with_parts(base.clone()), &g, &fs);
-    let mut without = with_parts(base.clone());
-    without.accel.cut_jumps = false;
-    let held = run(without, &g, &fs);
+    let (off, cut, held) = with_and_without_cut_jumps(&g, &fs);
     let e = check_bounds(&base, &off, &cut, &fs, "two into one (cut jumps)");
     check_bounds(&base, &off, &held, &fs, "two into one (no cut jumps)");
     assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
@@ -556,8 +563,7 @@ fn a_cut_jump_carries_dcqcn_through_a_queue_held_at_pfc_within_bounds() {
     // without cut jumps); frozen through the jump as an ordinary jump would leave it, its
     // rate was left higher and it ended 0.96% early.
     let (g, fs) = two_into_one(40);
-    let off = run(base.clone(), &g, &fs);
-    let cut = run(with_parts(base.clone()), &g, &fs);
+    let (off, cut, _) = with_and_without_cut_jumps(&g, &fs);
     check_bounds(&base, &off, &cut, &fs, "40 and 50 MiB into one (cut jumps)");
     assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
     for (on, reference) in cut.report.flows.iter().zip(&off.report.flows) {
@@ -575,11 +581,7 @@ fn cut_jumps_carry_a_long_incast_held_at_pfc_within_bounds() {
     let g = NetGraph::single_switch(5, gbps(400.0), us(1)).unwrap();
     let fs = flow_set((1..5).map(|i| flow(i, 0, 30 << 20)).collect());
     let base = PacketConfig::reference();
-    let off = run(base.clone(), &g, &fs);
-    let cut = run(with_parts(base.clone()), &g, &fs);
-    let mut without = with_parts(base.clone());
-    without.accel.cut_jumps = false;
-    let held = run(without, &g, &fs);
+    let (off, cut, held) = with_and_without_cut_jumps(&g, &fs);
     check_bounds(&base, &off, &cut, &fs, "4-to-1 at 400G (cut jumps)");
     assert!(cut.stats.cut_jumps > 0, "{:?}", cut.stats);
     assert!(
