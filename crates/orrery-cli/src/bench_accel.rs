@@ -354,7 +354,7 @@ struct AccelRow {
     skipped_events: u64,
     /// Fast-forward jumps taken, and of those the jumps of quiet partitions (after
     /// `accel.quiet_window` samples instead of the whole window) and the cut jumps
-    /// (through DCQCN's cuts while every packet is marked, `accel.cut_jumps`).
+    /// (through DCQCN's cuts at a steady cadence of CNPs, `accel.cut_jumps`).
     fast_forwards: u64,
     quiet_jumps: u64,
     cut_jumps: u64,

@@ -16,16 +16,17 @@ fn main() {
     divan::main();
 }
 
-fn incast() -> (NetGraph, FlowSet) {
+/// `senders` flows of `bytes` each into host 0 of one switch at `gbps`, 1 us cables.
+fn incast(senders: u32, gbps: f64, bytes: u64) -> (NetGraph, FlowSet) {
     let g = NetGraph::single_switch(
-        17,
-        Bandwidth::from_gbits_per_sec(100.0),
+        senders as usize + 1,
+        Bandwidth::from_gbits_per_sec(gbps),
         Picos::from_nanos(1000),
     )
     .expect("topology");
     let mut set = FlowSet::default();
-    for i in 1..17u32 {
-        set.push_p2p("incast", i, 0, Bytes(1 << 20), Picos::ZERO);
+    for i in 1..=senders {
+        set.push_p2p("incast", i, 0, Bytes(bytes), Picos::ZERO);
     }
     (g, set)
 }
@@ -55,7 +56,7 @@ fn ring() -> (NetGraph, FlowSet) {
 
 #[divan::bench(sample_count = 10)]
 fn packet_incast_16_to_1(b: divan::Bencher) {
-    let (g, set) = incast();
+    let (g, set) = incast(16, 100.0, 1 << 20);
     b.bench(|| {
         PacketSimulator::default()
             .simulate(&g, &set)
@@ -88,16 +89,7 @@ fn accelerated_ring_128_gpus_64mib(b: divan::Bencher) {
 /// while DCQCN cuts the four rates in step.
 #[divan::bench(sample_count = 10, args = [false, true])]
 fn accelerated_incast_4_to_1_400g(b: divan::Bencher, cut_jumps: bool) {
-    let g = NetGraph::single_switch(
-        5,
-        Bandwidth::from_gbits_per_sec(400.0),
-        Picos::from_nanos(1000),
-    )
-    .expect("topology");
-    let mut set = FlowSet::default();
-    for i in 1..5u32 {
-        set.push_p2p("incast", i, 0, Bytes(30 << 20), Picos::ZERO);
-    }
+    let (g, set) = incast(4, 400.0, 30 << 20);
     let mut config = PacketConfig::default();
     config.accel.cut_jumps = cut_jumps;
     b.bench(|| {

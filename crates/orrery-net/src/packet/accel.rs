@@ -239,9 +239,9 @@ fn block_samples(per_sample: f64, theta: f64) -> Option<usize> {
     (block <= 1e9).then(|| (block as usize).max(1))
 }
 
-/// The CNPs a flow whose every packet is marked receives: its receiver sends one at the
-/// first marked packet `cnp_interval` after the last (on average half a packet's spacing
-/// after that), and it reaches the sender after the reverse path's latency.
+/// The CNPs a cutting flow receives (see "Cut jumps" in the module essay): its receiver
+/// goes on sending one per `period`, its run's mean cadence, each reaching the sender
+/// after the reverse path's latency.
 struct CnpTrain {
     /// When the receiver sent its last CNP.
     last_sent: Option<Picos>,
@@ -261,14 +261,13 @@ impl CnpTrain {
             .filter(move |t| *t > now)
     }
 
-    /// When the receiver sent the CNPs that reach the sender after `now` and before
-    /// `until`.
-    fn sent_during(&self, now: Picos, until: Picos) -> Vec<Picos> {
+    /// How many of the CNPs reach the sender after `now` and before `until`, and when
+    /// the receiver sent the last of them.
+    fn sent_during(&self, now: Picos, until: Picos) -> (u32, Option<Picos>) {
         let latency = self.latency;
         self.arrivals(now)
             .take_while(|t| *t < until)
-            .map(|t| Picos(t.0 - latency))
-            .collect()
+            .fold((0, None), |(n, _), t| (n + 1, Some(Picos(t.0 - latency))))
     }
 }
 
@@ -287,12 +286,13 @@ struct Steady {
     /// Its rate was cut within the window (or it was released within it): DCQCN is at
     /// work on it, which [`Engine::queues_steady`] asks of a queue over its threshold.
     cut_in_window: bool,
-    /// Its DCQCN rate is falling, cut after cut, with every packet marked, while it still
-    /// sends more than `theta` above what it delivers: a cut jump may carry it (see
-    /// [`AccelConfig::cut_jumps`] and "Cut jumps" in the module essay).
+    /// Its DCQCN rate is falling, cut after cut at the cadence its receiver's run of CNPs
+    /// keeps (this many picoseconds apart), while it still sends more than `theta` above
+    /// what it delivers: a cut jump may carry it (see [`AccelConfig::cut_jumps`] and "Cut
+    /// jumps" in the module essay).
     ///
     /// [`AccelConfig::cut_jumps`]: super::AccelConfig::cut_jumps
-    cutting: bool,
+    cutting: Option<u64>,
 }
 
 /// Fast-forwarding state: per-flow rings of delivered-bytes samples and the active set.
@@ -807,6 +807,30 @@ impl Engine<'_> {
         let slots = (1..=span as u64).map(slot);
         let mut recovering_until = None;
         let cut_in_window = samples.saturating_sub(ff.last_dec_sample[i]) <= w as u64;
+        let mut cutting = None;
+        if cfg.dcqcn {
+            let lo = slots
+                .clone()
+                .map(|at| ff.rate_ring[at])
+                .fold(f64::INFINITY, f64::min);
+            let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
+            if hi - lo > a.rate_theta * hi {
+                // (A quiet partition has no queue deep enough to mark anything.)
+                cutting = (!quiet)
+                    .then(|| self.cut_at_cadence(fl, lo, span))
+                    .flatten();
+                if cutting.is_none() {
+                    return Err(HeldBy::DcqcnRateMoving);
+                }
+            } else if quiet {
+                // A quiet partition: nothing can mark its flows, so a flow whose increase
+                // timer runs holds its rate until it fires, whatever the size of the
+                // change then; the jump stops there, its clocks in their own time.
+                recovering_until = fl.rp.next_increase();
+            } else if !cut_in_window && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate {
+                recovering_until = fl.rp.next_increase();
+            }
+        }
         // The slope between two deliveries is exact for a flow that delivers a packet every
         // fixed period, where a count of packets per sample is off by up to one in each. It
         // is taken over the second half of the window: the first half may still hold the
@@ -816,27 +840,10 @@ impl Engine<'_> {
         let rate = ff
             .slope(i, fl, samples, span)
             .unwrap_or(mean / block as f64 / a.sample_interval.as_secs_f64());
-        let mut cutting = false;
-        if cfg.dcqcn {
-            let lo = slots
-                .clone()
-                .map(|at| ff.rate_ring[at])
-                .fold(f64::INFINITY, f64::min);
-            let hi = slots.map(|at| ff.rate_ring[at]).fold(0.0, f64::max);
-            if hi - lo > a.rate_theta * hi {
-                // (A quiet partition has no queue deep enough to mark anything.)
-                if quiet || !self.cut_without_effect(fl, lo, rate, span) {
-                    return Err(HeldBy::DcqcnRateMoving);
-                }
-                cutting = true;
-            } else if quiet {
-                // A quiet partition: nothing can mark its flows, so a flow whose increase
-                // timer runs holds its rate until it fires, whatever the size of the
-                // change then; the jump stops there, its clocks in their own time.
-                recovering_until = fl.rp.next_increase();
-            } else if !cut_in_window && fl.rp.target - fl.rp.rate > a.rate_theta * fl.rp.rate {
-                recovering_until = fl.rp.next_increase();
-            }
+        // A cutting flow must still send more than `theta` above what it delivers, so that
+        // something else (PFC, a shared port) sets its pace and the cuts change nothing yet.
+        if cutting.is_some() && fl.rp.rate <= (1.0 + a.theta) * rate {
+            return Err(HeldBy::DcqcnRateMoving);
         }
         // Full packets the sender has left before its last one.
         let left = (fl.npkts - 1 - fl.snd_nxt) * u64::from(cfg.mtu_payload);
@@ -868,20 +875,14 @@ impl Engine<'_> {
         }
     }
 
-    /// Whether flow `fl`, whose DCQCN rate moved over the `span` samples tested (its
-    /// lowest `lowest`), is being cut without effect on what it delivers (`delivered`,
-    /// bytes per second), so a cut jump may carry it: cut jumps are on, every data packet
-    /// it delivered over the span was marked (so a CNP comes every `cnp_interval`), its
-    /// rate only fell (it stands at its lowest, in no increase stage) and it still sends
-    /// more than `theta` above what it delivers (something else, PFC or a shared port,
-    /// sets its pace).
-    fn cut_without_effect(&self, fl: &FlowState, lowest: f64, delivered: f64, span: usize) -> bool {
-        let a = &self.cfg.accel;
-        self.cnp_cadence(fl, span).is_some()
-            && fl.rp.decreases > 0
-            && fl.rp.stage == 0
-            && fl.rp.rate <= lowest
-            && fl.rp.rate > (1.0 + a.theta) * delivered
+    /// The cadence at which flow `fl`, whose DCQCN rate moved over the `span` samples
+    /// tested (its lowest `lowest`), is being cut, if a cut jump may carry it: its
+    /// receiver's run of CNPs spans those samples ([`Engine::cnp_cadence`]) and its rate
+    /// only fell (it stands at its lowest, in no increase stage). [`Engine::steady_rate`]
+    /// then asks it to send more than `theta` above what it delivers.
+    fn cut_at_cadence(&self, fl: &FlowState, lowest: f64, span: usize) -> Option<u64> {
+        let falling = fl.rp.decreases > 0 && fl.rp.stage == 0 && fl.rp.rate <= lowest;
+        self.cnp_cadence(fl, span).filter(|_| falling)
     }
 
     /// With cut jumps on, the mean time between the CNPs of flow `fl`'s receiver if they
@@ -927,7 +928,7 @@ impl Engine<'_> {
                 t_left,
                 recovering_until: None,
                 cut_in_window,
-                cutting: false,
+                cutting: None,
             }) = self.steady_rate(ff, i, ff.samples, ff.window, ff.since_change - 1, false)
             else {
                 return;
@@ -1352,15 +1353,12 @@ impl Engine<'_> {
         limit = limit.min(before_completion);
         // A cutting flow's rate falls a CNP's cut at a time: the jump stops before it comes
         // within `theta` of what the flow delivers, or where its increase timer would fire.
-        let mut trains = Vec::new();
+        let mut trains: Vec<Option<CnpTrain>> = Vec::with_capacity(g.flows.len());
         for (k, &f) in g.flows.iter().enumerate() {
-            if !cutting[k] {
+            let Some(period) = cutting[k] else {
+                trains.push(None);
                 continue;
-            }
-            let fl = &self.flows[f as usize];
-            let period = self
-                .cnp_cadence(fl, 0)
-                .unwrap_or(cfg.dcqcn_params.cnp_interval.0);
+            };
             let train = self.cnp_train(f, period);
             let mut rp = self.flows[f as usize].rp.clone();
             let floor = (1.0 + a.theta) * rates[k];
@@ -1369,7 +1367,7 @@ impl Engine<'_> {
             if let Some(t) = rp.drive(&mut arrivals, until, floor, &cfg.dcqcn_params) {
                 limit = limit.min(t.0.saturating_sub(now.0));
             }
-            trains.push((f, train));
+            trains.push(Some(train));
         }
         if limit == u64::MAX {
             return Err(HeldBy::OtherBoundNear);
@@ -1402,6 +1400,7 @@ impl Engine<'_> {
         self.settle_dormant_frees();
         let secs = jump.as_secs_f64();
         let mut moved = 0u64;
+        let until = Picos(now.0 + jump.0);
         for (k, ((&f, &rate), &keeps_clock)) in
             g.flows.iter().zip(&rates).zip(&recovering).enumerate()
         {
@@ -1416,34 +1415,26 @@ impl Engine<'_> {
             // The flow's clock stops with its partition: its delivery point moves with it.
             fl.delivered_at = Picos(fl.delivered_at.0 + jump.0);
             ff.jumped_time[i] = Picos(ff.jumped_time[i].0 + jump.0);
-            fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
-            fl.cnp_run_since = Picos(fl.cnp_run_since.0 + jump.0);
-            // A cutting flow's DCQCN state is driven through the jump below instead.
-            if !keeps_clock && !cutting[k] {
-                fl.rp.shift(jump);
+            if let Some(train) = &trains[k] {
+                // A cutting flow's DCQCN state lives through the jump instead, taking the
+                // CNPs it would have taken (the jump stopped before its rate could
+                // matter); its receiver sent the last of them, its run going on, and
+                // without one its clock stands.
+                p.cutting[i] = true;
+                let _ = fl
+                    .rp
+                    .drive(&mut train.arrivals(now), until, 0.0, &cfg.dcqcn_params);
+                let (sent, last) = train.sent_during(now, until);
+                fl.cnp_run += sent;
+                fl.last_cnp = last.or(fl.last_cnp);
+            } else {
+                fl.last_cnp = fl.last_cnp.map(|t| Picos(t.0 + jump.0));
+                fl.cnp_run_since = Picos(fl.cnp_run_since.0 + jump.0);
+                if !keeps_clock {
+                    fl.rp.shift(jump);
+                }
             }
             moved += self.advance_flow(ff, i, rate * secs);
-        }
-        // A cutting flow's DCQCN state instead lives through the jump, taking the CNPs it
-        // would have taken (the jump stopped before its rate could matter).
-        let until = Picos(now.0 + jump.0);
-        for (f, train) in &trains {
-            let i = *f as usize;
-            p.cutting[i] = true;
-            let fl = &mut self.flows[i];
-            let _ = fl
-                .rp
-                .drive(&mut train.arrivals(now), until, 0.0, &cfg.dcqcn_params);
-            // The receiver sent the last of them, its run going on; without one, its
-            // clock stands.
-            let sent = train.sent_during(now, until);
-            if let Some(&last) = sent.last() {
-                fl.last_cnp = Some(last);
-                fl.cnp_run += sent.len() as u32;
-            } else {
-                fl.last_cnp = train.last_sent;
-            }
-            fl.cnp_run_since = Picos(fl.cnp_run_since.0 - jump.0);
         }
         let (mut appended, mut taken) = (0, 0);
         for c in carried.iter_mut() {
@@ -1516,27 +1507,28 @@ impl Engine<'_> {
             }
         }
         self.ledger = Some(ledger);
-        for (f, _) in &trains {
-            let rp = &self.flows[*f as usize].rp;
-            let (tick, timer) = (rp.pending_decrease(), rp.next_increase());
-            if let Some(t) = tick {
-                self.sched(t, Ev::RpDecrease(*f));
-            }
-            if let Some(t) = timer {
-                self.sched(t, Ev::RpIncrease(*f));
-            }
-            p.cutting[*f as usize] = false;
-        }
         for &f in &g.flows {
-            ff.shift[f as usize] = 0;
-            p.in_group[f as usize] = false;
-            p.keeps_clock[f as usize] = false;
+            let i = f as usize;
+            if p.cutting[i] {
+                let rp = &self.flows[i].rp;
+                let (tick, timer) = (rp.pending_decrease(), rp.next_increase());
+                if let Some(t) = tick {
+                    self.sched(t, Ev::RpDecrease(f));
+                }
+                if let Some(t) = timer {
+                    self.sched(t, Ev::RpIncrease(f));
+                }
+            }
+            ff.shift[i] = 0;
+            p.in_group[i] = false;
+            p.keeps_clock[i] = false;
+            p.cutting[i] = false;
         }
         let st = &mut self.stats;
         st.fast_forwards += 1;
         st.recovering_jumps += u64::from(recovering.contains(&true));
         st.quiet_jumps += u64::from(quiet);
-        st.cut_jumps += u64::from(!trains.is_empty());
+        st.cut_jumps += u64::from(trains.iter().any(Option::is_some));
         st.jumped_time = Picos(st.jumped_time.0 + jump.0);
         st.skipped_packets += moved;
         st.skipped_bytes += moved * mtu;

@@ -343,7 +343,7 @@ pub struct PacketStats {
     /// instead of the whole window (see [`AccelConfig::quiet_window`]).
     pub quiet_jumps: u64,
     /// Of those, the jumps that drove a flow's DCQCN state through the cuts it would take
-    /// while every packet of it was marked (see [`AccelConfig::cut_jumps`]).
+    /// at its receiver's cadence of CNPs (see [`AccelConfig::cut_jumps`]).
     pub cut_jumps: u64,
     /// Packets quiet jumps appended to switch queues growing towards their ECN thresholds,
     /// which they carry instead of freezing (the `carry` module of `packet/accel`).
