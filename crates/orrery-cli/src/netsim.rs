@@ -473,7 +473,7 @@ fn render(s: &NetsimSummary) -> String {
         );
         let _ = writeln!(
             out,
-            "fast-forward: {} jumps ({} up to a recovering flow's rate increase, {} of quiet partitions, {} through DCQCN's cuts, {} packets carried into growing queues, {} out of draining ones) over {} of simulated time, ~{} events skipped",
+            "fast-forward: {} jumps ({} holding a recovering flow, {} of quiet partitions, {} through DCQCN's cuts, {} packets carried into growing queues, {} out of draining ones) over {} of simulated time, ~{} events skipped",
             p.fast_forwards, p.recovering_jumps, p.quiet_jumps, p.cut_jumps, p.carried_packets, p.drained_packets, p.jumped_time, p.skipped_events
         );
         if let Some(line) = render_held(&p.ff_held) {
