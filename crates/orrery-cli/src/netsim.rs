@@ -662,6 +662,25 @@ fn job_scenario(
     Ok(Scenario::from_parts(&name, graph, flows, spec))
 }
 
+/// A scenario's `[packet]` table as a packet-model configuration (the defaults where the
+/// table is absent), or its problems, each naming its field.
+fn packet_config(table: Option<&toml::Table>) -> std::result::Result<PacketConfig, Vec<String>> {
+    let Some(table) = table else {
+        return Ok(PacketConfig::default());
+    };
+    let config: PacketConfig = toml::Value::Table(table.clone())
+        .try_into()
+        .map_err(|e| vec![format!("packet: {e}")])?;
+    let problems = config.problems();
+    if problems.is_empty() {
+        return Ok(config);
+    }
+    Err(problems
+        .iter()
+        .map(|p| format!("packet.{}: {}", p.field, p.reason))
+        .collect())
+}
+
 pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.scenario).map_err(|e| {
         bad(format!(
@@ -671,8 +690,21 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     })?;
     let spec = parse_scenario(&text).map_err(|e| bad(e.to_string()))?;
     let scenario = match &spec.job {
-        Some(job) => job_scenario(job, &spec, &args.scenario)?,
-        None => build(&spec).map_err(|e| bad(e.to_string()))?,
+        Some(job) => job_scenario(job, &spec, &args.scenario),
+        None => build(&spec).map_err(|e| bad(e.to_string())),
+    };
+    // The [packet] table's problems are reported with the rest of the file's, at once.
+    let packet_problems = |problems: Vec<String>| {
+        format!(
+            "the [packet] table has problems:\n  {}",
+            problems.join("\n  ")
+        )
+    };
+    let (scenario, packet_config) = match (scenario, packet_config(spec.packet.as_ref())) {
+        (Ok(s), Ok(c)) => (s, c),
+        (Ok(_), Err(p)) => return Err(bad(packet_problems(p))),
+        (Err(e), Ok(_)) => return Err(e),
+        (Err(e), Err(p)) => return Err(bad(format!("{e}\n{}", packet_problems(p)))),
     };
     let model = match args.model.as_deref() {
         Some("flow") => SimModel::Flow,
@@ -697,23 +729,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             &mut progress,
         ),
         SimModel::Packet => {
-            let mut config: PacketConfig = match &scenario.packet {
-                Some(t) => toml::Value::Table(t.clone())
-                    .try_into()
-                    .map_err(|e| bad(format!("[packet]: {e}")))?,
-                None => PacketConfig::default(),
-            };
-            let problems = config.problems();
-            if !problems.is_empty() {
-                let list: Vec<String> = problems
-                    .iter()
-                    .map(|p| format!("packet.{}: {}", p.field, p.reason))
-                    .collect();
-                return Err(bad(format!(
-                    "the [packet] table has problems:\n  {}",
-                    list.join("\n  ")
-                )));
-            }
+            let mut config = packet_config;
             config.seed = scenario.seed;
             args.packet.apply(&mut config);
             let mut trace = TraceRequest {

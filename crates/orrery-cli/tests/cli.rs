@@ -328,6 +328,29 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);
     assert_eq!(code, 2);
     assert!(stderr.contains("flows[0].dst"), "{stderr}");
+    // Every problem of the file at once: a wrong speed does not hide the endpoint that
+    // does not exist, nor do both hide the [packet] table's.
+    std::fs::write(
+        &scenario,
+        "[topology]\nkind = \"single_switch\"\nendpoints = 2\nlink_gbps = 0\n\
+         [packet.accel]\nwindow = 0\n[[flows]]\nsrc = 0\ndst = 7\nbytes = 1\n",
+    )
+    .unwrap();
+    let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    for field in ["topology.link_gbps", "flows[0].dst", "packet.accel.window"] {
+        assert!(stderr.contains(field), "{field}: {stderr}");
+    }
+    // The [packet] table alone.
+    std::fs::write(
+        &scenario,
+        "[topology]\nkind = \"single_switch\"\nendpoints = 2\n\
+         [packet.accel]\nwindow = 0\n[[flows]]\nsrc = 0\ndst = 1\nbytes = 1\n",
+    )
+    .unwrap();
+    let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("packet.accel.window"), "{stderr}");
 }
 
 #[test]

@@ -232,6 +232,11 @@ impl Problems {
     }
 }
 
+/// The speeds a topology's shape is built with where the scenario's are wrong (their
+/// problems are reported; the shape only numbers the endpoints).
+const DEFAULT_LINK_GBITS: f64 = 400.0;
+const DEFAULT_NVLINK_GBYTES: f64 = 450.0;
+
 /// Largest endpoint count a scenario may build.
 const MAX_ENDPOINTS: u64 = 1 << 16;
 
@@ -384,6 +389,7 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
         );
         return Err(ScenarioError(p.0));
     }
+    // Known wherever the topology's kind and counts are, even if a speed is wrong.
     let graph = build_topology(&spec.topology, &mut p);
     let endpoints = graph.as_ref().map(|g| g.num_endpoints() as u64);
     let per_host = graph.as_ref().map_or(1, |g| g.endpoints_per_host());
@@ -518,10 +524,17 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
     }
 }
 
+/// The topology a scenario describes, its problems pushed to `p`. A speed that is wrong
+/// is reported and replaced by the default, so the topology still numbers its endpoints
+/// and the traffic's endpoints are checked in the same pass; it is `None` only where the
+/// kind or a count is wrong. With any problem in `p` it is no more than that numbering.
 fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
     let kind = p.need("topology.kind", t.kind)?;
+    let default_link = Bandwidth::from_gbits_per_sec(DEFAULT_LINK_GBITS);
+    let default_nvlink = Bandwidth::from_gbytes_per_sec(DEFAULT_NVLINK_GBYTES);
+    let speed = |v: Option<Bandwidth>, fallback: Bandwidth| v.unwrap_or(fallback);
     let link = p
-        .positive_f64("topology.link_gbps", t.link_gbps, Some(400.0))
+        .positive_f64("topology.link_gbps", t.link_gbps, Some(DEFAULT_LINK_GBITS))
         .map(Bandwidth::from_gbits_per_sec);
     let delay = Picos::from_nanos(t.delay_ns.unwrap_or(1_000));
     let count = |p: &mut Problems, path: &str, v: Option<u64>| -> Option<usize> {
@@ -547,51 +560,68 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
     let result: Option<Result<NetGraph, TopologyError>> = match kind {
         TopologyKindSpec::SingleSwitch => {
             let n = count(p, "topology.endpoints", t.endpoints);
-            Some(NetGraph::single_switch(n?, link?, delay))
+            n.map(|n| NetGraph::single_switch(n, speed(link, default_link), delay))
         }
         TopologyKindSpec::Dumbbell => {
             let n = count(p, "topology.endpoints", t.endpoints);
             let b = p
                 .positive_f64("topology.bottleneck_gbps", t.bottleneck_gbps, None)
                 .map(Bandwidth::from_gbits_per_sec);
-            Some(NetGraph::dumbbell(n?, n?, link?, b?, delay))
+            let (link, b) = (speed(link, default_link), speed(b, default_link));
+            n.map(|n| NetGraph::dumbbell(n, n, link, b, delay))
         }
         TopologyKindSpec::RailOptimized => {
             let hosts = count(p, "topology.hosts", t.hosts);
             let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
-            let nvl = p.positive_f64("topology.nvlink_gbytes", t.nvlink_gbytes, Some(450.0));
-            let (hosts, gpus, link, nvl) = (hosts?, gpus?, link?, nvl?);
-            let base = RailOptimizedSpec::dgx_h100(hosts);
-            Some(NetGraph::rail_optimized(&RailOptimizedSpec {
-                gpus_per_host: gpus,
-                nic: link,
-                nvlink: Bandwidth::from_gbytes_per_sec(nvl),
-                link_delay: delay,
-                hosts_per_pod: t.hosts_per_pod.map_or(base.hosts_per_pod, |x| x as usize),
-                spines: t.spines.map_or(base.spines, |x| x as usize),
-                spine_oversubscription: t.oversubscription.unwrap_or(1.0),
-                ..base
-            }))
+            let nvl = p
+                .positive_f64(
+                    "topology.nvlink_gbytes",
+                    t.nvlink_gbytes,
+                    Some(DEFAULT_NVLINK_GBYTES),
+                )
+                .map(Bandwidth::from_gbytes_per_sec);
+            let (link, nvl) = (speed(link, default_link), speed(nvl, default_nvlink));
+            hosts.zip(gpus).map(|(hosts, gpus)| {
+                let base = RailOptimizedSpec::dgx_h100(hosts);
+                NetGraph::rail_optimized(&RailOptimizedSpec {
+                    gpus_per_host: gpus,
+                    nic: link,
+                    nvlink: nvl,
+                    link_delay: delay,
+                    hosts_per_pod: t.hosts_per_pod.map_or(base.hosts_per_pod, |x| x as usize),
+                    spines: t.spines.map_or(base.spines, |x| x as usize),
+                    spine_oversubscription: t.oversubscription.unwrap_or(1.0),
+                    ..base
+                })
+            })
         }
         TopologyKindSpec::FatTree => {
             let hosts = count(p, "topology.hosts", t.hosts);
             let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
-            let nvl = p.positive_f64("topology.nvlink_gbytes", t.nvlink_gbytes, Some(450.0));
-            let (hosts, gpus, link, nvl) = (hosts?, gpus?, link?, nvl?);
-            let base = match t.tiers.unwrap_or(2) {
-                3 => FatTreeSpec::three_tier(hosts),
-                _ => FatTreeSpec::two_tier(hosts),
-            };
-            Some(NetGraph::fat_tree(&FatTreeSpec {
-                gpus_per_host: gpus,
-                nic: link,
-                nvlink: Bandwidth::from_gbytes_per_sec(nvl),
-                link_delay: delay,
-                tiers: t.tiers.unwrap_or(2),
-                spines: t.spines.map_or(base.spines, |x| x as usize),
-                oversubscription: t.oversubscription.unwrap_or(1.0),
-                ..base
-            }))
+            let nvl = p
+                .positive_f64(
+                    "topology.nvlink_gbytes",
+                    t.nvlink_gbytes,
+                    Some(DEFAULT_NVLINK_GBYTES),
+                )
+                .map(Bandwidth::from_gbytes_per_sec);
+            let (link, nvl) = (speed(link, default_link), speed(nvl, default_nvlink));
+            hosts.zip(gpus).map(|(hosts, gpus)| {
+                let base = match t.tiers.unwrap_or(2) {
+                    3 => FatTreeSpec::three_tier(hosts),
+                    _ => FatTreeSpec::two_tier(hosts),
+                };
+                NetGraph::fat_tree(&FatTreeSpec {
+                    gpus_per_host: gpus,
+                    nic: link,
+                    nvlink: nvl,
+                    link_delay: delay,
+                    tiers: t.tiers.unwrap_or(2),
+                    spines: t.spines.map_or(base.spines, |x| x as usize),
+                    oversubscription: t.oversubscription.unwrap_or(1.0),
+                    ..base
+                })
+            })
         }
     };
     match result? {

@@ -80,17 +80,60 @@ fn every_problem_is_reported_with_its_path() {
         "#,
     )
     .unwrap_err();
+    // The wrong speed does not hide the endpoint that does not exist: the topology's
+    // counts number its endpoints whatever its speeds.
     let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
     assert_eq!(
         paths,
         [
             "topology.link_gbps",
             "flows[0].bytes",
+            "flows[0].dst",
             "collectives[0].algorithm",
             "collectives[0].ranks",
         ],
         "{err}"
     );
+}
+
+#[test]
+fn wrong_speeds_do_not_hide_the_traffics_endpoint_problems() {
+    // Every speed of a rail-optimized fabric wrong, and ranks past its 16 GPUs: all are
+    // reported in one pass, the ranks against the GPUs the counts give.
+    let err = load_scenario(
+        r#"
+        [topology]
+        kind = "rail_optimized"
+        hosts = 2
+        gpus_per_host = 8
+        link_gbps = 0
+        nvlink_gbytes = -5
+        [[collectives]]
+        kind = "all_reduce"
+        ranks = { first = 8, count = 9 }
+        bytes = 1000
+        "#,
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "topology.link_gbps",
+            "topology.nvlink_gbytes",
+            "collectives[0].ranks",
+        ],
+        "{err}"
+    );
+    assert!(err.to_string().contains("the topology has 16"), "{err}");
+    // A wrong kind or count still leaves the endpoints unknown, and nothing is said of
+    // the traffic's.
+    let err = load_scenario(
+        "[topology]\nkind = \"single_switch\"\nendpoints = 0\n[[flows]]\nsrc = 0\ndst = 7\nbytes = 1\n",
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(paths, ["topology.endpoints"], "{err}");
 }
 
 #[test]
