@@ -572,6 +572,31 @@ struct JobTraffic {
     max_traffic_gib: Option<f64>,
 }
 
+/// The job a scenario's `[job]` table names (`preset` or `file`, with `set`), or what is
+/// wrong with it.
+fn job_of(
+    j: &JobTraffic,
+    scenario_path: &std::path::Path,
+) -> std::result::Result<orrery_spec::Job, String> {
+    let text = match (&j.preset, &j.file) {
+        (Some(_), Some(_)) => return Err("[job]: give either preset or file, not both".into()),
+        (Some(name), None) => orrery_spec::preset_job_text(name)
+            .map_err(|e| format!("job.preset: {e}"))?
+            .to_string(),
+        (None, Some(file)) => {
+            let path = scenario_path
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join(file);
+            std::fs::read_to_string(&path)
+                .map_err(|e| format!("job.file: cannot read {}: {e}", path.display()))?
+        }
+        (None, None) => return Err("[job]: needs preset or file".into()),
+    };
+    let job_spec = orrery_spec::load_job_spec(&text, &j.set).map_err(|e| e.to_string())?;
+    orrery_spec::Job::from_spec(&job_spec).map_err(|e| e.to_string())
+}
+
 fn job_scenario(
     table: &toml::Table,
     spec: &ScenarioSpec,
@@ -580,24 +605,8 @@ fn job_scenario(
     let j: JobTraffic = toml::Value::Table(table.clone())
         .try_into()
         .map_err(|e| bad(format!("[job]: {e}")))?;
-    let text = match (&j.preset, &j.file) {
-        (Some(_), Some(_)) => return Err(bad("[job]: give either preset or file, not both")),
-        (Some(name), None) => orrery_spec::preset_job_text(name)
-            .map_err(|e| bad(format!("job.preset: {e}")))?
-            .to_string(),
-        (None, Some(file)) => {
-            let path = scenario_path
-                .parent()
-                .unwrap_or(std::path::Path::new("."))
-                .join(file);
-            std::fs::read_to_string(&path)
-                .map_err(|e| bad(format!("job.file: cannot read {}: {e}", path.display())))?
-        }
-        (None, None) => return Err(bad("[job]: needs preset or file")),
-    };
-    let job_spec = orrery_spec::load_job_spec(&text, &j.set).map_err(|e| bad(e.to_string()))?;
-    let job = orrery_spec::Job::from_spec(&job_spec).map_err(|e| bad(e.to_string()))?;
-    // Every problem of the table's own fields at once.
+    // Every problem of the job and of the table's own fields at once.
+    let job = job_of(&j, scenario_path);
     let mut problems = Vec::new();
     let select = match &j.traffic {
         None => Some(orrery_predict::traffic::TrafficSelection::ALL),
@@ -638,11 +647,20 @@ fn job_scenario(
             0
         }
     };
-    let (Some(select), Some(release), true) = (select, release, problems.is_empty()) else {
-        return Err(bad(problems.join("\n")));
+    let (Ok(job), Some(select), Some(release), true) =
+        (job.as_ref(), select, release, problems.is_empty())
+    else {
+        let mut out: Vec<String> = job.err().into_iter().collect();
+        if !problems.is_empty() {
+            out.push(format!(
+                "the [job] table has problems:\n  {}",
+                problems.join("\n  ")
+            ));
+        }
+        return Err(bad(out.join("\n")));
     };
     let (graph, flows) = orrery_predict::traffic::job_traffic_limited(
-        &job, select, release, max_bytes,
+        job, select, release, max_bytes,
     )
     .map_err(|e| match e {
         orrery_predict::traffic::TrafficError::TooLarge { .. } => bad(format!(

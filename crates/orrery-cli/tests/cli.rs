@@ -399,6 +399,13 @@ fn netsim_takes_a_jobs_step_as_traffic_released_by_each_rule() {
     assert_eq!(code, 2);
     assert!(stderr.contains("job.release"), "{stderr}");
     assert!(stderr.contains("job.max_traffic_gib"), "{stderr}");
+    // With the job's own problems and the [packet] table's.
+    let (code, _, stderr) =
+        with_release("release = \"later\"\nset = [\"parallel.pp=0\"]\n[packet.accel]\nwindow = 0");
+    assert_eq!(code, 2);
+    for field in ["parallel.pp", "job.release", "packet.accel.window"] {
+        assert!(stderr.contains(field), "{field}: {stderr}");
+    }
     // A step whose flows outgrow the memory allowed for them is refused with its size,
     // as bad input, not simulated until the memory runs out.
     let (code, _, stderr) = with_release("max_traffic_gib = 0.000001");
