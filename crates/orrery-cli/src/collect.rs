@@ -155,16 +155,49 @@ struct MeasuredRank {
     peak_memory_bytes: u64,
 }
 
+/// The problems of a command's input, gathered so that all are reported at once (each
+/// check's message on a line of its own, exit status 2).
+#[derive(Default)]
+struct InputProblems(Vec<String>);
+
+impl InputProblems {
+    /// The value of a check that passed; a failed one's message is kept.
+    fn check<T>(&mut self, result: Result<T>) -> Option<T> {
+        result.map_err(|e| self.0.push(e.to_string())).ok()
+    }
+
+    fn push(&mut self, message: &str) {
+        self.0.push(message.to_string());
+    }
+
+    /// `value` (what the checks built) if no check failed, else every problem kept as one
+    /// error. A check that built nothing kept its problem, so `value` is there when none is.
+    fn finish<T>(self, value: Option<T>) -> Result<T> {
+        match (self.0.is_empty(), value) {
+            (true, Some(v)) => Ok(v),
+            _ => Err(bad(self.0.join("\n"))),
+        }
+    }
+}
+
 pub fn run_collect(args: &CollectArgs) -> Result<()> {
-    let config = train_config(args.config.as_deref())?;
-    check_timeout(args.timeout)?;
+    let mut problems = InputProblems::default();
+    let config = problems.check(train_config(args.config.as_deref()));
+    problems.check(check_timeout(args.timeout));
     let mpi = args.comm == "mpi";
     let slots = match (args.slots, mpi) {
-        (Some(0), _) => return Err(bad("--slots must be at least 1")),
+        (Some(0), _) => {
+            problems.push("--slots must be at least 1");
+            1
+        }
         // Every rank of an MPI job runs at once; a flag that would be ignored is refused.
-        (Some(_), true) => return Err(bad("--slots applies to --comm threads, not mpi")),
+        (Some(_), true) => {
+            problems.push("--slots applies to --comm threads, not mpi");
+            1
+        }
         (slots, _) => slots.unwrap_or(1),
     };
+    let config = problems.finish(config)?;
     let (file, measured) = if mpi {
         let timeout = Duration::from_secs(args.timeout);
         match mpi_collect::collect_this_rank(&config, args.ranks, args.warmup, timeout)? {
@@ -481,11 +514,18 @@ pub fn run_train_emulation(
     json: bool,
     trace: Option<&Path>,
 ) -> Result<()> {
-    let config = train_config(args.train.as_deref())?;
-    let ranks = args.ranks.ok_or_else(|| bad("--train needs --ranks"))?;
-    check_timeout(args.timeout)?;
-    let live = parse_ranks("--real-ranks", real_ranks)?;
-    let perturb = perturbations(perturb_args)?;
+    let mut problems = InputProblems::default();
+    let config = problems.check(train_config(args.train.as_deref()));
+    let ranks = problems.check(args.ranks.ok_or_else(|| bad("--train needs --ranks")));
+    problems.check(check_timeout(args.timeout));
+    let live = problems.check(parse_ranks("--real-ranks", real_ranks));
+    let perturb = problems.check(perturbations(perturb_args));
+    let (config, ranks, live, perturb) = problems.finish(
+        config
+            .zip(ranks)
+            .zip(live.zip(perturb))
+            .map(|((c, r), (l, p))| (c, r, l, p)),
+    )?;
     let file = match &args.graph {
         Some(path) => {
             let bytes = std::fs::read(path)

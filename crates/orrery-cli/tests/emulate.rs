@@ -446,4 +446,44 @@ fn collection_flags_and_input_errors_exit_2() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(!out.exists());
     }
+    // A wrong configuration and wrong flags are reported at once, for collection and for
+    // emulation of the training program alike.
+    let broken = job.with_file_name("broken.toml");
+    std::fs::write(&broken, "[model]\nn_layers = 0\n").unwrap();
+    let b = broken.to_str().unwrap();
+    let (code, _, stderr) = orrery(&[
+        "collect",
+        b,
+        "--ranks",
+        "8",
+        "--slots",
+        "0",
+        "--timeout",
+        "0",
+        "--out",
+        o,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in ["model.n_layers", "--slots must be", "--timeout must be"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        b,
+        "--real-ranks",
+        "0,x",
+        "--timeout",
+        "0",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in [
+        "model.n_layers",
+        "--train needs --ranks",
+        "--timeout must be",
+        "--real-ranks",
+    ] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
+    assert!(!out.exists());
 }

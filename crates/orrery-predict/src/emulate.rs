@@ -117,7 +117,8 @@ pub enum EmulateError {
     },
     #[error("real ranks: none given")]
     NoLiveRank,
-    #[error("{} problems: {}", .0.len(), .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    /// Every problem found, one per line as the other specs list theirs.
+    #[error("the emulation has {} problem(s):\n  {}", .0.len(), .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  "))]
     Many(Vec<EmulateError>),
     #[error("op {op} of participant {participant} is not waiting for a duration")]
     NotWaiting { participant: u32, op: u32 },
