@@ -9,6 +9,7 @@
 //! from a collection (`--graph`, or collected on the spot) and reports the emulated step.
 
 use crate::emulate::{parse_ranks, perturbations, PerturbArgs};
+use crate::InputProblems;
 use crate::{atomic_write, bad, progress_bar};
 use anyhow::{Context, Result};
 use orrery_emulate::calibrate::MeasuredNetwork;
@@ -153,31 +154,6 @@ struct MeasuredRank {
     step_ps: u64,
     compute_ps: u64,
     peak_memory_bytes: u64,
-}
-
-/// The problems of a command's input, gathered so that all are reported at once (each
-/// check's message on a line of its own, exit status 2).
-#[derive(Default)]
-struct InputProblems(Vec<String>);
-
-impl InputProblems {
-    /// The value of a check that passed; a failed one's message is kept.
-    fn check<T>(&mut self, result: Result<T>) -> Option<T> {
-        result.map_err(|e| self.0.push(e.to_string())).ok()
-    }
-
-    fn push(&mut self, message: &str) {
-        self.0.push(message.to_string());
-    }
-
-    /// `value` (what the checks built) if no check failed, else every problem kept as one
-    /// error. A check that built nothing kept its problem, so `value` is there when none is.
-    fn finish<T>(self, value: Option<T>) -> Result<T> {
-        match (self.0.is_empty(), value) {
-            (true, Some(v)) => Ok(v),
-            _ => Err(bad(self.0.join("\n"))),
-        }
-    }
 }
 
 pub fn run_collect(args: &CollectArgs) -> Result<()> {

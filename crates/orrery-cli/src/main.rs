@@ -260,6 +260,31 @@ impl std::fmt::Display for BadInput {
 
 impl std::error::Error for BadInput {}
 
+/// The problems of a command's input, gathered so that all are reported at once (each
+/// check's message on a line of its own, exit status 2).
+#[derive(Default)]
+pub(crate) struct InputProblems(Vec<String>);
+
+impl InputProblems {
+    /// The value of a check that passed; a failed one's message is kept.
+    pub(crate) fn check<T>(&mut self, result: Result<T>) -> Option<T> {
+        result.map_err(|e| self.0.push(e.to_string())).ok()
+    }
+
+    pub(crate) fn push(&mut self, message: &str) {
+        self.0.push(message.to_string());
+    }
+
+    /// `value` (what the checks built) if no check failed, else every problem kept as one
+    /// error. A check that built nothing kept its problem, so `value` is there when none is.
+    pub(crate) fn finish<T>(self, value: Option<T>) -> Result<T> {
+        match (self.0.is_empty(), value) {
+            (true, Some(v)) => Ok(v),
+            _ => Err(bad(self.0.join("\n"))),
+        }
+    }
+}
+
 fn bad(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(BadInput(msg.into()))
 }

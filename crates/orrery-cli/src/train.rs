@@ -127,15 +127,9 @@ impl TrainObserver for Progress {
     }
 }
 
-pub fn run_train(args: &TrainArgs) -> Result<()> {
-    let mut config = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
-            TrainConfig::from_toml_str(&text).map_err(|e| bad(e.to_string()))?
-        }
-        None => TrainConfig::default(),
-    };
+/// `config` with the flags that override its fields (`--optimizer`, `--steps`, `--data`,
+/// `--out`).
+fn with_overrides(mut config: TrainConfig, args: &TrainArgs) -> TrainConfig {
     if let Some(o) = &args.optimizer {
         config.optimizer.name = o.clone();
     }
@@ -150,22 +144,55 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         config.data.path = Some(d.clone());
     }
     config.out_dir = Some(args.out.clone());
-    config.validate().map_err(|e| bad(e.to_string()))?;
-    let name = config.optimizer.name.clone();
-    let second_order = name == "soap" || name == "shampoo";
-    if (args.async_refresh || args.device_budget.is_some() || args.host_budget.is_some())
-        && !second_order
-    {
-        return Err(bad(format!(
-            "--async, --device-budget and --host-budget apply to soap and shampoo, not {name}"
-        )));
-    }
-    if (args.device_budget.is_some() || args.host_budget.is_some()) && name != "soap" {
-        return Err(bad("--device-budget and --host-budget apply to soap only"));
+    config
+}
+
+pub fn run_train(args: &TrainArgs) -> Result<()> {
+    // The configuration's problems and the flags' are reported at once.
+    let mut problems = crate::InputProblems::default();
+    let config = match &args.config {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
+            // Parsed only: the flags override it before it is validated as a whole.
+            .and_then(|text| {
+                toml::from_str::<TrainConfig>(&text)
+                    .map_err(|e| bad(orrery_train::config::ConfigLoadError::Parse(e).to_string()))
+            }),
+        None => Ok(TrainConfig::default()),
+    };
+    let config = problems
+        .check(config)
+        .map(|config| with_overrides(config, args));
+    // Which optimizer the flags apply to is known from a configuration that loaded, valid or
+    // not.
+    if let Some(config) = &config {
+        problems.check(config.validate().map_err(|e| bad(e.to_string())));
+        let name = &config.optimizer.name;
+        let second_order = name == "soap" || name == "shampoo";
+        if (args.async_refresh || args.device_budget.is_some() || args.host_budget.is_some())
+            && !second_order
+        {
+            problems.push(&format!(
+                "--async, --device-budget and --host-budget apply to soap and shampoo, not {name}"
+            ));
+        } else if (args.device_budget.is_some() || args.host_budget.is_some()) && name != "soap" {
+            problems.push("--device-budget and --host-budget apply to soap only");
+        }
     }
     if args.ranks == 0 {
-        return Err(bad("--ranks must be at least 1"));
+        problems.push("--ranks must be at least 1");
     }
+    if args.async_refresh && args.workers == 0 {
+        problems.push("--workers must be at least 1");
+    }
+    if !(args.basis_threshold.is_finite() && args.basis_threshold >= 0.0) {
+        problems.push(&format!(
+            "--basis-threshold must be a number from 0 up, not {}",
+            args.basis_threshold
+        ));
+    }
+    let config = problems.finish(config)?;
+    let name = config.optimizer.name.clone();
     let mpi = if args.comm == "mpi" {
         if args.ranks != 1 {
             return Err(bad(
@@ -191,7 +218,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     let rank = mpi.as_ref().map_or(0, mpi_rank::MpiRank::rank);
     let refresh = if args.async_refresh {
         RefreshMode::Async {
-            workers: args.workers.max(1),
+            workers: args.workers,
             staleness: args.staleness,
             apply_at_deadline: false,
         }

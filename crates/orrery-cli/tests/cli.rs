@@ -798,6 +798,21 @@ fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
     assert_eq!(code, 0, "{stderr}");
     let first: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
     assert_eq!(first["step"].as_u64(), Some(4), "{stdout}");
+    // The flags override the file before it is validated: a file that asks for no steps
+    // trains the steps --steps gives.
+    let zero = dir.join("zero.toml");
+    std::fs::write(&zero, TINY_TRAIN.replace("steps = 6", "steps = 0")).unwrap();
+    let (code, stdout, stderr) = orrery(&[
+        "train",
+        zero.to_str().unwrap(),
+        "--json",
+        "--steps",
+        "1",
+        "--out",
+        dir.join("zero").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
     // Bad input: exit status 2 naming the problem.
     let (code, _, stderr) = orrery(&["train", config.to_str().unwrap(), "--async"]);
     assert_eq!(code, 2);
@@ -808,6 +823,31 @@ fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
     assert!(stderr.contains("model."), "{stderr}");
     let (code, _, stderr) = orrery(&["train", "--device-budget", "lots"]);
     assert_eq!(code, 2, "{stderr}");
+    // The configuration's problems and every flag's at once, none of them trained on.
+    let (code, _, stderr) = orrery(&[
+        "train",
+        config.to_str().unwrap(),
+        "--optimizer",
+        "adamw",
+        "--async",
+        "--workers",
+        "0",
+        "--ranks",
+        "0",
+        "--basis-threshold=-1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in [
+        "model.",
+        "soap and shampoo, not adamw",
+        "--ranks must be at least 1",
+        "--workers must be at least 1",
+        "--basis-threshold",
+    ] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
 }
 
 #[test]
