@@ -7,7 +7,7 @@
 //! the price of one timeline per class of ranks that behave alike rather than the whole
 //! world. With `--train` (the `collect` module) the real training program runs them.
 
-use crate::{atomic_write, bad, load_job, progress_spinner, JobArgs};
+use crate::{atomic_write, bad, load_job, progress_spinner, InputProblems, JobArgs};
 use anyhow::{Context, Result};
 use orrery_predict::emulate::{
     report, DegradedLink, EmulateError, Emulation, EmulationReport, Perturbations, Pruning,
@@ -200,12 +200,18 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
             args.trace.as_deref(),
         );
     }
+    let mut problems = InputProblems::default();
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
-        return Err(e);
+        problems.check::<()>(Err(e));
     }
-    let job = load_job(&args.job)?;
-    let live = parse_ranks("--real-ranks", &args.real_ranks)?;
-    let perturb = perturbations(&args.perturb)?;
+    let live = problems.check(parse_ranks("--real-ranks", &args.real_ranks));
+    let perturb = problems.check(perturbations(&args.perturb));
+    let job = load_job(&args.job, &mut problems);
+    let (job, live, perturb) = problems.finish(
+        job.zip(live)
+            .zip(perturb)
+            .map(|((job, live), perturb)| (job, live, perturb)),
+    )?;
     let pruning = if args.no_prune {
         Pruning::None
     } else {

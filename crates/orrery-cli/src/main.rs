@@ -405,25 +405,37 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// Reads the job from a file, a preset or the default, applies overrides and validates.
-fn load_job(args: &JobArgs) -> Result<Job> {
-    let text = match (&args.job, &args.preset) {
+/// Reads the job from a file, a preset or the default, applies overrides and validates:
+/// the job, or `None` with every problem found kept in `problems`, which the caller
+/// reports with its own flags' at once ([`InputProblems::finish`]).
+fn load_job(args: &JobArgs, problems: &mut InputProblems) -> Option<Job> {
+    let text = problems.check(match (&args.job, &args.preset) {
         (Some(path), _) => std::fs::read_to_string(path)
-            .map_err(|e| bad(format!("cannot read job file {}: {e}", path.display())))?,
+            .map_err(|e| bad(format!("cannot read job file {}: {e}", path.display()))),
         (None, name) => preset_job_text(name.as_deref().unwrap_or(presets::DEFAULT_JOB))
-            .map_err(|e| bad(e.to_string()))?
-            .to_string(),
-    };
-    let mut spec: JobSpec = load_job_spec(&text, &args.set).map_err(|e| bad(e.to_string()))?;
-    if let Some(path) = &args.hf_config {
-        let json = std::fs::read_to_string(path)
-            .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
-        let model =
-            hf::model_from_hf_config(&json).map_err(|e| bad(format!("{}: {e}", path.display())))?;
-        // Keep model fields the job or --set gave explicitly (sequence length, say).
-        spec.model = merge_hf(model, &spec);
-    }
-    Job::from_spec(&spec).map_err(|e| bad(e.to_string()))
+            .map(str::to_string)
+            .map_err(|e| bad(e.to_string())),
+    });
+    let hf_model = args.hf_config.as_ref().and_then(|path| {
+        problems.check(
+            std::fs::read_to_string(path)
+                .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
+                .and_then(|json| {
+                    hf::model_from_hf_config(&json)
+                        .map_err(|e| bad(format!("{}: {e}", path.display())))
+                }),
+        )
+    });
+    let spec: Option<JobSpec> = text.and_then(|text| {
+        problems.check(load_job_spec(&text, &args.set).map_err(|e| bad(e.to_string())))
+    });
+    spec.and_then(|mut spec| {
+        if let Some(model) = hf_model {
+            // Keep model fields the job or --set gave explicitly (sequence length, say).
+            spec.model = merge_hf(model, &spec);
+        }
+        problems.check(Job::from_spec(&spec).map_err(|e| bad(e.to_string())))
+    })
 }
 
 /// The HF model, with the job's explicit sequence length winning (configs state the
@@ -436,10 +448,12 @@ fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_sp
 }
 
 fn run_predict(args: &PredictArgs) -> Result<()> {
+    let mut problems = InputProblems::default();
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
-        return Err(e);
+        problems.check::<()>(Err(e));
     }
-    let job = load_job(&args.job)?;
+    let job = load_job(&args.job, &mut problems);
+    let job = problems.finish(job)?;
     let mode = if args.all_ranks {
         ReplayMode::AllRanks
     } else {

@@ -641,6 +641,37 @@ fn predict_on_the_packet_network_takes_the_acceleration_switches() {
             "{stderr}"
         );
     }
+    // A refused switch does not hide the job's problems, nor they the other flags': all
+    // at once.
+    let missing = dir.join("missing.json");
+    let missing = missing.to_str().unwrap();
+    let (code, _, stderr) = orrery(&[
+        "predict",
+        job,
+        "--no-memo",
+        "--set",
+        "parallel.tp=0",
+        "--hf-config",
+        missing,
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in ["--no-memo", "parallel.tp", "missing.json"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--preset",
+        "nope",
+        "--no-memo",
+        "--real-ranks",
+        "x",
+        "--slow",
+        "5",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in ["--no-memo", "nope", "--real-ranks", "--slow"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
 }
 
 /// `--memo-cache` carries the packet model's memo from one `predict` (or `emulate`) to
