@@ -1,7 +1,7 @@
 //! `orrery netsim SCENARIO`: run a network scenario and report flow completion times,
 //! per-collective completion, link utilisation and PFC pauses.
 
-use crate::{atomic_write, atomic_write_with, bad};
+use crate::{atomic_write, atomic_write_with, bad, InputProblems};
 use anyhow::Result;
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::packet::{FastForwardHeld, HeldBy, PacketConfig, TraceRequest};
@@ -707,28 +707,44 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         ))
     })?;
     let spec = parse_scenario(&text).map_err(|e| bad(e.to_string()))?;
-    let scenario = match &spec.job {
+    // The file's problems (its traffic's, its [packet] table's) and the flags' at once.
+    let mut problems = InputProblems::default();
+    let scenario = problems.check(match &spec.job {
         Some(job) => job_scenario(job, &spec, &args.scenario),
         None => build(&spec).map_err(|e| bad(e.to_string())),
-    };
-    // The [packet] table's problems are reported with the rest of the file's, at once.
-    let packet_problems = |problems: Vec<String>| {
-        format!(
+    });
+    let packet_config = problems.check(packet_config(spec.packet.as_ref()).map_err(|p| {
+        bad(format!(
             "the [packet] table has problems:\n  {}",
-            problems.join("\n  ")
-        )
-    };
-    let (scenario, packet_config) = match (scenario, packet_config(spec.packet.as_ref())) {
-        (Ok(s), Ok(c)) => (s, c),
-        (Ok(_), Err(p)) => return Err(bad(packet_problems(p))),
-        (Err(e), Ok(_)) => return Err(e),
-        (Err(e), Err(p)) => return Err(bad(format!("{e}\n{}", packet_problems(p)))),
-    };
+            p.join("\n  ")
+        ))
+    }));
     let model = match args.model.as_deref() {
         Some("flow") => SimModel::Flow,
         Some(_) => SimModel::Packet,
-        None => scenario.model,
+        None => spec.simulator.model.unwrap_or(SimModel::Packet),
     };
+    if model == SimModel::Flow {
+        // A switch of the packet model would be ignored: refused, as predict refuses it.
+        let mut given = args.packet.given();
+        if args.queue_trace.is_some() {
+            given.push("--queue-trace");
+        }
+        if !given.is_empty() {
+            problems.push(&format!(
+                "{} {} to the packet model, but this run is at flow level: run it with \
+                 --model packet or leave {} out",
+                given.join(", "),
+                if given.len() == 1 { "applies" } else { "apply" },
+                if given.len() == 1 { "it" } else { "them" }
+            ));
+        }
+    }
+    if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
+    {
+        problems.push("--queue-trace-us must be a positive number");
+    }
+    let (scenario, packet_config) = problems.finish(scenario.zip(packet_config))?;
     let total = scenario.flows.flows.len() as u64;
     let bar = crate::progress_bar(total, "simulating {bar:40} {pos}/{len} flows done, {msg}");
     let mut progress = |p: SimProgress| {
@@ -761,9 +777,6 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
                         "--queue-trace: link {link} does not exist (the topology has {})",
                         scenario.graph.links().len()
                     )));
-                }
-                if !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0) {
-                    return Err(bad("--queue-trace-us must be a positive number"));
                 }
                 trace = TraceRequest {
                     interval: Picos::from_secs_f64(args.queue_trace_us * 1e-6),

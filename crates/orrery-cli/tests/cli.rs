@@ -341,6 +341,20 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     for field in ["topology.link_gbps", "flows[0].dst", "packet.accel.window"] {
         assert!(stderr.contains(field), "{field}: {stderr}");
     }
+    // The packet model's switches are refused at flow level, with the file's problems.
+    let (code, _, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--model",
+        "flow",
+        "--no-memo",
+        "--queue-trace",
+        "1",
+    ]);
+    assert_eq!(code, 2);
+    for expected in ["--no-memo, --queue-trace apply", "flows[0].dst"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
     // The [packet] table alone.
     std::fs::write(
         &scenario,
