@@ -563,51 +563,71 @@ fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
 }
 
 fn run_replay(args: &ReplayArgs) -> Result<()> {
+    // The traces', the groups file's and the flags' problems at once.
+    let mut problems = InputProblems::default();
     let mut traces = Vec::new();
+    let mut corrupt = false;
     loop {
         let path = with_suffix(&args.prefix, &format!(".{}.et", traces.len()));
         let Ok(bytes) = std::fs::read(&path) else {
             break;
         };
-        let rank = orrery_graph::chakra::import_rank(&bytes)
-            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
-        traces.push(rank);
+        // A corrupt rank is reported and the next ones read on, so every corrupt file is
+        // named at once; its place is kept so the ranks keep their numbers.
+        match orrery_graph::chakra::import_rank(&bytes) {
+            Ok(rank) => traces.push(Some(rank)),
+            Err(e) => {
+                problems.push(&format!("{}: {e}", path.display()));
+                corrupt = true;
+                traces.push(None);
+            }
+        }
     }
     if traces.is_empty() {
-        return Err(bad(format!(
+        problems.push(&format!(
             "no trace found at {}",
             with_suffix(&args.prefix, ".0.et").display()
-        )));
+        ));
     }
     let groups_path = args
         .groups
         .clone()
         .unwrap_or_else(|| with_suffix(&args.prefix, ".groups.json"));
-    let groups: std::collections::BTreeMap<String, Vec<u32>> =
+    let groups: Option<std::collections::BTreeMap<String, Vec<u32>>> =
         match std::fs::read_to_string(&groups_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+            Ok(text) => problems.check(serde_json::from_str(&text).map_err(|e| {
                 bad(format!(
                     "{}: not a comm-group JSON object of rank lists: {e}",
                     groups_path.display()
                 ))
-            })?,
-            Err(_) if args.groups.is_none() => Default::default(),
-            Err(e) => return Err(bad(format!("cannot read {}: {e}", groups_path.display()))),
+            })),
+            Err(_) if args.groups.is_none() => Some(Default::default()),
+            Err(e) => {
+                problems.push(&format!("cannot read {}: {e}", groups_path.display()));
+                None
+            }
         };
-    let preset =
-        presets::gpu(&args.gpu).ok_or_else(|| bad(format!("--gpu: unknown GPU `{}`", args.gpu)))?;
+    let preset = presets::gpu(&args.gpu);
+    if preset.is_none() {
+        problems.push(&format!("--gpu: unknown GPU `{}`", args.gpu));
+    }
+    if args.gpus_per_node == 0 {
+        problems.push("--gpus-per-node must be at least 1");
+    }
+    if let Some(nic) = args.nic_gbps {
+        if !(nic.is_finite() && nic > 0.0) {
+            problems.push(&format!("--nic-gbps must be a positive number, got {nic}"));
+        }
+    }
+    let traces: Option<Vec<_>> = (!corrupt).then(|| traces.into_iter().flatten().collect());
+    let (traces, (groups, preset)) = problems.finish(traces.zip(groups.zip(preset)))?;
     let ranks = traces.len() as u64;
     let mut cluster = orrery_spec::Cluster::of_preset(
         preset,
         args.gpus_per_node,
-        ranks.div_ceil(args.gpus_per_node.max(1)),
+        ranks.div_ceil(args.gpus_per_node),
     );
     if let Some(nic) = args.nic_gbps {
-        if !(nic.is_finite() && nic > 0.0) {
-            return Err(bad(format!(
-                "--nic-gbps must be a positive number, got {nic}"
-            )));
-        }
         cluster.nic_bandwidth = orrery_units::Bandwidth::from_gbits_per_sec(nic);
     }
     let (report, _) =

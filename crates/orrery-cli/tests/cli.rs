@@ -193,6 +193,25 @@ fn exported_chakra_traces_replay_to_the_predicted_step_time() {
     let replayed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(replayed["ranks"], 16);
     assert_eq!(replayed["step_time"], predicted["step_time"]);
+    // Every corrupt rank is named, with the flags' problems, at once.
+    let good = std::fs::read(dir.join("job.2.et")).unwrap();
+    for rank in [2, 7] {
+        std::fs::write(dir.join(format!("job.{rank}.et")), b"junk").unwrap();
+    }
+    let (code, _, stderr) = orrery(&[
+        "replay",
+        prefix.to_str().unwrap(),
+        "--gpu",
+        "nope",
+        "--gpus-per-node",
+        "0",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    for expected in ["job.2.et", "job.7.et", "--gpu", "--gpus-per-node"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
+    std::fs::write(dir.join("job.2.et"), &good).unwrap();
+    std::fs::remove_file(dir.join("job.7.et")).unwrap();
     // A missing rank is bad input, reported with exit status 2.
     std::fs::remove_file(dir.join("job.5.et")).unwrap();
     assert_eq!(orrery(&["replay", prefix.to_str().unwrap()]).0, 2);
