@@ -148,6 +148,11 @@ fn job_step(
 }
 
 fn gpt_step(gpus: u32, release: Release) -> Result<Scenario> {
+    if !gpus.is_multiple_of(8) {
+        return Err(crate::bad(format!(
+            "--gpt-gpus: {gpus} is not a multiple of 8 (tp 2 x pp 4 per replica)"
+        )));
+    }
     let nodes = gpus / 8;
     let dp = gpus / 8; // tp 2 x pp 4 = 8 GPUs per replica
     let set = vec![
@@ -414,25 +419,29 @@ impl From<RunErrors> for AccelErrors {
 /// Runs every scenario and prints the table (row by row, as they finish) or the JSON
 /// report (at the end).
 pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
+    // Every scenario is built before any runs, so that every wrong count is named at once.
+    let mut problems = crate::InputProblems::default();
     let mut scenarios = Vec::new();
+    let mut add = |scenario: Result<Scenario>| scenarios.extend(problems.check(scenario));
     if b.ring_mib > 0 {
-        scenarios.push(ring_all_reduce(128, b.ring_mib << 20)?);
+        add(ring_all_reduce(128, b.ring_mib << 20));
     }
     if b.cross_pod_mib > 0 {
-        scenarios.push(cross_pod_rings(b.cross_pod_mib << 20)?);
+        add(cross_pod_rings(b.cross_pod_mib << 20));
     }
     for &g in b.gpt_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(gpt_step(g, b.release)?);
+        add(gpt_step(g, b.release));
     }
     for &g in b.gpt_13b_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(gpt_13b_step(g, b.release)?);
+        add(gpt_13b_step(g, b.release));
     }
     for &g in b.llama_pp_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(llama_pipeline_step(g, b.release)?);
+        add(llama_pipeline_step(g, b.release));
     }
     for &g in b.moe_gpus.iter().filter(|&&g| g > 0) {
-        scenarios.push(moe_step(g, b.pxn, b.release)?);
+        add(moe_step(g, b.pxn, b.release));
     }
+    problems.finish(Some(()))?;
     if b.routing == Routing::Pinned {
         // Flows name endpoints, not paths, so the same traffic runs on the pinned fabric.
         for s in &mut scenarios {

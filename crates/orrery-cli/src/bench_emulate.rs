@@ -76,6 +76,16 @@ fn emulate_once(job: &Job, pruning: Pruning) -> Result<Measured> {
 }
 
 pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
+    // Every world size is checked before anything runs, and every wrong one named.
+    let mut problems = crate::InputProblems::default();
+    for &g in gpus {
+        if g < 32 || g % 32 != 0 {
+            problems.push(&format!(
+                "--emulate-gpus: {g} is not a multiple of 32 (TP 8 x PP 4)"
+            ));
+        }
+    }
+    problems.finish(Some(()))?;
     outln!(
         "orrery bench --emulate: {} with one real rank (rank 0), pruned; median of {runs} runs",
         presets::DEFAULT_JOB
@@ -94,11 +104,6 @@ pub fn run_emulate_bench(runs: u32, gpus: &[u32]) -> Result<()> {
         "peak RSS"
     );
     for &g in gpus {
-        if g < 32 || g % 32 != 0 {
-            return Err(crate::bad(format!(
-                "--emulate-gpus: {g} is not a multiple of 32 (TP 8 x PP 4)"
-            )));
-        }
         let job = job_on(g)?;
         let mut m = None;
         let secs = median_secs(runs, || {

@@ -82,7 +82,7 @@ enum Command {
     /// packet model against its reference; --train: the optimizers on real training runs).
     Bench {
         /// Repetitions per scenario (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
         runs: u32,
         /// Instead: the accelerated packet model against the packet-by-packet reference on
         /// training traffic (ring all-reduce, GPT steps, an MoE step): the reference once,
@@ -346,7 +346,7 @@ fn run(cli: Cli) -> Result<()> {
             emulate_gpus,
             runs,
             ..
-        } => bench_emulate::run_emulate_bench(runs.max(1), &emulate_gpus),
+        } => bench_emulate::run_emulate_bench(runs, &emulate_gpus),
         Command::Bench {
             emulate_fidelity: true,
             mpi,
@@ -360,9 +360,9 @@ fn run(cli: Cli) -> Result<()> {
                 orrery_train::DeviceKind::Cpu
             };
             if mpi {
-                bench_emulate::run_fidelity_bench_mpi(runs.max(1), device)
+                bench_emulate::run_fidelity_bench_mpi(runs, device)
             } else {
-                bench_emulate::run_fidelity_bench(runs.max(1), device)
+                bench_emulate::run_fidelity_bench(runs, device)
             }
         }
         Command::Bench {
@@ -401,7 +401,7 @@ fn run(cli: Cli) -> Result<()> {
             release: orrery_predict::traffic::Release::from_name(&release).unwrap_or_default(),
             json: train.json,
         }),
-        Command::Bench { runs, .. } => run_bench(runs.max(1)),
+        Command::Bench { runs, .. } => run_bench(runs),
     }
 }
 

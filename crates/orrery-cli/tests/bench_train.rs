@@ -348,6 +348,28 @@ fn bad_options_exit_with_status_2() {
             &["bench", "--train", "--data", "/nonexistent/corpus"][..],
             "/nonexistent/corpus",
         ),
+        (&["bench", "--runs", "0"][..], "--runs"),
+        (
+            &["bench", "--emulate", "--emulate-gpus", "33,40"][..],
+            "40 is not a multiple of 32",
+        ),
+        (
+            &[
+                "bench",
+                "--accel",
+                "--ring-mib",
+                "0",
+                "--gpt-gpus",
+                "100",
+                "--moe-gpus",
+                "65",
+            ][..],
+            "65 is not a multiple of 64",
+        ),
+        (
+            &["bench", "--accel", "--ring-mib", "0", "--gpt-gpus", "100"][..],
+            "100 is not a multiple of 8",
+        ),
         (&["bench", "--soap", "frequency=2"][..], "--train"),
         (&["bench", "--no-tiering"][..], "--train"),
         (&["bench", "--json"][..], "--json"),
