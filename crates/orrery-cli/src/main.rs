@@ -858,7 +858,10 @@ fn progress_spinner(msg: &'static str) -> indicatif::ProgressBar {
 }
 
 /// Writes a file atomically: a temporary file in the same folder, fsync, then rename, so a
-/// crash never leaves a half-written trace or chart behind.
+/// crash never leaves a half-written trace or chart behind. A path naming something that is
+/// not a regular file (a device such as `/dev/null`, a FIFO) is written in place instead:
+/// renaming over it would put a file where the device was, and every later reader of
+/// `/dev/null` would read what was written there.
 fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     atomic_write_with(path, |w| w.write_all(bytes))
 }
@@ -877,6 +880,14 @@ fn atomic_write_with(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        let write = || -> std::io::Result<()> {
+            let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+            fill(&mut w)?;
+            w.flush()
+        };
+        return write().map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()));
+    }
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);

@@ -270,6 +270,36 @@ fn hf_config_replaces_the_model() {
     assert_eq!(code, 2, "{stderr}");
 }
 
+/// An output path that names a FIFO (or a device such as `/dev/null`) is written in place:
+/// the atomic write's rename would have put a regular file where it was. (Once, on a CI
+/// machine, `/dev/null` held a compiler's complaint, and cargo read it as source code.)
+#[cfg(unix)]
+#[test]
+fn outputs_to_a_fifo_are_written_through_it_not_renamed_over_it() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = temp_dir("fifo-out");
+    let fifo = dir.join("out.json");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("mkfifo is not available here; nothing to check");
+        return;
+    }
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read_to_string(fifo).unwrap())
+    };
+    let scenario = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/scenarios/incast.toml"
+    );
+    let (code, _, stderr) = orrery(&["netsim", scenario, "--out", fifo.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    let kind = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+    assert!(kind.is_fifo(), "the FIFO was replaced: {kind:?}");
+    let written: serde_json::Value = serde_json::from_str(&reader.join().unwrap()).unwrap();
+    assert_eq!(written["flows"].as_array().map(Vec::len), Some(8));
+}
+
 #[test]
 fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     let dir = temp_dir("netsim");

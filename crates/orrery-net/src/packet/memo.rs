@@ -421,12 +421,18 @@ impl MemoCache {
     }
 
     /// Writes the cache atomically: a temporary file beside `path`, synced, then renamed.
+    /// A path naming something that is not a regular file (`/dev/null`, a FIFO) is written
+    /// in place: renaming over it would put a file where the device was.
     pub fn save(&self, path: &Path) -> Result<(), MemoFileError> {
         use std::io::Write;
         let io = |source| MemoFileError::Io {
             path: path.to_path_buf(),
             source,
         };
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            let mut f = std::fs::File::create(path).map_err(io)?;
+            return f.write_all(&self.to_bytes()).map_err(io);
+        }
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
@@ -2287,6 +2293,30 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let err = MemoCache::load(&path).unwrap_err();
         assert!(matches!(err, MemoFileError::Checksum { .. }), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A cache path naming a FIFO (or `/dev/null`) is written through, not renamed over.
+    #[cfg(unix)]
+    #[test]
+    fn save_writes_through_a_fifo_instead_of_replacing_it() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = std::env::temp_dir().join(format!("orrery-memo-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("cache.bin");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if !made.is_ok_and(|s| s.success()) {
+            return; // no mkfifo here: nothing to check
+        }
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read(fifo).unwrap())
+        };
+        sample().save(&fifo).unwrap();
+        let kind = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+        assert!(kind.is_fifo(), "the FIFO was replaced: {kind:?}");
+        let bytes = reader.join().unwrap();
+        assert_eq!(MemoCache::from_bytes(&bytes).unwrap(), sample());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
