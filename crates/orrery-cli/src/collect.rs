@@ -158,6 +158,8 @@ struct MeasuredRank {
 
 pub fn run_collect(args: &CollectArgs) -> Result<()> {
     let mut problems = InputProblems::default();
+    problems.output("--out", Some(&args.out));
+    problems.output("--chakra", args.chakra.as_deref());
     let config = problems.check(train_config(args.config.as_deref()));
     problems.check(check_timeout(args.timeout));
     let mpi = args.comm == "mpi";
@@ -491,6 +493,7 @@ pub fn run_train_emulation(
     trace: Option<&Path>,
 ) -> Result<()> {
     let mut problems = InputProblems::default();
+    problems.output("--trace", trace);
     let config = problems.check(train_config(args.train.as_deref()));
     let ranks = problems.check(args.ranks.ok_or_else(|| bad("--train needs --ranks")));
     problems.check(check_timeout(args.timeout));

@@ -201,6 +201,8 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
         );
     }
     let mut problems = InputProblems::default();
+    problems.output("--trace", args.trace.as_deref());
+    args.packet.check_outputs(&mut problems);
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
         problems.check::<()>(Err(e));
     }

@@ -275,6 +275,24 @@ impl InputProblems {
         self.0.push(message.to_string());
     }
 
+    /// Checks, before any work, that the folder output `path` (given by `flag`) is to be
+    /// written in exists: a run of minutes that failed at its end for a mistyped folder
+    /// would be lost.
+    pub(crate) fn output(&mut self, flag: &str, path: Option<&Path>) {
+        let Some(path) = path else { return };
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if !dir.is_dir() {
+            self.0.push(format!(
+                "{flag}: cannot write {}: the folder {} does not exist",
+                path.display(),
+                dir.display()
+            ));
+        }
+    }
+
     /// `value` (what the checks built) if no check failed, else every problem kept as one
     /// error. A check that built nothing kept its problem, so `value` is there when none is.
     pub(crate) fn finish<T>(self, value: Option<T>) -> Result<T> {
@@ -449,6 +467,9 @@ fn merge_hf(mut model: orrery_spec::raw::ModelSpec, spec: &JobSpec) -> orrery_sp
 
 fn run_predict(args: &PredictArgs) -> Result<()> {
     let mut problems = InputProblems::default();
+    problems.output("--trace", args.trace.as_deref());
+    problems.output("--chakra", args.chakra.as_deref());
+    args.packet.check_outputs(&mut problems);
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
         problems.check::<()>(Err(e));
     }

@@ -709,6 +709,11 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let spec = parse_scenario(&text).map_err(|e| bad(e.to_string()))?;
     // The file's problems (its traffic's, its [packet] table's) and the flags' at once.
     let mut problems = InputProblems::default();
+    problems.output("--out", args.out.as_deref());
+    if args.queue_trace.is_some() {
+        problems.output("--queue-trace-out", Some(&args.queue_trace_out));
+    }
+    args.packet.check_outputs(&mut problems);
     let scenario = problems.check(match &spec.job {
         Some(job) => job_scenario(job, &spec, &args.scenario),
         None => build(&spec).map_err(|e| bad(e.to_string())),

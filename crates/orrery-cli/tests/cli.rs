@@ -404,6 +404,21 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     for expected in ["--no-memo, --queue-trace apply", "flows[0].dst"] {
         assert!(stderr.contains(expected), "{expected}: {stderr}");
     }
+    // Outputs into folders that do not exist are refused before anything runs, all named.
+    let nowhere = dir.join("no-such-folder");
+    let (code, stdout, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--out",
+        nowhere.join("out.json").to_str().unwrap(),
+        "--memo-cache",
+        nowhere.join("memo.bin").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2);
+    assert!(stdout.is_empty(), "{stdout}");
+    for expected in ["--out: cannot write", "--memo-cache: cannot write"] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
     // The [packet] table alone.
     std::fs::write(
         &scenario,
