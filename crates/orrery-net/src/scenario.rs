@@ -557,6 +557,23 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
             Some(x) => Some(x as usize),
         }
     };
+    // The hosts, GPUs per host and NVLink speed of the GPU fabrics, with the NIC speed.
+    let gpu_hosts = |p: &mut Problems| {
+        let hosts = count(p, "topology.hosts", t.hosts);
+        let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
+        let nvl = p
+            .positive_f64(
+                "topology.nvlink_gbytes",
+                t.nvlink_gbytes,
+                Some(DEFAULT_NVLINK_GBYTES),
+            )
+            .map(Bandwidth::from_gbytes_per_sec);
+        (
+            hosts.zip(gpus),
+            speed(link, default_link),
+            speed(nvl, default_nvlink),
+        )
+    };
     let result: Option<Result<NetGraph, TopologyError>> = match kind {
         TopologyKindSpec::SingleSwitch => {
             let n = count(p, "topology.endpoints", t.endpoints);
@@ -571,17 +588,8 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
             n.map(|n| NetGraph::dumbbell(n, n, link, b, delay))
         }
         TopologyKindSpec::RailOptimized => {
-            let hosts = count(p, "topology.hosts", t.hosts);
-            let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
-            let nvl = p
-                .positive_f64(
-                    "topology.nvlink_gbytes",
-                    t.nvlink_gbytes,
-                    Some(DEFAULT_NVLINK_GBYTES),
-                )
-                .map(Bandwidth::from_gbytes_per_sec);
-            let (link, nvl) = (speed(link, default_link), speed(nvl, default_nvlink));
-            hosts.zip(gpus).map(|(hosts, gpus)| {
+            let (hosts_gpus, link, nvl) = gpu_hosts(p);
+            hosts_gpus.map(|(hosts, gpus)| {
                 let base = RailOptimizedSpec::dgx_h100(hosts);
                 NetGraph::rail_optimized(&RailOptimizedSpec {
                     gpus_per_host: gpus,
@@ -596,17 +604,8 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
             })
         }
         TopologyKindSpec::FatTree => {
-            let hosts = count(p, "topology.hosts", t.hosts);
-            let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
-            let nvl = p
-                .positive_f64(
-                    "topology.nvlink_gbytes",
-                    t.nvlink_gbytes,
-                    Some(DEFAULT_NVLINK_GBYTES),
-                )
-                .map(Bandwidth::from_gbytes_per_sec);
-            let (link, nvl) = (speed(link, default_link), speed(nvl, default_nvlink));
-            hosts.zip(gpus).map(|(hosts, gpus)| {
+            let (hosts_gpus, link, nvl) = gpu_hosts(p);
+            hosts_gpus.map(|(hosts, gpus)| {
                 let base = match t.tiers.unwrap_or(2) {
                     3 => FatTreeSpec::three_tier(hosts),
                     _ => FatTreeSpec::two_tier(hosts),
