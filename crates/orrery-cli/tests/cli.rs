@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{orrery, temp_dir};
+use common::{assert_mentions, orrery, temp_dir};
 use expect_test::expect;
 use std::process::Command;
 
@@ -207,9 +207,10 @@ fn exported_chakra_traces_replay_to_the_predicted_step_time() {
         "0",
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in ["job.2.et", "job.7.et", "--gpu", "--gpus-per-node"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &["job.2.et", "job.7.et", "--gpu", "--gpus-per-node"],
+    );
     std::fs::write(dir.join("job.2.et"), &good).unwrap();
     std::fs::remove_file(dir.join("job.7.et")).unwrap();
     // A missing rank is bad input, reported with exit status 2.
@@ -416,9 +417,10 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     ]);
     assert_eq!(code, 2);
     assert!(stdout.is_empty(), "{stdout}");
-    for expected in ["--out: cannot write", "--memo-cache: cannot write"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &["--out: cannot write", "--memo-cache: cannot write"],
+    );
     // The [packet] table alone.
     std::fs::write(
         &scenario,
@@ -481,9 +483,10 @@ fn netsim_takes_a_jobs_step_as_traffic_released_by_each_rule() {
     let (code, _, stderr) =
         with_release("release = \"later\"\nset = [\"parallel.pp=0\"]\n[packet.accel]\nwindow = 0");
     assert_eq!(code, 2);
-    for field in ["parallel.pp", "job.release", "packet.accel.window"] {
-        assert!(stderr.contains(field), "{field}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &["parallel.pp", "job.release", "packet.accel.window"],
+    );
     // A step whose flows outgrow the memory allowed for them is refused with its size,
     // as bad input, not simulated until the memory runs out.
     let (code, _, stderr) = with_release("max_traffic_gib = 0.000001");
@@ -733,9 +736,7 @@ fn predict_on_the_packet_network_takes_the_acceleration_switches() {
         missing,
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in ["--no-memo", "parallel.tp", "missing.json"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(&stderr, &["--no-memo", "parallel.tp", "missing.json"]);
     let (code, _, stderr) = orrery(&[
         "emulate",
         "--preset",
@@ -747,9 +748,7 @@ fn predict_on_the_packet_network_takes_the_acceleration_switches() {
         "5",
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in ["--no-memo", "nope", "--real-ranks", "--slow"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(&stderr, &["--no-memo", "nope", "--real-ranks", "--slow"]);
 }
 
 /// `--memo-cache` carries the packet model's memo from one `predict` (or `emulate`) to
@@ -948,15 +947,16 @@ fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
         out.to_str().unwrap(),
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in [
-        "model.",
-        "soap and shampoo, not adamw",
-        "--ranks must be at least 1",
-        "--workers must be at least 1",
-        "--basis-threshold",
-    ] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &[
+            "model.",
+            "soap and shampoo, not adamw",
+            "--ranks must be at least 1",
+            "--workers must be at least 1",
+            "--basis-threshold",
+        ],
+    );
 }
 
 #[test]

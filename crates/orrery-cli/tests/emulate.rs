@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{orrery, temp_dir};
+use common::{assert_mentions, orrery, temp_dir};
 use expect_test::expect;
 
 const JOB: &str = r#"
@@ -464,9 +464,10 @@ fn collection_flags_and_input_errors_exit_2() {
         o,
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in ["model.n_layers", "--slots must be", "--timeout must be"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &["model.n_layers", "--slots must be", "--timeout must be"],
+    );
     let (code, _, stderr) = orrery(&[
         "emulate",
         "--train",
@@ -477,13 +478,14 @@ fn collection_flags_and_input_errors_exit_2() {
         "0",
     ]);
     assert_eq!(code, 2, "{stderr}");
-    for expected in [
-        "model.n_layers",
-        "--train needs --ranks",
-        "--timeout must be",
-        "--real-ranks",
-    ] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &[
+            "model.n_layers",
+            "--train needs --ranks",
+            "--timeout must be",
+            "--real-ranks",
+        ],
+    );
     assert!(!out.exists());
 }

@@ -23,3 +23,12 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).expect("creates a temporary folder");
     d
 }
+
+/// Asserts that `text` (a command's error output) mentions every one of `needles`: the
+/// tests of bad input check that every problem is reported at once.
+#[track_caller]
+pub fn assert_mentions(text: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(text.contains(needle), "{needle:?} not in: {text}");
+    }
+}
