@@ -388,9 +388,10 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     .unwrap();
     let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap()]);
     assert_eq!(code, 2);
-    for field in ["topology.link_gbps", "flows[0].dst", "packet.accel.window"] {
-        assert!(stderr.contains(field), "{field}: {stderr}");
-    }
+    assert_mentions(
+        &stderr,
+        &["topology.link_gbps", "flows[0].dst", "packet.accel.window"],
+    );
     // The packet model's switches are refused at flow level, with the file's problems.
     let (code, _, stderr) = orrery(&[
         "netsim",
@@ -402,9 +403,7 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
         "1",
     ]);
     assert_eq!(code, 2);
-    for expected in ["--no-memo, --queue-trace apply", "flows[0].dst"] {
-        assert!(stderr.contains(expected), "{expected}: {stderr}");
-    }
+    assert_mentions(&stderr, &["--no-memo, --queue-trace apply", "flows[0].dst"]);
     // Outputs into folders that do not exist are refused before anything runs, all named.
     let nowhere = dir.join("no-such-folder");
     let (code, stdout, stderr) = orrery(&[
