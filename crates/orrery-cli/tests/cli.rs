@@ -920,6 +920,19 @@ fn train_writes_metrics_and_checkpoints_resumes_and_rejects_bad_options() {
     ]);
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    // A damaged checkpoint to resume from is bad input: status 2, naming it.
+    let damaged = dir.join("damaged.ckpt");
+    std::fs::write(&damaged, b"not a checkpoint").unwrap();
+    let (code, _, stderr) = orrery(&[
+        "train",
+        config.to_str().unwrap(),
+        "--resume",
+        damaged.to_str().unwrap(),
+        "--out",
+        dir.join("from-damaged").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert_mentions(&stderr, &["cannot resume from", "damaged.ckpt"]);
     // Bad input: exit status 2 naming the problem.
     let (code, _, stderr) = orrery(&["train", config.to_str().unwrap(), "--async"]);
     assert_eq!(code, 2);

@@ -428,8 +428,12 @@ fn load_resume_checkpoint(
     resume: &Path,
 ) -> Result<Checkpoint, TrainError> {
     let path = checkpoint_path(resume);
+    let unreadable = |source| TrainError::ResumeCheckpoint {
+        path: path.clone(),
+        source,
+    };
     if comm.world_size() == 1 {
-        return Ok(Checkpoint::load(&path)?);
+        return Checkpoint::load(&path).map_err(unreadable);
     }
     let rank = comm.rank();
     let (mut bytes, failure) = if rank == 0 {
@@ -449,7 +453,7 @@ fn load_resume_checkpoint(
     comm.broadcast_bytes(0, &mut bytes)
         .map_err(|source| TrainError::Comm { rank, source })?;
     if let Some(e) = failure {
-        return Err(e.into());
+        return Err(unreadable(e));
     }
     if bytes.is_empty() {
         return Err(TrainError::Resume(format!(
@@ -457,7 +461,7 @@ fn load_resume_checkpoint(
             path.display()
         )));
     }
-    Ok(Checkpoint::decode(&bytes)?)
+    Checkpoint::decode(&bytes).map_err(unreadable)
 }
 
 fn run_rank<B: burn::tensor::backend::AutodiffBackend>(

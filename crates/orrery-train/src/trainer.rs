@@ -54,6 +54,14 @@ pub enum TrainError {
     Backend(String),
     #[error("cannot resume: {0}")]
     Resume(String),
+    /// The checkpoint `--resume` names could not be read or is damaged (bad input, unlike
+    /// a checkpoint that cannot be written during training).
+    #[error("cannot resume from {path}: {source}")]
+    ResumeCheckpoint {
+        path: PathBuf,
+        #[source]
+        source: CheckpointError,
+    },
     #[error("writing {path}: {source}")]
     Output {
         path: PathBuf,
@@ -79,6 +87,7 @@ impl TrainError {
                 | TrainError::Data(_)
                 | TrainError::BatchNotDivisible { .. }
                 | TrainError::Resume(_)
+                | TrainError::ResumeCheckpoint { .. }
         )
     }
 }

@@ -123,7 +123,13 @@ fn a_multi_rank_resume_reads_the_checkpoint_on_rank_0() {
     };
     let err = train_with(&config, &missing, &mut NullObserver).unwrap_err();
     assert!(
-        matches!(err, TrainError::Checkpoint(CheckpointError::Io { .. })),
+        matches!(
+            err,
+            TrainError::ResumeCheckpoint {
+                source: CheckpointError::Io { .. },
+                ..
+            }
+        ),
         "{err}"
     );
 }

@@ -110,11 +110,16 @@ fn corrupt_checkpoint_is_reported() {
     assert!(
         matches!(
             err,
-            TrainError::Checkpoint(CheckpointError::ChecksumMismatch { .. })
+            TrainError::ResumeCheckpoint {
+                source: CheckpointError::ChecksumMismatch { .. },
+                ..
+            }
         ),
         "{err:?}"
     );
     assert!(err.to_string().contains("corrupt"), "{err}");
+    // A damaged checkpoint to resume from is the input's fault (the CLI's status 2).
+    assert!(err.is_input(), "{err}");
 
     // Truncated (a write cut short).
     std::fs::write(&path, &good[..good.len() - 100]).unwrap();
@@ -122,7 +127,10 @@ fn corrupt_checkpoint_is_reported() {
     assert!(
         matches!(
             err,
-            TrainError::Checkpoint(CheckpointError::Truncated { .. })
+            TrainError::ResumeCheckpoint {
+                source: CheckpointError::Truncated { .. },
+                ..
+            }
         ),
         "{err:?}"
     );
@@ -132,7 +140,13 @@ fn corrupt_checkpoint_is_reported() {
     std::fs::write(&path, b"hello, world, this is not a checkpoint").unwrap();
     let err = train_with(&config, &resume, &mut NullObserver).unwrap_err();
     assert!(
-        matches!(err, TrainError::Checkpoint(CheckpointError::BadMagic)),
+        matches!(
+            err,
+            TrainError::ResumeCheckpoint {
+                source: CheckpointError::BadMagic,
+                ..
+            }
+        ),
         "{err:?}"
     );
 
