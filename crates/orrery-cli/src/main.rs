@@ -298,7 +298,12 @@ impl InputProblems {
     pub(crate) fn finish<T>(self, value: Option<T>) -> Result<T> {
         match (self.0.is_empty(), value) {
             (true, Some(v)) => Ok(v),
-            _ => Err(bad(self.0.join("\n"))),
+            // Not expected (every check that builds nothing keeps its problem); said
+            // rather than reported as an empty error.
+            (true, None) => Err(anyhow::anyhow!(
+                "a check of the input built nothing and kept no problem (a bug)"
+            )),
+            (false, _) => Err(bad(self.0.join("\n"))),
         }
     }
 }
