@@ -154,10 +154,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         Some(path) => std::fs::read_to_string(path)
             .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
             // Parsed only: the flags override it before it is validated as a whole.
-            .and_then(|text| {
-                toml::from_str::<TrainConfig>(&text)
-                    .map_err(|e| bad(orrery_train::config::ConfigLoadError::Parse(e).to_string()))
-            }),
+            .and_then(|text| TrainConfig::parse_toml_str(&text).map_err(|e| bad(e.to_string()))),
         None => Ok(TrainConfig::default()),
     };
     let config = problems

@@ -304,12 +304,82 @@ pub enum ConfigLoadError {
 pub const CUDA_UNAVAILABLE: &str =
     "cuda needs orrery built with the `cuda` feature: cargo build --release -p orrery-cli --features cuda";
 
+/// Every field of `tree` that does not deserialize into a [`TrainConfig`], found one at a
+/// time: every field of every section has a default, so a configuration holding only that
+/// field (inside its sections) deserializes exactly when its name is known and its value has
+/// the right type. Where a section fails but none of its fields alone does, the section is
+/// named. serde alone stops at the first.
+fn field_problems(tree: &toml::Table) -> Vec<ConfigProblem> {
+    fn probe(path: &[String], value: &toml::Value) -> Result<(), String> {
+        let mut v = value.clone();
+        for key in path.iter().rev() {
+            let mut t = toml::Table::new();
+            t.insert(key.clone(), v);
+            v = toml::Value::Table(t);
+        }
+        v.try_into::<TrainConfig>().map(|_| ()).map_err(|e| {
+            let text = e.to_string();
+            text.lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .unwrap_or(&text)
+                .to_string()
+        })
+    }
+    fn walk(path: &mut Vec<String>, value: &toml::Value, out: &mut Vec<ConfigProblem>) {
+        let Err(message) = probe(path, value) else {
+            return;
+        };
+        let before = out.len();
+        if let toml::Value::Table(t) = value {
+            for (k, v) in t {
+                path.push(k.clone());
+                walk(path, v, out);
+                path.pop();
+            }
+        }
+        if out.len() == before {
+            out.push(ConfigProblem {
+                path: path.join("."),
+                message,
+            });
+        }
+    }
+    let mut out = Vec::new();
+    let mut path = Vec::new();
+    for (k, v) in tree {
+        path.push(k.clone());
+        walk(&mut path, v, &mut out);
+        path.pop();
+    }
+    out
+}
+
 impl TrainConfig {
     /// Parses TOML (every field optional, unknown fields rejected) and validates it.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigLoadError> {
-        let config: Self = toml::from_str(text)?;
+        let config = Self::parse_toml_str(text)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Parses TOML without validating it (a caller that overrides fields validates after):
+    /// every mistyped or unknown field is reported at once, with its path; a file that is
+    /// not TOML at all, with the parser's message.
+    pub fn parse_toml_str(text: &str) -> Result<Self, ConfigLoadError> {
+        let err = match toml::from_str::<Self>(text) {
+            Ok(config) => return Ok(config),
+            Err(e) => e,
+        };
+        let problems = text
+            .parse::<toml::Table>()
+            .map(|tree| field_problems(&tree))
+            .unwrap_or_default();
+        if problems.is_empty() {
+            Err(ConfigLoadError::Parse(err))
+        } else {
+            Err(ConfigLoadError::Invalid(ConfigErrors { problems }))
+        }
     }
 
     /// Checks every constraint and reports all violations together.
@@ -515,6 +585,64 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_mistyped_or_unknown_field_is_reported_at_once() {
+        let text = r#"
+            steps = "many"
+            colour = "blue"
+            [model]
+            n_layers = "two"
+            bogus = 1
+            [model.moe]
+            experts = "eight"
+            [parallel]
+            tp = -1
+        "#;
+        let Err(ConfigLoadError::Invalid(e)) = TrainConfig::parse_toml_str(text) else {
+            panic!("expected every field's problem");
+        };
+        let mut paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        paths.sort_unstable();
+        assert_eq!(
+            paths,
+            [
+                "colour",
+                "model.bogus",
+                "model.moe.experts",
+                "model.n_layers",
+                "parallel.tp",
+                "steps"
+            ],
+            "{e}"
+        );
+        // Not TOML at all: the parser's own message.
+        assert!(matches!(
+            TrainConfig::parse_toml_str("steps ="),
+            Err(ConfigLoadError::Parse(_))
+        ));
+        // A well-typed file parses without being validated; from_toml_str validates.
+        let zero = TrainConfig::parse_toml_str("steps = 0").unwrap();
+        assert_eq!(zero.steps, 0);
+        assert!(TrainConfig::from_toml_str("steps = 0").is_err());
+    }
+
+    #[test]
+    fn every_cut_of_a_configuration_parses_or_names_its_problems() {
+        // Each prefix of a configuration (a file cut short, half a table, half a string)
+        // parses, or fails with the parser's message or with problems that have paths;
+        // the field-by-field search never panics.
+        let text = "steps = 5\nlr = 0.01\n[model]\nn_layers = 2\nmlp = \"swiglu\"\n\
+                    [model.moe]\nexperts = 4\n[parallel]\ntp = 1\npp = 1\n";
+        for end in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            match TrainConfig::parse_toml_str(&text[..end]) {
+                Ok(_) | Err(ConfigLoadError::Parse(_)) => {}
+                Err(ConfigLoadError::Invalid(e)) => {
+                    assert!(e.problems.iter().all(|p| !p.path.is_empty()), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn default_is_valid() {
         TrainConfig::default().validate().unwrap();
     }
@@ -545,9 +673,10 @@ mod tests {
         assert_eq!(c.steps, 100);
         assert_eq!(c.model.norm, NormKind::RmsNorm);
         assert_eq!(c.model.mlp, MlpKind::SwiGlu);
+        // An unknown field is named with its path.
         assert!(matches!(
             TrainConfig::from_toml_str("[model]\nwidth = 3\n"),
-            Err(ConfigLoadError::Parse(_))
+            Err(ConfigLoadError::Invalid(e)) if e.mentions("model.width")
         ));
         assert!(matches!(
             TrainConfig::from_toml_str("[model]\nn_layers = 0\n"),
