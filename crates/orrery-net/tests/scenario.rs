@@ -82,7 +82,7 @@ fn every_problem_is_reported_with_its_path() {
     .unwrap_err();
     // The wrong speed does not hide the endpoint that does not exist: the topology's
     // counts number its endpoints whatever its speeds.
-    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    let paths = problem_paths(&err);
     assert_eq!(
         paths,
         [
@@ -115,7 +115,7 @@ fn wrong_speeds_do_not_hide_the_traffics_endpoint_problems() {
         "#,
     )
     .unwrap_err();
-    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    let paths = problem_paths(&err);
     assert_eq!(
         paths,
         [
@@ -132,7 +132,7 @@ fn wrong_speeds_do_not_hide_the_traffics_endpoint_problems() {
         "[topology]\nkind = \"single_switch\"\nendpoints = 0\n[[flows]]\nsrc = 0\ndst = 7\nbytes = 1\n",
     )
     .unwrap_err();
-    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    let paths = problem_paths(&err);
     assert_eq!(paths, ["topology.endpoints"], "{err}");
 }
 
@@ -166,7 +166,7 @@ fn every_mistyped_or_unknown_field_is_reported_at_once() {
         "#,
     )
     .unwrap_err();
-    let paths: Vec<&str> = err.0.iter().map(|p| p.path.as_str()).collect();
+    let paths = problem_paths(&err);
     assert_eq!(
         paths,
         [
@@ -205,4 +205,9 @@ fn a_pxn_all_to_all_loads_with_its_relayed_blocks() {
     // Each GPU's blocks to the three GPUs of the other host on other rails are relayed.
     assert_eq!(pxn.flows.flows.len(), 56 + 8 * 3);
     assert!(pxn.flows.check().is_ok());
+}
+
+/// The paths of a scenario's problems, in the order reported.
+fn problem_paths(err: &orrery_net::scenario::ScenarioError) -> Vec<&str> {
+    err.0.iter().map(|p| p.path.as_str()).collect()
 }
