@@ -152,13 +152,13 @@ impl PacketFlags {
         .collect()
     }
 
-    /// An error for flags given to a command running another network model than the
-    /// packet one (`network`, as the user chose it), or `None` if none was given.
     /// Checks the memo cache's folder before any work (see [`crate::InputProblems::output`]).
     pub fn check_outputs(&self, problems: &mut crate::InputProblems) {
         problems.output("--memo-cache", self.memo_cache.as_deref());
     }
 
+    /// An error for flags given to a command running another network model than the
+    /// packet one (`network`, as the user chose it), or `None` if none was given.
     pub fn refuse_unless_packet(&self, network: &str) -> Option<anyhow::Error> {
         let given = self.given();
         (network != "packet" && !given.is_empty()).then(|| {
