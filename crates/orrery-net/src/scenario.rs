@@ -115,6 +115,13 @@ pub struct SimulatorSpec {
     pub seed: Option<u64>,
 }
 
+impl SimulatorSpec {
+    /// The model the scenario asks for: the packet model unless it says otherwise.
+    pub fn model_or_default(&self) -> SimModel {
+        self.model.unwrap_or(SimModel::Packet)
+    }
+}
+
 /// One `[[flows]]` entry.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -184,9 +191,8 @@ impl Scenario {
             name: name.to_string(),
             graph,
             flows,
-            model: spec.simulator.model.unwrap_or(SimModel::Packet),
+            model: spec.simulator.model_or_default(),
             seed: spec.simulator.seed.unwrap_or(1),
-            packet: spec.packet.clone(),
         }
     }
 }
@@ -199,7 +205,6 @@ pub struct Scenario {
     pub flows: FlowSet,
     pub model: SimModel,
     pub seed: u64,
-    pub packet: Option<toml::Table>,
 }
 
 struct Problems(Vec<ScenarioProblem>);
@@ -510,15 +515,13 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
             "the scenario has no traffic: add [[flows]] or [[collectives]]",
         );
     }
-    let model = spec.simulator.model.unwrap_or(SimModel::Packet);
     match (p.0.is_empty(), graph) {
         (true, Some(graph)) => Ok(Scenario {
             name: spec.name.clone().unwrap_or_else(|| "scenario".to_string()),
             graph,
             flows,
-            model,
+            model: spec.simulator.model_or_default(),
             seed: spec.simulator.seed.unwrap_or(1),
-            packet: spec.packet.clone(),
         }),
         _ => Err(ScenarioError(p.0)),
     }
