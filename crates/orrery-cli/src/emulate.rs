@@ -184,13 +184,13 @@ fn parse_link(text: &str) -> Result<DegradedLink> {
 
 pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
     if args.train.train.is_some() {
-        let given = args.packet.given();
-        if !given.is_empty() {
-            return Err(crate::bad(format!(
-                "{} set the packet model's acceleration, but with --train the virtual ranks \
-                 replay on the analytical or measured network (--calibrate), not the packet model",
-                given.join(", ")
-            )));
+        if let Some(e) = args.packet.refuse_without_packet(
+            &[],
+            "with --train the virtual ranks replay on the analytical or measured network \
+             (--calibrate)",
+            "emulate a job (without --train) with --network packet",
+        ) {
+            return Err(e);
         }
         return crate::collect::run_train_emulation(
             &args.train,
@@ -204,7 +204,7 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
     problems.output("--trace", args.trace.as_deref());
     args.packet.check_outputs(&mut problems);
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
-        problems.check::<()>(Err(e));
+        problems.push(&e.to_string());
     }
     let live = problems.check(parse_ranks("--real-ranks", &args.real_ranks));
     let perturb = problems.check(perturbations(&args.perturb));

@@ -476,7 +476,7 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     problems.output("--chakra", args.chakra.as_deref());
     args.packet.check_outputs(&mut problems);
     if let Some(e) = args.packet.refuse_unless_packet(&args.network) {
-        problems.check::<()>(Err(e));
+        problems.push(&e.to_string());
     }
     let job = load_job(&args.job, &mut problems);
     let job = problems.finish(job)?;

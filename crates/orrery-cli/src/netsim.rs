@@ -681,22 +681,26 @@ fn job_scenario(
 }
 
 /// A scenario's `[packet]` table as a packet-model configuration (the defaults where the
-/// table is absent), or its problems, each naming its field.
-fn packet_config(table: Option<&toml::Table>) -> std::result::Result<PacketConfig, Vec<String>> {
+/// table is absent), or every problem of it, each naming its field.
+fn packet_config(table: Option<&toml::Table>) -> Result<PacketConfig> {
     let Some(table) = table else {
         return Ok(PacketConfig::default());
     };
     let config: PacketConfig = toml::Value::Table(table.clone())
         .try_into()
-        .map_err(|e| vec![format!("packet: {e}")])?;
+        .map_err(|e| bad(format!("packet: {e}")))?;
     let problems = config.problems();
     if problems.is_empty() {
         return Ok(config);
     }
-    Err(problems
+    let list: Vec<String> = problems
         .iter()
         .map(|p| format!("packet.{}: {}", p.field, p.reason))
-        .collect())
+        .collect();
+    Err(bad(format!(
+        "the [packet] table has problems:\n  {}",
+        list.join("\n  ")
+    )))
 }
 
 pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
@@ -718,31 +722,25 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         Some(job) => job_scenario(job, &spec, &args.scenario),
         None => build(&spec).map_err(|e| bad(e.to_string())),
     });
-    let packet_config = problems.check(packet_config(spec.packet.as_ref()).map_err(|p| {
-        bad(format!(
-            "the [packet] table has problems:\n  {}",
-            p.join("\n  ")
-        ))
-    }));
+    let packet_config = problems.check(packet_config(spec.packet.as_ref()));
     let model = match args.model.as_deref() {
         Some("flow") => SimModel::Flow,
         Some(_) => SimModel::Packet,
-        None => spec.simulator.model.unwrap_or(SimModel::Packet),
+        None => spec.simulator.model_or_default(),
     };
     if model == SimModel::Flow {
         // A switch of the packet model would be ignored: refused, as predict refuses it.
-        let mut given = args.packet.given();
-        if args.queue_trace.is_some() {
-            given.push("--queue-trace");
-        }
-        if !given.is_empty() {
-            problems.push(&format!(
-                "{} {} to the packet model, but this run is at flow level: run it with \
-                 --model packet or leave {} out",
-                given.join(", "),
-                if given.len() == 1 { "applies" } else { "apply" },
-                if given.len() == 1 { "it" } else { "them" }
-            ));
+        let also: &[&str] = if args.queue_trace.is_some() {
+            &["--queue-trace"]
+        } else {
+            &[]
+        };
+        let why = "this run is at flow level";
+        if let Some(e) = args
+            .packet
+            .refuse_without_packet(also, why, "run it with --model packet")
+        {
+            problems.push(&e.to_string());
         }
     }
     if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
@@ -816,26 +814,23 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     } else {
         out!("{}", render(&summary));
     }
+    // At flow level --queue-trace was refused before the run.
     if let Some(link) = args.queue_trace {
-        if model == SimModel::Flow {
-            eprintln!("note: the flow model has no queues; --queue-trace needs --model packet");
-        } else {
-            let mut csv = String::from("time_us,queue_bytes\n");
-            for s in &samples {
-                let _ = writeln!(
-                    csv,
-                    "{:.3},{}",
-                    s.time.as_micros_f64(),
-                    s.queue.first().copied().unwrap_or(0)
-                );
-            }
-            atomic_write(&args.queue_trace_out, csv.as_bytes())?;
-            eprintln!(
-                "wrote queue-depth trace of link {link} ({} samples) to {}",
-                samples.len(),
-                args.queue_trace_out.display()
+        let mut csv = String::from("time_us,queue_bytes\n");
+        for s in &samples {
+            let _ = writeln!(
+                csv,
+                "{:.3},{}",
+                s.time.as_micros_f64(),
+                s.queue.first().copied().unwrap_or(0)
             );
         }
+        atomic_write(&args.queue_trace_out, csv.as_bytes())?;
+        eprintln!(
+            "wrote queue-depth trace of link {link} ({} samples) to {}",
+            samples.len(),
+            args.queue_trace_out.display()
+        );
     }
     if let Some(path) = &args.out {
         let full = full_report(&scenario, &report, flow_events.as_deref())?;

@@ -160,13 +160,34 @@ impl PacketFlags {
     /// An error for flags given to a command running another network model than the
     /// packet one (`network`, as the user chose it), or `None` if none was given.
     pub fn refuse_unless_packet(&self, network: &str) -> Option<anyhow::Error> {
-        let given = self.given();
-        (network != "packet" && !given.is_empty()).then(|| {
+        if network == "packet" {
+            return None;
+        }
+        self.refuse_without_packet(
+            &[],
+            &format!("the network model is {network}"),
+            "add --network packet",
+        )
+    }
+
+    /// An error naming the switches given, with `also` (the command's own flags that only
+    /// the packet model reads), to a run without the packet model: `why` says what it runs
+    /// instead, `fix` how to run the packet model. `None` if none was given.
+    pub fn refuse_without_packet(
+        &self,
+        also: &[&'static str],
+        why: &str,
+        fix: &str,
+    ) -> Option<anyhow::Error> {
+        let mut given = self.given();
+        given.extend_from_slice(also);
+        let one = given.len() == 1;
+        (!given.is_empty()).then(|| {
             crate::bad(format!(
-                "{} set the packet model's acceleration, but the network model is {network}: \
-                 add --network packet or leave {} out",
+                "{} {} to the packet model, but {why}: {fix} or leave {} out",
                 given.join(", "),
-                if given.len() == 1 { "it" } else { "them" }
+                if one { "applies" } else { "apply" },
+                if one { "it" } else { "them" }
             ))
         })
     }

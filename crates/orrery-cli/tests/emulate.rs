@@ -468,6 +468,23 @@ fn collection_flags_and_input_errors_exit_2() {
         &stderr,
         &["model.n_layers", "--slots must be", "--timeout must be"],
     );
+    // The packet model's switches are refused with --train, whose virtual ranks do not
+    // replay on it.
+    let (code, _, stderr) = orrery(&[
+        "emulate",
+        "--train",
+        c,
+        "--ranks",
+        "8",
+        "--real-ranks",
+        "0",
+        "--no-memo",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert_mentions(
+        &stderr,
+        &["--no-memo applies to the packet model", "--train"],
+    );
     let (code, _, stderr) = orrery(&[
         "emulate",
         "--train",
