@@ -544,11 +544,7 @@ struct Run {
 /// steps, data and evaluation cadence.
 fn base_config(args: &BenchTrainArgs) -> Result<TrainConfig> {
     let mut config = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
-            TrainConfig::from_toml_str(&text).map_err(|e| bad(e.to_string()))?
-        }
+        Some(path) => crate::collect::read_train_config(path)?,
         None => {
             let mut c = TrainConfig::default();
             // The issue asks for a 1-3M-parameter model; two more layers of the default width

@@ -60,16 +60,17 @@ pub struct CollectArgs {
     pub chakra: Option<PathBuf>,
 }
 
-/// The training configuration from a file, or the default one.
+/// The training configuration a file holds, parsed but not validated (the caller validates
+/// it once, after any overrides): every mistyped or unknown field is named at once.
+pub fn read_train_config(path: &Path) -> Result<TrainConfig> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+    TrainConfig::parse_toml_str(&text).map_err(|e| bad(e.to_string()))
+}
+
+/// The training configuration from a file, or the default one, validated.
 pub fn train_config(path: Option<&Path>) -> Result<TrainConfig> {
-    let config = match path {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| bad(format!("cannot read {}: {e}", p.display())))?;
-            TrainConfig::from_toml_str(&text).map_err(|e| bad(e.to_string()))?
-        }
-        None => TrainConfig::default(),
-    };
+    let config = path.map_or_else(|| Ok(TrainConfig::default()), read_train_config)?;
     config.validate().map_err(|e| bad(e.to_string()))?;
     crate::device::check_device(config.device, "device = \"cuda\"")?;
     Ok(config)

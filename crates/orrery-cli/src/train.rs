@@ -150,13 +150,11 @@ fn with_overrides(mut config: TrainConfig, args: &TrainArgs) -> TrainConfig {
 pub fn run_train(args: &TrainArgs) -> Result<()> {
     // The configuration's problems and the flags' are reported at once.
     let mut problems = crate::InputProblems::default();
-    let config = match &args.config {
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| bad(format!("cannot read {}: {e}", path.display())))
-            // Parsed only: the flags override it before it is validated as a whole.
-            .and_then(|text| TrainConfig::parse_toml_str(&text).map_err(|e| bad(e.to_string()))),
-        None => Ok(TrainConfig::default()),
-    };
+    // Parsed only: the flags override it before it is validated as a whole.
+    let config = args.config.as_deref().map_or_else(
+        || Ok(TrainConfig::default()),
+        crate::collect::read_train_config,
+    );
     let config = problems
         .check(config)
         .map(|config| with_overrides(config, args));
