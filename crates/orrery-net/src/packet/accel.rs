@@ -677,19 +677,61 @@ impl Engine<'_> {
             free[q as usize] = true;
         }
         for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
-            let i = pk.flow as usize;
-            let mut k = ff.shift[i];
-            let carry = ff.carry[i];
-            if carry != 0 && pk.kind == Kind::Data && pk.hop < ff.carry_hop[i] {
-                if carry > 0 {
-                    ff.carry_first[i] = ff.carry_first[i].min(pk.seq);
-                }
-                // A sender moves back by no more than it moved on (`carry_sender`).
-                k = k.saturating_add_signed(carry);
+            renumber(ff, pk);
+        }
+    }
+
+    /// [`Engine::renumber_packets`] for a partition's jump, visiting only the partition's
+    /// packets instead of every slot of the arena: those queued on its `links` and those
+    /// in flight, whose arrivals are among its pending events (`positions` in the ledger,
+    /// [`Engine::group_positions`]). Every packet of its flows is one or the other (a
+    /// frame is handed to the next hop's arrival as it starts), and every packet on its
+    /// links is one of its flows' (a partition holds the links of both directions), so
+    /// this renumbers what the arena scan would: with many small partitions jumping, the
+    /// scan of every slot for each jump took a quarter of a run (data-path partitions on
+    /// the ECMP GPT 350M step at 512 GPUs, docs/benchmarks.md).
+    fn renumber_group_packets(&mut self, ff: &mut FastForward, links: &[u32], positions: &[u32]) {
+        let ledger = self.ledger.as_deref().unwrap_or(&[]);
+        let mut mine: Vec<u32> = positions
+            .iter()
+            .filter_map(|&i| match ledger[i as usize].2 {
+                Ev::Arrive(pk) => Some(pk),
+                _ => None,
+            })
+            .collect();
+        for &l in links {
+            let port = &self.ports[l as usize];
+            mine.extend(port.ctrl.iter().chain(&port.data));
+        }
+        #[cfg(debug_assertions)]
+        {
+            // The slow path it replaces: every live packet that the arena scan would
+            // renumber is visited, once.
+            let mut free = vec![false; self.pkts.len()];
+            for &q in self.free_slots() {
+                free[q as usize] = true;
             }
-            if k > 0 && pk.kind != Kind::Cnp {
-                pk.seq += k;
-            }
+            let mut expected: Vec<u32> = (0..self.pkts.len() as u32)
+                .filter(|&q| !free[q as usize])
+                .filter(|&q| {
+                    let f = self.pkts[q as usize].flow as usize;
+                    ff.shift[f] != 0 || ff.carry[f] != 0
+                })
+                .collect();
+            let mut visited = mine.clone();
+            visited.sort_unstable();
+            let before = visited.len();
+            visited.dedup();
+            debug_assert_eq!(before, visited.len(), "a packet visited twice");
+            visited.retain(|&q| {
+                let f = self.pkts[q as usize].flow as usize;
+                ff.shift[f] != 0 || ff.carry[f] != 0
+            });
+            expected.sort_unstable();
+            debug_assert_eq!(visited, expected, "the partition's packets");
+        }
+        for q in mine {
+            renumber(ff, &mut self.pkts[q as usize]);
         }
     }
 
@@ -994,6 +1036,23 @@ impl Engine<'_> {
             let per_packet = self.events as f64 / self.data_packets as f64;
             st.skipped_events += (moved as f64 * per_packet).round() as u64;
         }
+    }
+}
+
+/// Gives packet `pk` its flow's moved numbering (see [`Engine::renumber_packets`]).
+fn renumber(ff: &mut FastForward, pk: &mut super::engine::Packet) {
+    let i = pk.flow as usize;
+    let mut k = ff.shift[i];
+    let carry = ff.carry[i];
+    if carry != 0 && pk.kind == Kind::Data && pk.hop < ff.carry_hop[i] {
+        if carry > 0 {
+            ff.carry_first[i] = ff.carry_first[i].min(pk.seq);
+        }
+        // A sender moves back by no more than it moved on (`carry_sender`).
+        k = k.saturating_add_signed(carry);
+    }
+    if k > 0 && pk.kind != Kind::Cnp {
+        pk.seq += k;
     }
 }
 
@@ -1451,8 +1510,12 @@ impl Engine<'_> {
                 appended += c.packets;
             }
         }
+        // The partition's pending events, in ledger (scheduling) order: its packets in
+        // flight are among them, and all of them are postponed below.
+        let (mut positions, mut gen) = (self.group_positions(p, g, 0), self.ledger_gen);
         if moved > 0 || appended > 0 || taken > 0 {
-            self.renumber_packets(ff);
+            let links = p.parts.links(g.part).to_vec();
+            self.renumber_group_packets(ff, &links, &positions);
         }
         if appended > 0 || taken > 0 {
             let before: Vec<u64> = queues
@@ -1475,28 +1538,27 @@ impl Engine<'_> {
             self.stats.carried_packets += appended;
             self.stats.drained_packets += taken;
         }
-        // Postpone the partition's pending events (found in the ledger) by the jump, in
-        // their scheduling order so ties keep their order.
+        // What the carried queues scheduled since is the partition's too (and a
+        // compaction since has moved every position).
+        if self.ledger_gen != gen {
+            (positions, gen) = (self.group_positions(p, g, 0), self.ledger_gen);
+        } else {
+            let seen = positions.last().map_or(0, |&i| i as usize + 1);
+            positions.extend(self.group_positions(p, g, seen));
+        }
+        debug_assert_eq!(gen, self.ledger_gen);
+        // Postpone them by the jump, in their scheduling order so ties keep their order.
+        // Entries are rewritten in place: positions, and the captures' index of them
+        // (`LedgerIndex`), stay valid.
         let mut ledger = self.ledger.take().unwrap_or_default();
-        self.ledger_gen += 1;
-        for e in ledger.iter_mut() {
+        for &i in &positions {
+            let e = &mut ledger[i as usize];
             if let Ev::RpDecrease(f) | Ev::RpIncrease(f) = e.2 {
                 if p.cutting[f as usize] {
                     // Its DCQCN clocks lived through the jump: rescheduled below.
                     self.q.cancel(e.0);
                     continue;
                 }
-            }
-            let mine = match owner_of(&self.pkts, e.2) {
-                Some(Owner::Flow(f)) => {
-                    p.in_group[f as usize]
-                        && !(p.keeps_clock[f as usize] && matches!(e.2, Ev::RpIncrease(_)))
-                }
-                Some(Owner::Link(l)) => p.parts.of_link(l) == Some(g.part),
-                None => false,
-            };
-            if !mine {
-                continue;
             }
             let at = Picos(e.1 .0 + jump.0);
             if let Some(key) = self.q.reschedule(e.0, at) {
@@ -1541,6 +1603,46 @@ impl Engine<'_> {
 }
 
 impl Engine<'_> {
+    /// The ledger positions, from `from` on, of partition `g`'s pending events that its
+    /// jump moves: its flows' packets and timers (not a recovering flow's rate increase,
+    /// whose clock keeps its own time) and its links' port events, and a cutting flow's
+    /// DCQCN ticks, which the jump cancels and schedules anew.
+    fn group_positions(&mut self, p: &Parts, g: &Group, from: usize) -> Vec<u32> {
+        // From the start, the index of the ledger by owner narrows the visit to the
+        // partition's own events (and those scheduled since the index was built).
+        let candidates = if from == 0 {
+            self.owned_positions(&g.flows, p.parts.links(g.part))
+        } else {
+            None
+        };
+        let ledger = self.ledger.as_deref().unwrap_or(&[]);
+        let moved = |ev: Ev| {
+            if let Ev::RpDecrease(f) | Ev::RpIncrease(f) = ev {
+                if p.cutting[f as usize] {
+                    return true;
+                }
+            }
+            match owner_of(&self.pkts, ev) {
+                Some(Owner::Flow(f)) => {
+                    p.in_group[f as usize]
+                        && !(p.keeps_clock[f as usize] && matches!(ev, Ev::RpIncrease(_)))
+                }
+                Some(Owner::Link(l)) => p.parts.of_link(l) == Some(g.part),
+                None => false,
+            }
+        };
+        let pending_and_moved = |i: &u32| {
+            let e = &ledger[*i as usize];
+            self.q.contains(e.0) && moved(e.2)
+        };
+        match candidates {
+            Some(at) => at.into_iter().filter(pending_and_moved).collect(),
+            None => (from as u32..ledger.len() as u32)
+                .filter(pending_and_moved)
+                .collect(),
+        }
+    }
+
     /// The least time `t < limit` from now at which a release not scheduled yet could land
     /// on a link of partition `part`, or `limit` if none can come sooner.
     ///

@@ -461,14 +461,15 @@ pub(super) struct Engine<'a> {
     /// Live packets (in flight or queued) of each flow.
     pub live: Vec<u32>,
     /// With partitioning: every event a jump may have to move (all but releases and
-    /// samples), as scheduled; compacted to the pending ones at each fast-forward sample.
+    /// samples), as scheduled; compacted to the pending ones whenever it has doubled.
     pub ledger: Option<Vec<(EventKey, Picos, Ev)>>,
     /// Ledger length that triggers a compaction in [`Engine::sched`].
     ledger_cap: usize,
-    /// Bumped whenever the ledger is compacted or rewritten (not when it grows), so that
-    /// [`super::image::LedgerIndex`] knows its positions are stale.
+    /// Bumped whenever the ledger is compacted (not when it grows, nor when a jump
+    /// rewrites entries in place), so that [`super::image::LedgerIndex`] knows its
+    /// positions are stale.
     pub(super) ledger_gen: u64,
-    /// Where the ledger's pending events are, for captures (see its docs).
+    /// Where the ledger's pending events are, for captures and jumps (see its docs).
     pub(super) ledger_index: super::image::LedgerIndex,
     /// Memoization state (`accel.memoize` only).
     pub memo: Option<Memo<'a>>,

@@ -96,7 +96,7 @@ impl Engine<'_> {
         }
         let sources: Vec<u32> = pairs.iter().map(|p| p.0).collect();
         let source_links: Vec<u32> = links.iter().map(|l| l.0).collect();
-        let positions = self.capture_positions(&sources, &source_links);
+        let positions = self.owned_positions(&sources, &source_links);
         let ledger = self.ledger.as_deref().unwrap_or(&[]);
         let pending = ledger
             .iter()
@@ -342,9 +342,11 @@ impl Engine<'_> {
         self.settle_dormant_frees_before(limit);
     }
 
-    /// The ledger positions a capture of `flows` (sources) and `links` (sources) must
-    /// visit, in ledger order, or `None` to visit the whole ledger. See [`LedgerIndex`].
-    fn capture_positions(&mut self, flows: &[u32], links: &[u32]) -> Option<Vec<u32>> {
+    /// The ledger positions that hold every pending event of `flows` and `links` (with
+    /// others besides), in ledger order, or `None` to visit the whole ledger: what a
+    /// capture of those flows and links (its sources) or a partition's jump must visit.
+    /// See [`LedgerIndex`].
+    pub(super) fn owned_positions(&mut self, flows: &[u32], links: &[u32]) -> Option<Vec<u32>> {
         let generation = self.ledger_gen;
         let ledger = self.ledger.as_deref().unwrap_or(&[]);
         let ix = &mut self.ledger_index;
@@ -418,14 +420,16 @@ pub(super) fn owner_of(pkts: &[Packet], ev: Ev) -> Option<Owner> {
 }
 
 /// Where the ledger's pending events are, by the flow or link they belong to, for
-/// [`Engine::capture`]. Each capture (a broken mirror takes its leader's state) scanned the
-/// whole ledger: about 30% of an accelerated 128-GPU ring all-reduce, whose 1,316 broken
-/// mirrors visited about 50M ledger entries (4.6M through the index). The second capture since the ledger was last
-/// compacted builds this index (the first scans: a lone capture costs no more that way),
-/// and later ones visit their own events plus what was appended since.
+/// [`Engine::capture`] and a partition's jump (`accel`). Each capture (a broken mirror
+/// takes its leader's state) scanned the whole ledger: about 30% of an accelerated 128-GPU
+/// ring all-reduce, whose 1,316 broken mirrors visited about 50M ledger entries (4.6M
+/// through the index). The second visit since the ledger was last compacted builds this
+/// index (the first scans: a lone visit costs no more that way), and later ones visit
+/// their own events plus what was appended since.
 ///
-/// It stays valid while the ledger is only appended to: a compaction or a rewrite (a
-/// partition's jump) bumps `Engine::ledger_gen`. An event popped since is still listed,
+/// It stays valid while the ledger is only appended to or rewritten in place (a jump
+/// gives the events it moves their new keys and times where they stand, and an event
+/// keeps its owner): a compaction bumps `Engine::ledger_gen`. An event popped since is still listed,
 /// but every visited event is checked to be pending, as the scan does; a pending event's
 /// packet is live, so the flow it was listed under is still its flow. A capture thus
 /// sees exactly the events, in the order, the scan would.
