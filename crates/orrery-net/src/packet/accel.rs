@@ -181,9 +181,20 @@
 //! - **Finding `P`'s events**: with partitioning the engine records every flow or link
 //!   event it schedules in a ledger (key, time, event), compacted to the pending ones
 //!   whenever it has doubled (amortised O(1) per event; a jump skips the stale entries,
-//!   whose keys no longer name a pending event). A jump costs O(ledger + live packets)
-//!   and one heap push per moved event, not O(1) as the per-partition queues
-//!   would; the ledger costs one push per scheduled event. Why not a queue per
+//!   whose keys no longer name a pending event). A jump visits its own events through the
+//!   ledger's index by owner ([`super::image::LedgerIndex`], which the memo's captures
+//!   use too: the positions of its flows' and links' events, plus whatever was scheduled
+//!   since the index was built) and its own packets (those in flight are the arrivals
+//!   among its events, the others wait in its links' queues), and moves each of its
+//!   events with one queue push: O(its events and packets, plus the ledger's newest
+//!   entries), not O(1) as the per-partition queues would; the ledger costs one
+//!   push per scheduled event. Until 2026-12-07 every jump scanned the whole ledger and
+//!   every slot of the packet arena: on the ECMP GPT 350M step at 1,024 GPUs, 5,239 jumps
+//!   visited 111M ledger entries and 1,393M arena slots, where they now visit 45M entries
+//!   and 2.7M packets (and the index hashes 15M entries as it is rebuilt), about 1% of
+//!   the run's time, within this machine's noise; with partitions joined by data paths
+//!   only (an experiment, docs/benchmarks.md) the arena scan had been a quarter of the
+//!   512-GPU step's profile. Debug runs check both visits against the scans. Why not a queue per
 //!   partition: in a `perf` profile of the accelerated 256-GPU GPT 350M step, the
 //!   partitioned samples took about 0.25% of the run (the jumps did not register) and the
 //!   ledger's compaction, then done at every sample, about 3.4%, while the calendar
