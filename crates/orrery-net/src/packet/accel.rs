@@ -1524,6 +1524,7 @@ impl Engine<'_> {
         // The partition's pending events, in ledger (scheduling) order: its packets in
         // flight are among them, and all of them are postponed below.
         let (mut positions, mut gen) = (self.group_positions(p, g, 0), self.ledger_gen);
+        let collected = self.ledger.as_ref().map_or(0, Vec::len);
         if moved > 0 || appended > 0 || taken > 0 {
             let links = p.parts.links(g.part).to_vec();
             self.renumber_group_packets(ff, &links, &positions);
@@ -1554,8 +1555,7 @@ impl Engine<'_> {
         if self.ledger_gen != gen {
             (positions, gen) = (self.group_positions(p, g, 0), self.ledger_gen);
         } else {
-            let seen = positions.last().map_or(0, |&i| i as usize + 1);
-            positions.extend(self.group_positions(p, g, seen));
+            positions.extend(self.group_positions(p, g, collected));
         }
         debug_assert_eq!(gen, self.ledger_gen);
         // Postpone them by the jump, in their scheduling order so ties keep their order.
