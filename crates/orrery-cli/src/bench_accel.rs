@@ -467,26 +467,9 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             "accel s: the median of up to {SHORT_RUN_REPEATS} runs when a run takes under {SHORT_RUN_SECS} s (a fresh simulator each); the reference runs once\n"
         );
         outln!(
-            "{:<46} {:>5} {:>6} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8} {:>8}",
-            "scenario",
-            "GPUs",
-            "flows",
-            "ref s",
-            "accel s",
-            "speedup",
-            "ref events",
-            "events",
-            "memo%",
-            "mirror",
-            "virtual",
-            "repeated",
-            "sym",
-            "meanFCT%",
-            "p99FCT%",
-            "end%",
-            "coll%",
-            "cct%"
+            "ev ratio: the reference's events over the accelerated run's (~: estimated from the events the accelerated run skipped, where the reference did not run); skipped: the events the accelerated run's mechanisms report skipping\n"
         );
+        outln!("{}", table_header());
     }
     let mut rows = Vec::new();
     for s in &scenarios {
@@ -624,22 +607,53 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
     })
 }
 
-/// The row as a line of the table: the wall speedup where the reference ran, else the
-/// event ratio marked "est".
+/// The table's header line, its columns as wide as [`table_line`]'s.
+fn table_header() -> String {
+    format!(
+        "{:<46} {:>5} {:>6} {:>9} {:>9} {:>9} {:>10} {:>13} {:>12} {:>13} {:>6} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "scenario",
+        "GPUs",
+        "flows",
+        "ref s",
+        "accel s",
+        "speedup",
+        "ev ratio",
+        "ref events",
+        "events",
+        "skipped",
+        "memo%",
+        "mirror",
+        "virtual",
+        "repeated",
+        "sym",
+        "meanFCT%",
+        "p99FCT%",
+        "end%",
+        "coll%",
+        "cct%"
+    )
+}
+
+/// The row as a line of the table: the wall speedup where the reference ran (else "-"),
+/// and the events ratio, marked "~" where it is estimated.
 fn table_line(r: &AccelRow) -> String {
     let memo = 100.0 * r.memo_hit_rate;
     let sym = match r.symmetry_copies {
         0 | 1 => "-".to_string(),
         k => format!("{k}x"),
     };
+    // The events ratio is the measure that does not move with the machine's load; without
+    // a reference run it is the estimate the speedup column used to carry.
     let measured = match (&r.errors, r.reference_secs, r.wall_speedup) {
         (Some(e), Some(t_ref), Some(speedup)) => format!(
-            "{:>9.2} {:>9.3} {:>8.1}x {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            "{:>9.2} {:>9.3} {:>8.1}x {:>9.1}x {:>13} {:>12} {:>13} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
             t_ref,
             r.accelerated_secs,
             speedup,
+            r.event_ratio,
             r.reference_events,
             r.events,
+            r.skipped_events,
             memo,
             r.mirrored_groups,
             r.virtual_flows,
@@ -652,12 +666,14 @@ fn table_line(r: &AccelRow) -> String {
             100.0 * e.collective_time
         ),
         _ => format!(
-            "{:>9} {:>9.3} {:>5.1}x est {:>12} {:>12} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "{:>9} {:>9.3} {:>9} {:>10} {:>13} {:>12} {:>13} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8} {:>8} {:>8} {:>8} {:>8}",
             "-",
             r.accelerated_secs,
-            r.event_ratio,
+            "-",
+            format!("~{:.1}x", r.event_ratio),
             format!("~{}", r.reference_events),
             r.events,
+            r.skipped_events,
             memo,
             r.mirrored_groups,
             r.virtual_flows,
@@ -677,6 +693,81 @@ fn table_line(r: &AccelRow) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// A row as a 1,024-GPU step would fill it, with or without its reference run.
+    fn row(with_reference: bool) -> AccelRow {
+        let errors = || AccelErrors {
+            mean_fct: 0.0033,
+            p99_fct: 0.0488,
+            end: 0.0033,
+            collective: 0.0558,
+            collective_time: 5.5232,
+        };
+        AccelRow {
+            scenario: "GPT 350M step (DP+PP)".to_string(),
+            release: Some(Release::Rendezvous),
+            gpus: 1024,
+            flows: 210_912,
+            reference_secs: with_reference.then_some(301.07),
+            accelerated_secs: 146.77,
+            accelerated_runs: 1,
+            wall_speedup: with_reference.then_some(2.06),
+            reference_events: 3_568_854_918,
+            reference_events_estimated: !with_reference,
+            events: 1_008_587_356,
+            event_ratio: 3.538,
+            skipped_events: 3_158_009_128,
+            fast_forwards: 4_901,
+            quiet_jumps: 4_798,
+            cut_jumps: 103,
+            ff_held: FastForwardHeld::default(),
+            memo_lookups: 9_751,
+            memo_hits: 7_321,
+            memo_hit_rate: 0.7508,
+            mirrored_groups: 853,
+            virtual_flows: 162_560,
+            repeated_flows: 0,
+            symmetry_copies: 0,
+            drops: 0,
+            reference_drops: with_reference.then_some(0),
+            errors: with_reference.then(errors),
+            reference_seed_spread: None,
+            reference_label_spread: None,
+        }
+    }
+
+    /// Every column of a line sits under its header, with or without a reference run
+    /// (the header and the two kinds of line are formatted apart), and the line carries
+    /// the events ratio and the skipped events, the measures beside the speedup.
+    #[test]
+    fn table_lines_fit_their_header() {
+        let header = table_header();
+        // Where each header column ends: a right-aligned value ends there too.
+        let ends = |line: &str| -> Vec<usize> {
+            let b = line.as_bytes();
+            (1..=b.len())
+                .filter(|&i| b[i - 1] != b' ' && (i == b.len() || b[i] == b' '))
+                .collect()
+        };
+        let header_ends = ends(&header);
+        for with_reference in [true, false] {
+            let line = table_line(&row(with_reference));
+            assert_eq!(line.len(), header.len(), "{header}\n{line}");
+            let line_ends = ends(&line);
+            // Past the scenario's name (its words end wherever they end), each of the 19
+            // values ends where a header column does (a header's name may be two words).
+            let tail: Vec<usize> = line_ends.into_iter().filter(|&i| i > 46).collect();
+            assert_eq!(tail.len(), 19, "{header}\n{line}");
+            assert!(
+                tail.iter().all(|i| header_ends.contains(i)),
+                "{header}\n{line}"
+            );
+            let ratio = if with_reference { " 3.5x " } else { " ~3.5x " };
+            assert!(line.contains(ratio), "{line}");
+            assert!(line.contains(" 3158009128 "), "{line}");
+        }
+        assert!(table_line(&row(true)).contains(" 2.1x "));
+    }
 
     #[test]
     fn renumbering_keeps_dependencies_first_and_maps_back() {
