@@ -642,8 +642,8 @@ fn table_line(r: &AccelRow) -> String {
         0 | 1 => "-".to_string(),
         k => format!("{k}x"),
     };
-    // The events ratio is the measure that does not move with the machine's load; without
-    // a reference run it is the estimate the speedup column used to carry.
+    // The events ratio does not move with the machine's load, where the wall speedup
+    // does; without a reference run it is estimated from the events the run skipped.
     let measured = match (&r.errors, r.reference_secs, r.wall_speedup) {
         (Some(e), Some(t_ref), Some(speedup)) => format!(
             "{:>9.2} {:>9.3} {:>8.1}x {:>9.1}x {:>13} {:>12} {:>13} {:>6.1} {:>6} {:>8} {:>8} {:>4} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
