@@ -592,7 +592,6 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
     // The traces', the groups file's and the flags' problems at once.
     let mut problems = InputProblems::default();
     let mut traces = Vec::new();
-    let mut corrupt = false;
     loop {
         let path = with_suffix(&args.prefix, &format!(".{}.et", traces.len()));
         let Ok(bytes) = std::fs::read(&path) else {
@@ -604,7 +603,6 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
             Ok(rank) => traces.push(Some(rank)),
             Err(e) => {
                 problems.push(&format!("{}: {e}", path.display()));
-                corrupt = true;
                 traces.push(None);
             }
         }
@@ -645,7 +643,8 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
             problems.push(&format!("--nic-gbps must be a positive number, got {nic}"));
         }
     }
-    let traces: Option<Vec<_>> = (!corrupt).then(|| traces.into_iter().flatten().collect());
+    // Every rank, or none if one is corrupt.
+    let traces: Option<Vec<_>> = traces.into_iter().collect();
     let (traces, (groups, preset)) = problems.finish(traces.zip(groups.zip(preset)))?;
     let ranks = traces.len() as u64;
     let mut cluster = orrery_spec::Cluster::of_preset(

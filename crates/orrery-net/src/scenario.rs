@@ -534,11 +534,9 @@ pub fn build(spec: &ScenarioSpec) -> Result<Scenario, ScenarioError> {
 fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
     let kind = p.need("topology.kind", t.kind)?;
     let default_link = Bandwidth::from_gbits_per_sec(DEFAULT_LINK_GBITS);
-    let default_nvlink = Bandwidth::from_gbytes_per_sec(DEFAULT_NVLINK_GBYTES);
-    let speed = |v: Option<Bandwidth>, fallback: Bandwidth| v.unwrap_or(fallback);
     let link = p
         .positive_f64("topology.link_gbps", t.link_gbps, Some(DEFAULT_LINK_GBITS))
-        .map(Bandwidth::from_gbits_per_sec);
+        .map_or(default_link, Bandwidth::from_gbits_per_sec);
     let delay = Picos::from_nanos(t.delay_ns.unwrap_or(1_000));
     let count = |p: &mut Problems, path: &str, v: Option<u64>| -> Option<usize> {
         match v {
@@ -560,7 +558,7 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
             Some(x) => Some(x as usize),
         }
     };
-    // The hosts, GPUs per host and NVLink speed of the GPU fabrics, with the NIC speed.
+    // The hosts and GPUs per host of the GPU fabrics, and their NVLink speed.
     let gpu_hosts = |p: &mut Problems| {
         let hosts = count(p, "topology.hosts", t.hosts);
         let gpus = count(p, "topology.gpus_per_host", t.gpus_per_host.or(Some(8)));
@@ -570,28 +568,23 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
                 t.nvlink_gbytes,
                 Some(DEFAULT_NVLINK_GBYTES),
             )
-            .map(Bandwidth::from_gbytes_per_sec);
-        (
-            hosts.zip(gpus),
-            speed(link, default_link),
-            speed(nvl, default_nvlink),
-        )
+            .unwrap_or(DEFAULT_NVLINK_GBYTES);
+        (hosts.zip(gpus), Bandwidth::from_gbytes_per_sec(nvl))
     };
     let result: Option<Result<NetGraph, TopologyError>> = match kind {
         TopologyKindSpec::SingleSwitch => {
             let n = count(p, "topology.endpoints", t.endpoints);
-            n.map(|n| NetGraph::single_switch(n, speed(link, default_link), delay))
+            n.map(|n| NetGraph::single_switch(n, link, delay))
         }
         TopologyKindSpec::Dumbbell => {
             let n = count(p, "topology.endpoints", t.endpoints);
             let b = p
                 .positive_f64("topology.bottleneck_gbps", t.bottleneck_gbps, None)
-                .map(Bandwidth::from_gbits_per_sec);
-            let (link, b) = (speed(link, default_link), speed(b, default_link));
+                .map_or(default_link, Bandwidth::from_gbits_per_sec);
             n.map(|n| NetGraph::dumbbell(n, n, link, b, delay))
         }
         TopologyKindSpec::RailOptimized => {
-            let (hosts_gpus, link, nvl) = gpu_hosts(p);
+            let (hosts_gpus, nvl) = gpu_hosts(p);
             hosts_gpus.map(|(hosts, gpus)| {
                 let base = RailOptimizedSpec::dgx_h100(hosts);
                 NetGraph::rail_optimized(&RailOptimizedSpec {
@@ -607,7 +600,7 @@ fn build_topology(t: &TopologySpec, p: &mut Problems) -> Option<NetGraph> {
             })
         }
         TopologyKindSpec::FatTree => {
-            let (hosts_gpus, link, nvl) = gpu_hosts(p);
+            let (hosts_gpus, nvl) = gpu_hosts(p);
             hosts_gpus.map(|(hosts, gpus)| {
                 let base = match t.tiers.unwrap_or(2) {
                     3 => FatTreeSpec::three_tier(hosts),

@@ -683,13 +683,20 @@ impl Engine<'_> {
     /// growing queue (their lowest number before the move is left in `carry_first`) or
     /// behind by those taken out of a draining one.
     fn renumber_packets(&mut self, ff: &mut FastForward) {
+        for q in self.live_slots() {
+            renumber(ff, &mut self.pkts[q as usize]);
+        }
+    }
+
+    /// The arena slots holding a live packet, in slot order.
+    fn live_slots(&self) -> Vec<u32> {
         let mut free = vec![false; self.pkts.len()];
         for &q in self.free_slots() {
             free[q as usize] = true;
         }
-        for (pk, _) in self.pkts.iter_mut().zip(&free).filter(|(_, &f)| !f) {
-            renumber(ff, pk);
-        }
+        (0..self.pkts.len() as u32)
+            .filter(|&q| !free[q as usize])
+            .collect()
     }
 
     /// [`Engine::renumber_packets`] for a partition's jump, visiting only the partition's
@@ -717,28 +724,18 @@ impl Engine<'_> {
         #[cfg(debug_assertions)]
         {
             // The slow path it replaces: every live packet that the arena scan would
-            // renumber is visited, once.
-            let mut free = vec![false; self.pkts.len()];
-            for &q in self.free_slots() {
-                free[q as usize] = true;
-            }
-            let mut expected: Vec<u32> = (0..self.pkts.len() as u32)
-                .filter(|&q| !free[q as usize])
-                .filter(|&q| {
-                    let f = self.pkts[q as usize].flow as usize;
-                    ff.shift[f] != 0 || ff.carry[f] != 0
-                })
-                .collect();
+            // renumber (of a flow that moved) is visited, once.
+            let moved = |q: &u32| {
+                let f = self.pkts[*q as usize].flow as usize;
+                ff.shift[f] != 0 || ff.carry[f] != 0
+            };
+            let expected: Vec<u32> = self.live_slots().into_iter().filter(moved).collect();
             let mut visited = mine.clone();
             visited.sort_unstable();
             let before = visited.len();
             visited.dedup();
             debug_assert_eq!(before, visited.len(), "a packet visited twice");
-            visited.retain(|&q| {
-                let f = self.pkts[q as usize].flow as usize;
-                ff.shift[f] != 0 || ff.carry[f] != 0
-            });
-            expected.sort_unstable();
+            visited.retain(moved);
             debug_assert_eq!(visited, expected, "the partition's packets");
         }
         for q in mine {
@@ -1523,11 +1520,10 @@ impl Engine<'_> {
         }
         // The partition's pending events, in ledger (scheduling) order: its packets in
         // flight are among them, and all of them are postponed below.
-        let (mut positions, mut gen) = (self.group_positions(p, g, 0), self.ledger_gen);
-        let collected = self.ledger.as_ref().map_or(0, Vec::len);
+        let mut positions = self.group_positions(p, g, 0);
+        let (gen, collected) = (self.ledger_gen, self.ledger.as_ref().map_or(0, Vec::len));
         if moved > 0 || appended > 0 || taken > 0 {
-            let links = p.parts.links(g.part).to_vec();
-            self.renumber_group_packets(ff, &links, &positions);
+            self.renumber_group_packets(ff, p.parts.links(g.part), &positions);
         }
         if appended > 0 || taken > 0 {
             let before: Vec<u64> = queues
@@ -1553,11 +1549,10 @@ impl Engine<'_> {
         // What the carried queues scheduled since is the partition's too (and a
         // compaction since has moved every position).
         if self.ledger_gen != gen {
-            (positions, gen) = (self.group_positions(p, g, 0), self.ledger_gen);
+            positions = self.group_positions(p, g, 0);
         } else {
             positions.extend(self.group_positions(p, g, collected));
         }
-        debug_assert_eq!(gen, self.ledger_gen);
         // Postpone them by the jump, in their scheduling order so ties keep their order.
         // Entries are rewritten in place: positions, and the captures' index of them
         // (`LedgerIndex`), stay valid.
