@@ -191,8 +191,11 @@
 //!   push per scheduled event. Until 2026-12-07 every jump scanned the whole ledger and
 //!   every slot of the packet arena: on the ECMP GPT 350M step at 1,024 GPUs, 5,239 jumps
 //!   visited 111M ledger entries and 1,393M arena slots, where they now visit 45M entries
-//!   and 2.7M packets (and the index hashes 15M entries as it is rebuilt), about 1% of
-//!   the run's time, within this machine's noise; with partitions joined by data paths
+//!   and 2.7M packets (and the index hashes 15M entries as it is rebuilt). In `perf`
+//!   profiles the jump and its visits went from 2.0% of the 512-GPU step to 1.2%, and
+//!   from about 6.1% of the 1,024-GPU step to 4.4% (most of that is the jump's own
+//!   tests, not its visits), gains that wall times on this machine do not resolve; with
+//!   partitions joined by data paths
 //!   only (an experiment, docs/benchmarks.md) the arena scan had been a quarter of the
 //!   512-GPU step's profile. Debug runs check both visits against the scans. Why not a queue per
 //!   partition: in a `perf` profile of the accelerated 256-GPU GPT 350M step, the
