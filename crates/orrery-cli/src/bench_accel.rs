@@ -12,8 +12,10 @@
 
 use anyhow::{Context, Result};
 use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowSet};
-use orrery_net::packet::{FastForwardHeld, PacketConfig, PacketRun, PacketSimulator, TraceRequest};
-use orrery_net::sim::RunErrors;
+use orrery_net::packet::{
+    FastForwardHeld, FluidSimulator, PacketConfig, PacketRun, PacketSimulator, TraceRequest,
+};
+use orrery_net::sim::{FlowSimulator, RunErrors, SimReport};
 use orrery_net::topology::{NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
 use orrery_predict::traffic::Release;
@@ -329,6 +331,8 @@ pub struct AccelBench {
     /// Also run each reference on its flows numbered in another dependency order and report
     /// how far it is from the first.
     pub label_spread: bool,
+    /// Also run each scenario in the fluid model ([`FluidSimulator`]).
+    pub fluid: bool,
     pub json: bool,
 }
 
@@ -393,6 +397,12 @@ struct AccelRow {
     /// numbers, but other events of one picosecond still go in the order they were filed;
     /// where this is as large as `errors`, per-flow errors measure those ties.
     reference_label_spread: Option<AccelErrors>,
+    /// With `--fluid`: the fluid model's wall seconds (median, as `accelerated_secs`) and
+    /// its errors against the reference, when that ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fluid_secs: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fluid_errors: Option<AccelErrors>,
 }
 
 #[derive(Debug, Serialize)]
@@ -476,6 +486,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
         let spreads = Spreads {
             seed: b.seed_spread,
             label: b.label_spread,
+            fluid: b.fluid,
         };
         let row = measure(s, s.gpus <= b.reference_max_gpus, spreads)?;
         if !b.json {
@@ -488,6 +499,25 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                     "{:<46} packets dropped: {} accelerated, reference {reference}",
                     "",
                     row.drops
+                );
+            }
+            if let Some(secs) = row.fluid_secs {
+                let against = match (&row.fluid_errors, row.reference_secs) {
+                    (Some(e), Some(t_ref)) => format!(
+                        "{:.1}x faster than the reference; mean / p99 FCT {:.3}% / {:.3}%, end {:.3}%, collectives {:.3}% (completion times {:.3}%)",
+                        t_ref / secs,
+                        100.0 * e.mean_fct,
+                        100.0 * e.p99_fct,
+                        100.0 * e.end,
+                        100.0 * e.collective,
+                        100.0 * e.collective_time
+                    ),
+                    _ => "no reference run".to_string(),
+                };
+                outln!(
+                    "{:<46} the fluid model: {secs:.3} s ({:.2}x the accelerated run's time), {against}",
+                    "",
+                    secs / row.accelerated_secs
                 );
             }
             for (e, what) in [
@@ -515,13 +545,16 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
     Ok(())
 }
 
-/// Which second reference runs measure how far the reference moves by itself.
+/// Which second reference runs measure how far the reference moves by itself, and whether
+/// the fluid model runs too.
 #[derive(Debug, Clone, Copy)]
 struct Spreads {
     /// With the next seed (other ECN marking draws).
     seed: bool,
     /// On the flows renumbered (other tie-breaking between same-time events).
     label: bool,
+    /// The fluid model's run.
+    fluid: bool,
 }
 
 /// `flows` numbered in another order that keeps each flow after its dependencies (among
@@ -566,6 +599,15 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         }
         _ => None,
     };
+    let fluid = if spreads.fluid {
+        let (report, secs) = timed_fluid(s)?;
+        let errors = reference
+            .as_ref()
+            .map(|(r, _)| RunErrors::between(&r.report, &report, &s.flows).into());
+        Some((secs, errors))
+    } else {
+        None
+    };
     let st = &fast.stats;
     let skipped = st.total_skipped_events();
     let events = fast.report.events;
@@ -604,7 +646,35 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
             .map(|(r, _)| RunErrors::between(&r.report, &fast.report, &s.flows).into()),
         reference_seed_spread: spread,
         reference_label_spread: label_spread,
+        fluid_secs: fluid.as_ref().map(|f| f.0),
+        fluid_errors: fluid.and_then(|f| f.1),
     })
+}
+
+/// The fluid model on `s`, timed as [`timed_median`] times the accelerated run (the median
+/// of the repeats of a short run, each repeat checked to give the same report).
+fn timed_fluid(s: &Scenario) -> Result<(SimReport, f64)> {
+    let sim = FluidSimulator::default();
+    let run = || -> Result<(SimReport, f64)> {
+        let start = std::time::Instant::now();
+        let report = sim
+            .simulate(&s.graph, &s.flows)
+            .with_context(|| format!("{}: the fluid model failed", s.name))?;
+        Ok((report, start.elapsed().as_secs_f64()))
+    };
+    let (report, first) = run()?;
+    let mut times = vec![first];
+    while times.len() < SHORT_RUN_REPEATS && times.iter().sum::<f64>() < SHORT_RUN_SECS {
+        let (again, t) = run()?;
+        anyhow::ensure!(
+            again == report,
+            "{}: a repeat of the fluid run gave another report",
+            s.name
+        );
+        times.push(t);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((report, times[times.len() / 2]))
 }
 
 /// The table's header line, its columns as wide as [`table_line`]'s.
@@ -733,6 +803,8 @@ mod tests {
             errors: with_reference.then(errors),
             reference_seed_spread: None,
             reference_label_spread: None,
+            fluid_secs: None,
+            fluid_errors: None,
         }
     }
 

@@ -106,6 +106,10 @@ enum Command {
         /// the order of same-time events decides single flows).
         #[arg(long)]
         label_spread: bool,
+        /// With --accel: also run each scenario in the fluid model and print its wall time
+        /// and its errors against the reference.
+        #[arg(long)]
+        fluid: bool,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
         #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
         gpt_gpus: Vec<u32>,
@@ -217,10 +221,12 @@ struct PredictArgs {
     /// Replay every rank instead of one per symmetry class (slow; the exact reference).
     #[arg(long)]
     all_ranks: bool,
-    /// Network model: analytical (alpha-beta), flow (max-min fair sharing) or packet (RDMA
-    /// with DCQCN and PFC; slow for large messages). Flow and packet simulate each distinct
-    /// collective once, alone, on a rail-optimised topology of the group's hosts.
-    #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
+    /// Network model: analytical (alpha-beta), flow (max-min fair sharing), packet (RDMA
+    /// with DCQCN and PFC; slow for large messages) or fluid (the packet model's fabric
+    /// with bytes as a fluid in fixed steps; approximate). Flow, packet and fluid simulate
+    /// each distinct collective once, alone, on a rail-optimised topology of the group's
+    /// hosts.
+    #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet", "fluid"])]
     network: String,
     #[command(flatten)]
     packet: packet_flags::PacketFlags,
@@ -394,6 +400,7 @@ fn run(cli: Cli) -> Result<()> {
             cross_pod_mib,
             seed_spread,
             label_spread,
+            fluid,
             gpt_gpus,
             gpt_13b_gpus,
             llama_pp_gpus,
@@ -410,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
             cross_pod_mib,
             seed_spread,
             label_spread,
+            fluid,
             gpt_gpus,
             gpt_13b_gpus,
             llama_pp_gpus,
@@ -490,6 +498,10 @@ fn run_predict(args: &PredictArgs) -> Result<()> {
     let out = match args.network.as_str() {
         "flow" => {
             let sim = orrery_net::flow_model::FlowLevelSimulator::default();
+            simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
+        }
+        "fluid" => {
+            let sim = orrery_net::packet::FluidSimulator::default();
             simulated(&job, orrery_predict::sim_network_for(&job, sim), mode)?
         }
         "packet" => {

@@ -17,7 +17,7 @@ pub struct NetsimArgs {
     /// The scenario TOML file.
     scenario: PathBuf,
     /// Override the scenario's simulator model.
-    #[arg(long, value_parser = ["packet", "flow"])]
+    #[arg(long, value_parser = ["packet", "flow", "fluid"])]
     model: Option<String>,
     /// Print the result as JSON.
     #[arg(long)]
@@ -725,17 +725,22 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let packet_config = problems.check(packet_config(spec.packet.as_ref()));
     let model = match args.model.as_deref() {
         Some("flow") => SimModel::Flow,
+        Some("fluid") => SimModel::Fluid,
         Some(_) => SimModel::Packet,
         None => spec.simulator.model_or_default(),
     };
-    if model == SimModel::Flow {
+    if model != SimModel::Packet {
         // A switch of the packet model would be ignored: refused, as predict refuses it.
         let also: &[&str] = if args.queue_trace.is_some() {
             &["--queue-trace"]
         } else {
             &[]
         };
-        let why = "this run is at flow level";
+        let why = if model == SimModel::Flow {
+            "this run is at flow level"
+        } else {
+            "the fluid model has no packets to accelerate or trace"
+        };
         if let Some(e) = args
             .packet
             .refuse_without_packet(also, why, "run it with --model packet")
@@ -765,6 +770,15 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             &scenario.flows,
             &mut progress,
         ),
+        SimModel::Fluid => {
+            let mut config = packet_config;
+            config.seed = scenario.seed;
+            orrery_net::packet::FluidSimulator {
+                config,
+                ..Default::default()
+            }
+            .simulate_with_progress(&scenario.graph, &scenario.flows, &mut progress)
+        }
         SimModel::Packet => {
             let mut config = packet_config;
             config.seed = scenario.seed;

@@ -302,7 +302,7 @@ fn outputs_to_a_fifo_are_written_through_it_not_renamed_over_it() {
 }
 
 #[test]
-fn netsim_runs_a_scenario_at_flow_and_packet_level() {
+fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     let dir = temp_dir("netsim");
     let scenario = dir.join("incast.toml");
     std::fs::write(
@@ -332,7 +332,7 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
         "#,
     )
     .unwrap();
-    for model in ["flow", "packet"] {
+    for model in ["flow", "packet", "fluid"] {
         let (code, stdout, stderr) = orrery(&[
             "netsim",
             scenario.to_str().unwrap(),
@@ -404,6 +404,16 @@ fn netsim_runs_a_scenario_at_flow_and_packet_level() {
     ]);
     assert_eq!(code, 2);
     assert_mentions(&stderr, &["--no-memo, --queue-trace apply", "flows[0].dst"]);
+    // And in the fluid model, which has no packets to accelerate or trace.
+    let (code, _, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--model",
+        "fluid",
+        "--reference",
+    ]);
+    assert_eq!(code, 2);
+    assert_mentions(&stderr, &["--reference", "fluid model", "flows[0].dst"]);
     // Outputs into folders that do not exist are refused before anything runs, all named.
     let nowhere = dir.join("no-such-folder");
     let (code, stdout, stderr) = orrery(&[
@@ -649,26 +659,28 @@ fn netsim_acceleration_skips_events_without_changing_the_answer() {
 }
 
 #[test]
-fn predict_runs_on_the_flow_level_network() {
+fn predict_runs_on_the_flow_level_and_fluid_networks() {
     let dir = temp_dir("network");
     let job = dir.join("job.toml");
     std::fs::write(&job, SMALL_JOB).unwrap();
-    let (code, stdout, stderr) = orrery(&[
-        "predict",
-        job.to_str().unwrap(),
-        "--network",
-        "flow",
-        "--json",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert_eq!(v["network_model"], "flow");
-    assert!(v["step_time"].as_u64().unwrap() > 0);
-    assert!(
-        v["warnings"].as_array().unwrap().is_empty(),
-        "{}",
-        v["warnings"]
-    );
+    for network in ["flow", "fluid"] {
+        let (code, stdout, stderr) = orrery(&[
+            "predict",
+            job.to_str().unwrap(),
+            "--network",
+            network,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["network_model"], network);
+        assert!(v["step_time"].as_u64().unwrap() > 0);
+        assert!(
+            v["warnings"].as_array().unwrap().is_empty(),
+            "{}",
+            v["warnings"]
+        );
+    }
 }
 
 /// `predict --network packet` runs the accelerated packet model and takes the same

@@ -105,6 +105,8 @@ pub struct TopologySpec {
 pub enum SimModel {
     Packet,
     Flow,
+    /// The packet model's fabric with bytes as a fluid ([`crate::packet::FluidSimulator`]).
+    Fluid,
 }
 
 /// The `[simulator]` table.

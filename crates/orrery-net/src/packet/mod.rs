@@ -10,7 +10,10 @@
 //! Entry point: [`PacketSimulator`] (with its [`PacketConfig`]), which implements
 //! [`FlowSimulator`] under the name `"packet"`; [`PacketSimulator::run`] also returns
 //! counters ([`PacketStats`]) and an optional time series ([`TraceRequest`] ->
-//! [`Sample`]s of delivered bytes, sending rates and queue depths).
+//! [`Sample`]s of delivered bytes, sending rates and queue depths). Beside it,
+//! [`FluidSimulator`] (`"fluid"`) runs the same fabric under the same configuration with
+//! bytes as a fluid instead of packets: an approximation of this model, measured against
+//! it (the `fluid` module).
 //!
 //! ## The model
 //!
@@ -247,6 +250,7 @@ mod accel;
 mod config;
 pub mod dcqcn;
 mod engine;
+mod fluid;
 mod host;
 mod image;
 mod memo;
@@ -256,6 +260,7 @@ mod switch;
 mod symmetry;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
+pub use fluid::FluidSimulator;
 pub use memo::{MemoCache, MemoFileError};
 pub use symmetry::SymmetryShift;
 
