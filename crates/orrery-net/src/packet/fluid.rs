@@ -76,7 +76,7 @@ const DUST: f64 = 1e-6;
 /// `L = pi / 4`; at a steady probability it would be at 1, and above `kmax` every packet
 /// is marked, where the threshold does not matter. On the 8-to-1 incast example (100
 /// Gb/s, 4 MiB each) the reference's first cuts came at 15 to 28 us (19.8 on average),
-/// the fluid's at 22.4 us with a threshold of 1 and its end 1.4% late, 0.3% with `pi / 4`
+/// the fluid's at 22.4 us with a threshold of 1 and its end 1.4% late, 0.37% with `pi / 4`
 /// (docs/benchmarks.md).
 const FIRST_MARK: f64 = std::f64::consts::FRAC_PI_4;
 
