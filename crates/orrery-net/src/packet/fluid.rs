@@ -44,7 +44,8 @@
 //! PFC frames take no bandwidth; a flow's ACKs load its reverse path at once rather than
 //! hop by hop; there are no drops, retransmissions or timeouts (PFC is assumed, as in the
 //! defaults). Time is integer picoseconds at step boundaries and in every reported time;
-//! the fluid amounts are `f64`. The model is deterministic: no random numbers at all.
+//! the fluid amounts are `f64`. The model is deterministic: no random numbers at all. Its
+//! report counts the steps it took as its events (idle stretches, skipped, count none).
 //!
 //! What it does not do: it does not replace the packet model where packets matter (a few
 //! packets per flow, losses without PFC, a mark's draw deciding a race), and it steps
@@ -238,6 +239,9 @@ struct Fluid<'a> {
     wire_per_packet: f64,
     dcqcn: bool,
     bytes: Vec<u64>,
+    /// A NIC port's queue pairs' demands: (wire bytes, flow, start and whole-step demand
+    /// as fractions), kept between calls so the water-filling allocates nothing.
+    nic_scratch: Vec<(f64, u32, f64, f64)>,
 }
 
 impl<'a> Fluid<'a> {
@@ -381,6 +385,7 @@ impl<'a> Fluid<'a> {
             wire_per_packet,
             dcqcn: cfg.dcqcn,
             bytes: flows.flows.iter().map(|f| f.bytes.0).collect(),
+            nic_scratch: Vec::new(),
         }
     }
 
@@ -670,8 +675,8 @@ impl<'a> Fluid<'a> {
     /// port's `room` by water-filling.
     fn serve_nic(&mut self, l: u32, room: f64, t: Picos, sent: &mut Vec<Part>) {
         let dt_secs = self.dt as f64 / PICOS_PER_SEC;
-        let mut want: Vec<(f64, u32, f64, f64)> =
-            Vec::with_capacity(self.links[l as usize].qps.len());
+        let mut want = std::mem::take(&mut self.nic_scratch);
+        want.clear();
         for &f in &self.links[l as usize].qps {
             let fl = &self.flows[f as usize];
             let from = fl.release.map_or(t, |r| r.max(t));
@@ -715,7 +720,8 @@ impl<'a> Fluid<'a> {
                 end,
             });
         }
-        // Keep the port's queue pairs in flow order: the water-filling sorted a copy.
+        // The port's queue pairs stay in the order they joined (the water-filling sorted a
+        // copy); those with nothing left to send leave it.
         if done {
             let flows = &self.flows;
             let before = self.links[l as usize].qps.len();
@@ -724,6 +730,7 @@ impl<'a> Fluid<'a> {
                 .retain(|&f| flows[f as usize].wire_sent < flows[f as usize].wire_total);
             self.senders -= before - self.links[l as usize].qps.len();
         }
+        self.nic_scratch = want;
     }
 
     /// ECN on the bytes `sent` left link `l`'s queue with: each flow's receiver counts the
