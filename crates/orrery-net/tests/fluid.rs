@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{flow, flow_set, gbps, run, us};
+use common::{dumbbell_traffic, flow, flow_set, gbps, run, us};
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{FluidSimulator, PacketConfig};
 use orrery_net::sim::{FlowSimulator, RunErrors, SimReport};
@@ -186,18 +186,7 @@ proptest::proptest! {
         specs in proptest::collection::vec((0u32..6, 0u32..6, 1u64..400_000, 0u64..30), 1..8),
         dcqcn in proptest::bool::ANY,
     ) {
-        let g = NetGraph::dumbbell(3, 3, gbps(100.0), gbps(25.0), us(1)).unwrap();
-        let flows: Vec<_> = specs
-            .iter()
-            .filter(|(s, d, _, _)| s != d)
-            .map(|&(s, d, b, t)| {
-                let mut f = flow(s, d, b);
-                f.delay = us(t);
-                f
-            })
-            .collect();
-        let total: u64 = flows.iter().map(|f| f.bytes.0).sum();
-        let fs = flow_set(flows);
+        let (g, fs, total) = dumbbell_traffic(&specs);
         let mut sim = FluidSimulator::default();
         sim.config.dcqcn = dcqcn;
         let a = sim.simulate(&g, &fs).unwrap();

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{flow, flow_set, gbps, run, us};
+use common::{dumbbell_traffic, flow, flow_set, gbps, run, us};
 use orrery_net::flows::{FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketSimulator, TraceRequest};
 use orrery_net::sim::{FlowSimulator, SimError};
@@ -399,18 +399,7 @@ proptest::proptest! {
         ack_every in 1u32..4,
         seed in 0u64..1000,
     ) {
-        let g = NetGraph::dumbbell(3, 3, gbps(100.0), gbps(25.0), us(1)).unwrap();
-        let flows: Vec<FlowSpec> = specs
-            .iter()
-            .filter(|(s, d, _, _)| s != d)
-            .map(|&(s, d, b, t)| {
-                let mut f = flow(s, d, b);
-                f.delay = us(t);
-                f
-            })
-            .collect();
-        let total: u64 = flows.iter().map(|f| f.bytes.0).sum();
-        let fs = flow_set(flows);
+        let (g, fs, total) = dumbbell_traffic(&specs);
         let cfg = PacketConfig {
             pfc,
             buffer_bytes: buffer,

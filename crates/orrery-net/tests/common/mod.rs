@@ -40,3 +40,21 @@ pub fn run(cfg: PacketConfig, g: &NetGraph, fs: &FlowSet) -> PacketRun {
         .run(g, fs, &TraceRequest::default())
         .unwrap()
 }
+
+/// The random traffic of the dumbbell property tests: a 3 + 3 dumbbell of 100 Gb/s edges
+/// around a 25 Gb/s bottleneck, and a flow for each `(src, dst, bytes, start_us)` whose
+/// ends differ, with the total of their bytes.
+pub fn dumbbell_traffic(specs: &[(u32, u32, u64, u64)]) -> (NetGraph, FlowSet, u64) {
+    let g = NetGraph::dumbbell(3, 3, gbps(100.0), gbps(25.0), us(1)).unwrap();
+    let flows: Vec<FlowSpec> = specs
+        .iter()
+        .filter(|(s, d, _, _)| s != d)
+        .map(|&(s, d, b, t)| {
+            let mut f = flow(s, d, b);
+            f.delay = us(t);
+            f
+        })
+        .collect();
+    let total = flows.iter().map(|f| f.bytes.0).sum();
+    (g, flow_set(flows), total)
+}
