@@ -283,20 +283,38 @@ const SHORT_RUN_REPEATS: usize = 5;
 /// run would carry into the speedup. Every repeat must give the first run's report: a
 /// run that differs is a determinism bug, reported as an error.
 fn timed_median(config: PacketConfig, s: &Scenario) -> Result<(PacketRun, f64, usize)> {
-    let (run, first) = timed(config.clone(), s)?;
+    repeated_while_short(
+        s,
+        "accelerated",
+        || timed(config.clone(), s),
+        |a, b| a.report == b.report,
+    )
+}
+
+/// Runs `run` (a result and its wall seconds) again while the runs are short, as
+/// [`timed_median`] says, each repeat required to give what the first gave (`same`);
+/// returns the first result, the median time and the number of runs. `what` names the
+/// run in the error a repeat that differs is reported as.
+fn repeated_while_short<R>(
+    s: &Scenario,
+    what: &str,
+    run: impl Fn() -> Result<(R, f64)>,
+    same: impl Fn(&R, &R) -> bool,
+) -> Result<(R, f64, usize)> {
+    let (first_run, first) = run()?;
     let mut times = vec![first];
     while times.len() < SHORT_RUN_REPEATS && times.iter().sum::<f64>() < SHORT_RUN_SECS {
-        let (again, t) = timed(config.clone(), s)?;
+        let (again, t) = run()?;
         anyhow::ensure!(
-            again.report == run.report,
-            "{}: a repeat of the accelerated run gave another report (the same input must give the same output)",
+            same(&again, &first_run),
+            "{}: a repeat of the {what} run gave another report (the same input must give the same output)",
             s.name
         );
         times.push(t);
     }
     times.sort_by(f64::total_cmp);
     let runs = times.len();
-    Ok((run, times[runs / 2], runs))
+    Ok((first_run, times[runs / 2], runs))
 }
 
 /// [`timed`] on other flows over `s`'s fabric.
@@ -651,30 +669,18 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
     })
 }
 
-/// The fluid model on `s`, timed as [`timed_median`] times the accelerated run (the median
-/// of the repeats of a short run, each repeat checked to give the same report).
+/// The fluid model on `s`, timed as [`timed_median`] times the accelerated run.
 fn timed_fluid(s: &Scenario) -> Result<(SimReport, f64)> {
     let sim = FluidSimulator::default();
     let run = || -> Result<(SimReport, f64)> {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let report = sim
             .simulate(&s.graph, &s.flows)
             .with_context(|| format!("{}: the fluid model failed", s.name))?;
         Ok((report, start.elapsed().as_secs_f64()))
     };
-    let (report, first) = run()?;
-    let mut times = vec![first];
-    while times.len() < SHORT_RUN_REPEATS && times.iter().sum::<f64>() < SHORT_RUN_SECS {
-        let (again, t) = run()?;
-        anyhow::ensure!(
-            again == report,
-            "{}: a repeat of the fluid run gave another report",
-            s.name
-        );
-        times.push(t);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok((report, times[times.len() / 2]))
+    let (report, secs, _) = repeated_while_short(s, "fluid", run, |a, b| a == b)?;
+    Ok((report, secs))
 }
 
 /// The table's header line, its columns as wide as [`table_line`]'s.
