@@ -16,8 +16,8 @@
 //!   by step (one segment per step, with each flow's share), served at the link's speed
 //!   less its control frames: a flow leaves a queue in the order its bytes entered, so a
 //!   flow's last bytes wait behind the queue ahead of them, as its last packets would.
-//!   Links carry bytes for their propagation delay (rounded to whole steps; the rounding
-//!   is added back to each completion). A switch holds bytes as the packet model's buffer
+//!   Links carry bytes for their propagation delay (rounded down to whole steps, at least
+//!   one; the rest is added back to each completion). A switch holds bytes as the packet model's buffer
 //!   does (frames without framing): per ingress port, a reserve and the shared pool under
 //!   the dynamic threshold, and a PFC pause sent upstream (arriving a frame's time plus
 //!   the link's delay later) when the port's shared use passes the threshold, a resume
@@ -26,8 +26,9 @@
 //!   of the queue they leave behind, as the packet model marks a packet as it leaves.
 //!   Marks are counted in expectation (packets times probability): a flow's receiver
 //!   sends a CNP when the expected marked packets that reached it since it last could
-//!   send one reach one, at most once per `cnp_interval`; the CNP reaches the sender the
-//!   reverse path's delay later. The sender's rate is the packet model's own
+//!   send one reach pi/4 ([`FIRST_MARK`], where the first of random marks falls on
+//!   average), at most once per `cnp_interval` and at that point within the step; the
+//!   CNP reaches the sender the reverse path's delay later. The sender's rate is the packet model's own
 //!   [`ReactionPoint`], driven through its CNPs, decrease ticks and increase timers at
 //!   their exact times.
 //! - **ACKs.** Each delivered data packet sends an ACK back along the reverse path; the
