@@ -214,7 +214,7 @@ pub(super) const MAX_KEPT_PER_SHAPE: usize = 4;
 
 /// Stored episodes, keyed by a hash of their certificate (compared in full on lookup), and
 /// kept collectives, keyed by their shape with the configuration (see
-/// [`Memo::collective_key`]).
+/// `Memo::collective_key` in the `memo` module).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoCache {
     map: BTreeMap<u64, Vec<Arc<Entry>>>,
