@@ -168,7 +168,8 @@ struct Link {
     parts: VecDeque<Part>,
     /// Parts that entered the FIFO this step (one segment at the step's end).
     arriving: Vec<Part>,
-    /// Bytes in flight: `ring[k % ring.len()]` lands at step `k`.
+    /// Bytes in flight: `ring[k & (ring.len() - 1)]` lands at step `k` (a power of two of
+    /// slots, more than the delay's steps, so a slot is found without a division).
     ring: Vec<Vec<Part>>,
     in_flight: usize,
     /// The flows whose first hop this is (a NIC port's queue pairs).
@@ -274,7 +275,9 @@ impl<'a> Fluid<'a> {
                     segs: VecDeque::new(),
                     parts: VecDeque::new(),
                     arriving: Vec::new(),
-                    ring: (0..=delay_steps).map(|_| Vec::new()).collect(),
+                    ring: (0..(delay_steps + 1).next_power_of_two())
+                        .map(|_| Vec::new())
+                        .collect(),
                     in_flight: 0,
                     qps: Vec::new(),
                     ctrl: 0.0,
@@ -473,7 +476,7 @@ impl<'a> Fluid<'a> {
         // completion releases its dependents at once, so they may send in this step).
         for i in 0..self.active.len() {
             let l = self.active[i];
-            let slot = (k % self.links[l as usize].ring.len() as u64) as usize;
+            let slot = (k as usize) & (self.links[l as usize].ring.len() - 1);
             if self.links[l as usize].ring[slot].is_empty() {
                 continue;
             }
@@ -553,7 +556,7 @@ impl<'a> Fluid<'a> {
                 self.mark(l, &sent, t);
             }
             let link = &mut self.links[l as usize];
-            let land = ((k + link.delay_steps as u64) % link.ring.len() as u64) as usize;
+            let land = (k as usize + link.delay_steps) & (link.ring.len() - 1);
             link.in_flight += sent.len();
             self.in_flight_total += sent.len();
             link.ring[land].extend_from_slice(&sent);
