@@ -823,8 +823,9 @@ impl<'a> Fluid<'a> {
         }
     }
 
-    /// `wire` bytes of flow `f` reached its receiver in the step from `t`: its ACKs load the
-    /// reverse path next step, and its last byte finishes it.
+    /// Part `p` reached its flow's receiver in the step from `t`: its ACKs load the reverse
+    /// path next step, and the flow's last byte finishes it, at that byte's place within
+    /// the part's span of the step.
     fn deliver(&mut self, p: &Part, t: Picos) {
         let (f, wire) = (p.flow, p.wire);
         let (a, n) = self.flows[f as usize].rev;
