@@ -765,7 +765,7 @@ fn run_bench(runs: u32) -> Result<()> {
     Ok(())
 }
 
-/// Packet- versus flow-level simulation of one ring all-reduce, in one run.
+/// Packet- versus flow-level (and fluid) simulation of one ring all-reduce, in one run.
 fn network_bench(runs: u32) -> Result<()> {
     use orrery_net::sim::FlowSimulator;
     let graph = orrery_net::NetGraph::rail_optimized(&orrery_net::RailOptimizedSpec::dgx_h100(2))?;
@@ -792,6 +792,11 @@ fn network_bench(runs: u32) -> Result<()> {
     let flow = median_secs(runs, || {
         reports.1 =
             Some(orrery_net::flow_model::FlowLevelSimulator::default().simulate(&graph, &set)?);
+        Ok(())
+    })?;
+    let mut fluid_report = None;
+    let fluid = median_secs(runs, || {
+        fluid_report = Some(orrery_net::packet::FluidSimulator::default().simulate(&graph, &set)?);
         Ok(())
     })?;
     // Fast-forwarding on long flows that settle: events and wall time with and without.
@@ -850,6 +855,16 @@ fn network_bench(runs: u32) -> Result<()> {
             packet / flow,
             p.end.as_secs_f64() / f.end.as_secs_f64()
         );
+        if let Some(q) = fluid_report {
+            outln!(
+                "the fluid model on the same ring: {:.2} ms wall ({} steps, simulated {}): {:.0}x faster than packet, packet/fluid simulated time {:.4}",
+                fluid * 1e3,
+                q.events,
+                q.end,
+                packet / fluid,
+                p.end.as_secs_f64() / q.end.as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

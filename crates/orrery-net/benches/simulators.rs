@@ -2,11 +2,12 @@
 //! flow-level model on the same ring, and the accelerated packet model (every mechanism on,
 //! the default) on the 128-GPU ring of `orrery bench --accel`, whose run is mostly set-up:
 //! routes, tie keys and the symmetry search over its 260,096 flows, and on a long 4-to-1
-//! incast at 400 Gb/s with and without cut jumps. Run with `cargo bench -p orrery-net`.
+//! incast at 400 Gb/s with and without cut jumps; and the fluid model on the same ring and
+//! incast. Run with `cargo bench -p orrery-net`.
 
 use orrery_net::flow_model::FlowLevelSimulator;
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
-use orrery_net::packet::{PacketConfig, PacketSimulator};
+use orrery_net::packet::{FluidSimulator, PacketConfig, PacketSimulator};
 use orrery_net::sim::FlowSimulator;
 use orrery_net::topology::{NetGraph, RailOptimizedSpec};
 use orrery_net::CollectiveKind;
@@ -104,6 +105,28 @@ fn flow_ring_16_gpus_16mib(b: divan::Bencher) {
     let (g, set) = ring();
     b.bench(|| {
         FlowLevelSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+/// The fluid model on the 4-to-1 incast above: the queue, PFC and DCQCN's cuts followed
+/// in 250 ns steps instead of packets.
+#[divan::bench(sample_count = 10)]
+fn fluid_incast_4_to_1_400g(b: divan::Bencher) {
+    let (g, set) = incast(4, 400.0, 30 << 20);
+    b.bench(|| {
+        FluidSimulator::default()
+            .simulate(&g, &set)
+            .map(|r| r.events)
+    });
+}
+
+#[divan::bench(sample_count = 10)]
+fn fluid_ring_16_gpus_16mib(b: divan::Bencher) {
+    let (g, set) = ring();
+    b.bench(|| {
+        FluidSimulator::default()
             .simulate(&g, &set)
             .map(|r| r.events)
     });
