@@ -36,7 +36,7 @@ pub struct EmulateArgs {
     #[command(flatten)]
     train: crate::collect::TrainEmulateArgs,
     /// Network model (see `orrery predict --network`).
-    #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet"])]
+    #[arg(long, default_value = "analytical", value_parser = ["analytical", "flow", "packet", "fluid"])]
     network: String,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
@@ -224,6 +224,11 @@ pub fn run_emulate(args: &EmulateArgs) -> Result<()> {
     let done = match args.network.as_str() {
         "flow" => {
             let sim = orrery_net::flow_model::FlowLevelSimulator::default();
+            let net = orrery_predict::sim_network_for(&job, sim);
+            emulate_with(&job, &net, &live, pruning, &perturb)?
+        }
+        "fluid" => {
+            let sim = orrery_net::packet::FluidSimulator::default();
             let net = orrery_predict::sim_network_for(&job, sim);
             emulate_with(&job, &net, &live, pruning, &perturb)?
         }

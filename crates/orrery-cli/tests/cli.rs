@@ -659,7 +659,7 @@ fn netsim_acceleration_skips_events_without_changing_the_answer() {
 }
 
 #[test]
-fn predict_runs_on_the_flow_level_and_fluid_networks() {
+fn predict_and_emulate_run_on_the_flow_level_and_fluid_networks() {
     let dir = temp_dir("network");
     let job = dir.join("job.toml");
     std::fs::write(&job, SMALL_JOB).unwrap();
@@ -681,6 +681,19 @@ fn predict_runs_on_the_flow_level_and_fluid_networks() {
             v["warnings"]
         );
     }
+    // Emulation replays its virtual ranks on the fluid network too.
+    let (code, stdout, stderr) = orrery(&[
+        "emulate",
+        job.to_str().unwrap(),
+        "--real-ranks",
+        "0",
+        "--network",
+        "fluid",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(v["step_time"].as_u64().unwrap() > 0);
 }
 
 /// `predict --network packet` runs the accelerated packet model and takes the same
