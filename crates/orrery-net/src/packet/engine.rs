@@ -577,6 +577,25 @@ impl Routes {
     }
 }
 
+/// Each node's shared buffer pool (zero for an endpoint): `buffer_bytes` less the reserve
+/// and headroom of every ingress port of the switch (see the `switch` module). The fluid
+/// model's buffers are the same.
+pub(super) fn shared_pools(cfg: &PacketConfig, graph: &NetGraph) -> Vec<u64> {
+    let mut reserved = vec![0u64; graph.num_nodes()];
+    for l in graph.links() {
+        if graph.kind(l.to).is_switch() {
+            let r = &mut reserved[l.to.index()];
+            *r = r
+                .saturating_add(cfg.headroom_for(l.bandwidth, l.delay))
+                .saturating_add(cfg.pfc_reserve);
+        }
+    }
+    reserved
+        .into_iter()
+        .map(|r| cfg.buffer_bytes.saturating_sub(r))
+        .collect()
+}
+
 /// Serialisation time of `bytes` at `bw` bytes per second, rounded to the picosecond.
 pub(super) fn ser(bytes: u64, bw: f64) -> Picos {
     Bandwidth(bw).time_for(bytes as f64)
@@ -676,16 +695,8 @@ impl<'a> Engine<'a> {
             });
         }
         let mut bufs = vec![SwitchBuf::default(); n_nodes];
-        let mut reserved = vec![0u64; n_nodes];
-        for p in &ports {
-            if p.to_switch {
-                reserved[p.to as usize] = reserved[p.to as usize]
-                    .saturating_add(p.headroom)
-                    .saturating_add(cfg.pfc_reserve);
-            }
-        }
-        for ((b, r), &c) in bufs.iter_mut().zip(&reserved).zip(copies) {
-            b.shared_cap = cfg.buffer_bytes.saturating_sub(*r);
+        for ((b, cap), &c) in bufs.iter_mut().zip(shared_pools(cfg, graph)).zip(copies) {
+            b.shared_cap = cap;
             b.copies = c.max(1);
         }
 

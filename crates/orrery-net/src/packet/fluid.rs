@@ -183,7 +183,9 @@ struct Link {
     pause_sent: bool,
     paused: bool,
     pause_changes: VecDeque<(u64, bool)>,
-    headroom: f64,
+    /// Steps from a pause or resume being sent to its reaching the transmitter: the
+    /// pause frame's serialisation and the link's delay.
+    pause_lag: u64,
     pauses: u64,
     /// Whether the link is in the active list.
     listed: bool,
@@ -197,6 +199,8 @@ struct FlowState {
     delay: Picos,
     release: Option<Picos>,
     finish: Option<Picos>,
+    /// Payload bytes, and the same with every packet's headers and framing.
+    bytes: u64,
     wire_total: f64,
     wire_sent: f64,
     wire_delivered: f64,
@@ -239,8 +243,6 @@ struct Fluid<'a> {
     buffered_per_wire: f64,
     ack_per_wire: f64,
     wire_per_packet: f64,
-    dcqcn: bool,
-    bytes: Vec<u64>,
     /// A NIC port's queue pairs' demands: (wire bytes, flow, start and whole-step demand
     /// as fractions), kept between calls so the water-filling allocates nothing.
     nic_scratch: Vec<(f64, u32, f64, f64)>,
@@ -257,6 +259,7 @@ impl<'a> Fluid<'a> {
         let frame = (u64::from(cfg.mtu_payload) + u64::from(cfg.header_bytes)) as f64;
         let wire_per_packet = cfg.data_wire_bytes() as f64;
         let ack_wire = (u64::from(cfg.ack_bytes) + u64::from(cfg.framing_bytes)) as f64;
+        let pause_frame = (u64::from(cfg.pfc_frame_bytes) + u64::from(cfg.framing_bytes)) as f64;
         let dt_secs = dt as f64 / PICOS_PER_SEC;
         let links: Vec<Link> = graph
             .links()
@@ -286,26 +289,18 @@ impl<'a> Fluid<'a> {
                     pause_sent: false,
                     paused: false,
                     pause_changes: VecDeque::new(),
-                    headroom: if to_switch {
-                        cfg.headroom_for(l.bandwidth, l.delay) as f64
-                    } else {
-                        0.0
-                    },
+                    pause_lag: (delay_steps as u64
+                        + (pause_frame / l.bandwidth.0 / dt_secs).ceil() as u64)
+                        .max(1),
                     pauses: 0,
                     listed: false,
                 }
             })
             .collect();
         let n_nodes = graph.num_nodes();
-        let mut reserved = vec![0.0; n_nodes];
-        for l in &links {
-            if l.to_switch {
-                reserved[l.to as usize] += l.headroom + cfg.pfc_reserve as f64;
-            }
-        }
-        let shared_cap = reserved
-            .iter()
-            .map(|r| (cfg.buffer_bytes as f64 - r).max(0.0))
+        let shared_cap = super::engine::shared_pools(cfg, graph)
+            .into_iter()
+            .map(|c| c as f64)
             .collect();
         let mut dependents = vec![Vec::new(); flows.flows.len()];
         let mut states = Vec::with_capacity(flows.flows.len());
@@ -347,6 +342,7 @@ impl<'a> Fluid<'a> {
                 delay: f.delay,
                 release: None,
                 finish: None,
+                bytes,
                 wire_total,
                 wire_sent: 0.0,
                 wire_delivered: 0.0,
@@ -387,8 +383,6 @@ impl<'a> Fluid<'a> {
             buffered_per_wire: frame / wire_per_packet,
             ack_per_wire: ack_wire / wire_per_packet / f64::from(cfg.ack_every.max(1)),
             wire_per_packet,
-            dcqcn: cfg.dcqcn,
-            bytes: flows.flows.iter().map(|f| f.bytes.0).collect(),
             nic_scratch: Vec::new(),
         }
     }
@@ -452,7 +446,7 @@ impl<'a> Fluid<'a> {
     fn step(&mut self, k: u64) {
         let (t, next) = (Picos(k * self.dt), Picos((k + 1) * self.dt));
         // Rate control events up to the step's start, in time order per flow.
-        if self.dcqcn {
+        if self.cfg.dcqcn {
             for i in 0..self.active.len() {
                 let l = self.active[i] as usize;
                 for q in 0..self.links[l].qps.len() {
@@ -552,7 +546,7 @@ impl<'a> Fluid<'a> {
             if sent.is_empty() {
                 continue;
             }
-            if self.links[l as usize].from_switch && self.dcqcn {
+            if self.links[l as usize].from_switch && self.cfg.dcqcn {
                 self.mark(l, &sent, t);
             }
             let link = &mut self.links[l as usize];
@@ -685,7 +679,11 @@ impl<'a> Fluid<'a> {
             let fl = &self.flows[f as usize];
             let from = fl.release.map_or(t, |r| r.max(t));
             let begin = (from.0 - t.0) as f64 / self.dt as f64;
-            let rate = if self.dcqcn { fl.rp.rate } else { fl.rp.line };
+            let rate = if self.cfg.dcqcn {
+                fl.rp.rate
+            } else {
+                fl.rp.line
+            };
             let full = rate * dt_secs * (1.0 - begin);
             let demand = full.min(fl.wire_total - fl.wire_sent).max(0.0);
             want.push((demand, f, begin, full));
@@ -795,8 +793,6 @@ impl<'a> Fluid<'a> {
             return;
         }
         let reserve = self.cfg.pfc_reserve as f64;
-        let frame =
-            (u64::from(self.cfg.pfc_frame_bytes) + u64::from(self.cfg.framing_bytes)) as f64;
         for i in 0..self.active.len() {
             let l = self.active[i] as usize;
             let link = &self.links[l];
@@ -806,19 +802,16 @@ impl<'a> Fluid<'a> {
             let sw = link.to as usize;
             let thr = self.cfg.pfc_alpha * (self.shared_cap[sw] - self.shared_used[sw]).max(0.0);
             let shared = (link.in_bytes - reserve).max(0.0);
-            let dt_secs = self.dt as f64 / PICOS_PER_SEC;
-            let lag =
-                link.delay_steps as u64 + ((frame / (link.cap / dt_secs)) / dt_secs).ceil() as u64;
             let link = &mut self.links[l];
             if !link.pause_sent && shared > thr {
                 link.pause_sent = true;
                 link.pauses += 1;
-                link.pause_changes.push_back((k + lag.max(1), true));
+                link.pause_changes.push_back((k + link.pause_lag, true));
             } else if link.pause_sent
                 && (shared <= DUST || shared + self.cfg.pfc_resume_offset as f64 <= thr)
             {
                 link.pause_sent = false;
-                link.pause_changes.push_back((k + lag.max(1), false));
+                link.pause_changes.push_back((k + link.pause_lag, false));
             }
         }
     }
@@ -885,11 +878,9 @@ impl<'a> Fluid<'a> {
         let mut link_bytes = vec![0u64; self.links.len()];
         let mut total = 0u64;
         for (i, f) in self.flows.iter().enumerate() {
-            let _ = f;
-            let bytes = self.bytes[i];
-            total += bytes;
+            total += f.bytes;
             for &l in self.path(i as u32) {
-                link_bytes[l as usize] += bytes;
+                link_bytes[l as usize] += f.bytes;
             }
         }
         SimReport {
