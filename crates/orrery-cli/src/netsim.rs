@@ -770,15 +770,12 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             &scenario.flows,
             &mut progress,
         ),
-        SimModel::Fluid => {
-            let mut config = packet_config;
-            config.seed = scenario.seed;
-            orrery_net::packet::FluidSimulator {
-                config,
-                ..Default::default()
-            }
-            .simulate_with_progress(&scenario.graph, &scenario.flows, &mut progress)
+        // The fluid model draws nothing, so the scenario's seed does not reach it.
+        SimModel::Fluid => orrery_net::packet::FluidSimulator {
+            config: packet_config,
+            ..Default::default()
         }
+        .simulate_with_progress(&scenario.graph, &scenario.flows, &mut progress),
         SimModel::Packet => {
             let mut config = packet_config;
             config.seed = scenario.seed;
