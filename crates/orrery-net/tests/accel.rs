@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::{flow, flow_set, gbps, run, us};
+use common::{
+    add_ring, add_ring_of, flow, flow_set, four_gpu_hosts, gbps, ring_all_reduce, run, us,
+};
 use orrery_net::flows::{
     collective_flows, dependency_order, CollectiveInfo, FlowAlgorithm, FlowSet,
 };
@@ -117,43 +119,6 @@ fn long_incast(bytes: u64) -> (NetGraph, FlowSet) {
             .collect(),
     );
     (g, fs)
-}
-
-/// A rail-optimised fabric of `hosts` hosts of four GPUs.
-fn four_gpu_hosts(hosts: usize) -> NetGraph {
-    let spec = RailOptimizedSpec {
-        gpus_per_host: 4,
-        ..RailOptimizedSpec::dgx_h100(hosts)
-    };
-    NetGraph::rail_optimized(&spec).unwrap()
-}
-
-/// Adds a one-channel ring all-reduce of `bytes` over `ranks` (four GPUs per host).
-fn add_ring(fs: &mut FlowSet, name: &str, ranks: &[u32], bytes: u64) {
-    add_ring_of(fs, name, ranks, bytes, 1);
-}
-
-/// Adds a ring all-reduce of `bytes` with `channels` channels over `ranks` (four GPUs per
-/// host).
-fn add_ring_of(fs: &mut FlowSet, name: &str, ranks: &[u32], bytes: u64, channels: u32) {
-    collective_flows(
-        fs,
-        name,
-        CollectiveKind::AllReduce,
-        FlowAlgorithm::Ring { channels },
-        ranks,
-        Bytes(bytes),
-        4,
-        Picos::from_nanos(2000),
-    )
-    .unwrap();
-}
-
-/// An 8-rank ring all-reduce on two rail-optimised hosts of four GPUs.
-fn ring_all_reduce(bytes: u64) -> (NetGraph, FlowSet) {
-    let mut fs = FlowSet::default();
-    add_ring(&mut fs, "ring", &(0..8).collect::<Vec<u32>>(), bytes);
-    (four_gpu_hosts(2), fs)
 }
 
 /// Many short flows between random-looking pairs, staggered.

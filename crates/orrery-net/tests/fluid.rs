@@ -5,13 +5,12 @@
 
 mod common;
 
-use common::{dumbbell_traffic, flow, flow_set, gbps, run, us};
-use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
+use common::{dumbbell_traffic, flow, flow_set, gbps, ring_all_reduce, run, us};
+use orrery_net::flows::FlowSet;
 use orrery_net::packet::{FluidSimulator, PacketConfig};
 use orrery_net::sim::{FlowSimulator, RunErrors, SimReport};
-use orrery_net::topology::{NetGraph, RailOptimizedSpec};
-use orrery_net::CollectiveKind;
-use orrery_units::{Bytes, FlowId, Picos};
+use orrery_net::topology::NetGraph;
+use orrery_units::FlowId;
 
 fn fluid(g: &NetGraph, fs: &FlowSet) -> SimReport {
     FluidSimulator::default().simulate(g, fs).unwrap()
@@ -135,23 +134,7 @@ fn unequal_and_staggered_flows_share_the_port_as_in_the_reference() {
 /// link the next step's data uses.
 #[test]
 fn a_ring_all_reduce_agrees_with_the_reference_step_by_step() {
-    let spec = RailOptimizedSpec {
-        gpus_per_host: 4,
-        ..RailOptimizedSpec::dgx_h100(2)
-    };
-    let g = NetGraph::rail_optimized(&spec).unwrap();
-    let mut fs = FlowSet::default();
-    collective_flows(
-        &mut fs,
-        "ring",
-        CollectiveKind::AllReduce,
-        FlowAlgorithm::Ring { channels: 1 },
-        &(0..8).collect::<Vec<u32>>(),
-        Bytes(16 << 20),
-        4,
-        Picos::from_nanos(2000),
-    )
-    .unwrap();
+    let (g, fs) = ring_all_reduce(16 << 20);
     let (_, e) = against_reference(&g, &fs, "8-rank ring, 16 MiB");
     // Measured: 0.03% mean, 0.50% at worst, the end within 0.0001%. The ACKs take 86
     // bytes of every link a step's data crosses for each 1,082-byte frame delivered the

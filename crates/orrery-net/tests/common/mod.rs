@@ -2,9 +2,10 @@
 //! and uses what it needs).
 #![allow(dead_code, clippy::unwrap_used)]
 
-use orrery_net::flows::{FlowSet, FlowSpec};
+use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet, FlowSpec};
 use orrery_net::packet::{PacketConfig, PacketRun, PacketSimulator, TraceRequest};
-use orrery_net::topology::NetGraph;
+use orrery_net::topology::{NetGraph, RailOptimizedSpec};
+use orrery_net::CollectiveKind;
 use orrery_units::{Bandwidth, Bytes, Picos};
 
 pub fn gbps(x: f64) -> Bandwidth {
@@ -57,4 +58,41 @@ pub fn dumbbell_traffic(specs: &[(u32, u32, u64, u64)]) -> (NetGraph, FlowSet, u
         .collect();
     let total = flows.iter().map(|f| f.bytes.0).sum();
     (g, flow_set(flows), total)
+}
+
+/// A rail-optimised fabric of `hosts` hosts of four GPUs.
+pub fn four_gpu_hosts(hosts: usize) -> NetGraph {
+    let spec = RailOptimizedSpec {
+        gpus_per_host: 4,
+        ..RailOptimizedSpec::dgx_h100(hosts)
+    };
+    NetGraph::rail_optimized(&spec).unwrap()
+}
+
+/// Adds a one-channel ring all-reduce of `bytes` over `ranks` (four GPUs per host).
+pub fn add_ring(fs: &mut FlowSet, name: &str, ranks: &[u32], bytes: u64) {
+    add_ring_of(fs, name, ranks, bytes, 1);
+}
+
+/// Adds a ring all-reduce of `bytes` with `channels` channels over `ranks` (four GPUs per
+/// host).
+pub fn add_ring_of(fs: &mut FlowSet, name: &str, ranks: &[u32], bytes: u64, channels: u32) {
+    collective_flows(
+        fs,
+        name,
+        CollectiveKind::AllReduce,
+        FlowAlgorithm::Ring { channels },
+        ranks,
+        Bytes(bytes),
+        4,
+        Picos::from_nanos(2000),
+    )
+    .unwrap();
+}
+
+/// An 8-rank ring all-reduce on two rail-optimised hosts of four GPUs.
+pub fn ring_all_reduce(bytes: u64) -> (NetGraph, FlowSet) {
+    let mut fs = FlowSet::default();
+    add_ring(&mut fs, "ring", &(0..8).collect::<Vec<u32>>(), bytes);
+    (four_gpu_hosts(2), fs)
 }
