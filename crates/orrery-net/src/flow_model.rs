@@ -671,11 +671,7 @@ fn run(
     if unfinished > 0 {
         return Err(SimError::Unfinished { unfinished });
     }
-    let end = outcomes
-        .iter()
-        .map(|o| o.finish)
-        .max()
-        .unwrap_or(Picos::ZERO);
+    let end = crate::sim::last_finish(&outcomes);
     Ok(SimReport {
         model: "flow".to_string(),
         flows: outcomes,

@@ -46,6 +46,11 @@ pub struct SimReport {
     pub accel: AccelCounts,
 }
 
+/// When the last of `flows` finished (zero for none): a report's `end`.
+pub fn last_finish(flows: &[FlowOutcome]) -> Picos {
+    flows.iter().map(|o| o.finish).max().unwrap_or(Picos::ZERO)
+}
+
 /// What an accelerated simulation skipped, in numbers a report can show.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct AccelCounts {

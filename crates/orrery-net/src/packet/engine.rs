@@ -931,11 +931,7 @@ impl<'a> Engine<'a> {
                 finish: f.finish.unwrap_or(f.start),
             })
             .collect();
-        let end = outcomes
-            .iter()
-            .map(|o| o.finish)
-            .max()
-            .unwrap_or(Picos::ZERO);
+        let end = crate::sim::last_finish(&outcomes);
         Ok(PacketRun {
             report: SimReport {
                 model: "packet".to_string(),

@@ -870,11 +870,7 @@ impl<'a> Fluid<'a> {
                 }
             })
             .collect();
-        let end = outcomes
-            .iter()
-            .map(|o| o.finish)
-            .max()
-            .unwrap_or(Picos::ZERO);
+        let end = crate::sim::last_finish(&outcomes);
         let mut link_bytes = vec![0u64; self.links.len()];
         let mut total = 0u64;
         for (i, f) in self.flows.iter().enumerate() {
