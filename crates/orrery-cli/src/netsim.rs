@@ -36,6 +36,10 @@ pub struct NetsimArgs {
     /// Sampling period of the queue-depth trace, microseconds.
     #[arg(long, default_value_t = 1.0)]
     queue_trace_us: f64,
+    /// Fluid model: step every flow in flight, freezing none of the calm ones (the
+    /// reference for the calm skip, which is on by default).
+    #[arg(long)]
+    fluid_every_step: bool,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
 }
@@ -132,6 +136,9 @@ pub struct NetsimSummary {
     /// Packet model only: ECN marks, CNPs, retransmissions, fast-forward jumps and the
     /// events they skipped.
     pub packet_stats: Option<orrery_net::packet::PacketStats>,
+    /// Fluid model only: what freezing calm flows did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calm_skip: Option<orrery_net::packet::CalmSkipStats>,
     /// Packet model: the rotations symmetry reduction found, outermost first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub symmetry: Vec<orrery_net::packet::SymmetryShift>,
@@ -333,6 +340,7 @@ fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64
         events: r.events,
         wall_seconds: wall,
         packet_stats: None,
+        calm_skip: None,
         symmetry: Vec::new(),
     }
 }
@@ -465,6 +473,13 @@ fn render(s: &NetsimSummary) -> String {
         "\nPFC pauses {}, drops {}, bytes sent {}, delivered {}",
         s.pfc_pauses, s.drops, s.bytes_sent, s.bytes_delivered
     );
+    if let Some(c) = &s.calm_skip {
+        let _ = writeln!(
+            out,
+            "calm skip: {} flows frozen ({} thawed early by traffic reaching their links), {} steps skipped",
+            c.freezes, c.forced_thaws, c.skipped_steps
+        );
+    }
     if let Some(p) = &s.packet_stats {
         let _ = writeln!(
             out,
@@ -748,6 +763,11 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             problems.push(&e.to_string());
         }
     }
+    if args.fluid_every_step && model != SimModel::Fluid {
+        problems.push(
+            "--fluid-every-step applies to the fluid model only: add --model fluid or leave it out",
+        );
+    }
     if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
     {
         problems.push("--queue-trace-us must be a positive number");
@@ -762,6 +782,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let mut samples = Vec::new();
     let mut stats = None;
+    let mut calm_skip = None;
     let mut flow_events = None;
     let mut symmetry = Vec::new();
     let report = match model {
@@ -773,9 +794,14 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         // The fluid model draws nothing, so the scenario's seed does not reach it.
         SimModel::Fluid => orrery_net::packet::FluidSimulator {
             config: packet_config,
+            calm_skip: !args.fluid_every_step,
             ..Default::default()
         }
-        .simulate_with_progress(&scenario.graph, &scenario.flows, &mut progress),
+        .run_with_progress(&scenario.graph, &scenario.flows, &mut progress)
+        .map(|(report, calm)| {
+            calm_skip = Some(calm);
+            report
+        }),
         SimModel::Packet => {
             let mut config = packet_config;
             config.seed = scenario.seed;
@@ -819,6 +845,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     bar.finish_and_clear();
     let mut summary = summarize(&scenario, &report, flow_events.as_deref(), wall);
     summary.packet_stats = stats;
+    summary.calm_skip = calm_skip;
     summary.symmetry = symmetry;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);

@@ -346,7 +346,29 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         assert_eq!(v["fct"]["count"], 4);
         assert_eq!(v["bytes_delivered"], v["bytes_sent"]);
         assert_eq!(v["drops"], 0);
+        assert_eq!(v.get("calm_skip").is_some(), model == "fluid");
     }
+    // The fluid model stepping every flow gives the same flows (the calm skip's
+    // equivalence, which tests/fluid.rs checks in depth).
+    let fluid_out = |extra: &[&str]| {
+        let out = dir.join("fluid.json");
+        let mut args = vec![
+            "netsim",
+            scenario.to_str().unwrap(),
+            "--model",
+            "fluid",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (code, _, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(v["flows"].as_array().map(Vec::len), Some(4));
+        v["flows"].clone()
+    };
+    assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-every-step"]));
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -414,6 +436,16 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     ]);
     assert_eq!(code, 2);
     assert_mentions(&stderr, &["--reference", "fluid model", "flows[0].dst"]);
+    // The fluid model's own switch is refused with the packet model.
+    let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap(), "--fluid-every-step"]);
+    assert_eq!(code, 2);
+    assert_mentions(
+        &stderr,
+        &[
+            "--fluid-every-step applies to the fluid model",
+            "flows[0].dst",
+        ],
+    );
     // Outputs into folders that do not exist are refused before anything runs, all named.
     let nowhere = dir.join("no-such-folder");
     let (code, stdout, stderr) = orrery(&[

@@ -81,6 +81,18 @@ const DUST: f64 = 1e-6;
 /// the fluid's at 22.4 us with a threshold of 1 and its end 1.4% late, 0.37% with `pi / 4`
 /// (docs/benchmarks.md).
 const FIRST_MARK: f64 = std::f64::consts::FRAC_PI_4;
+/// Control frames' loads, buffer use and link capacities are kept on a grid of 1/1024
+/// byte: sums of such values are exact in `f64` whatever their order, so a frozen flow's
+/// load counted apart (see [`Fluid::try_freeze`]) gives the same bits.
+const GRID: f64 = 1024.0;
+
+fn on_grid(v: f64) -> f64 {
+    (v * GRID).round() / GRID
+}
+
+/// The fewest steps a calm flow is frozen for: a shorter freeze saves less than checking
+/// its path and putting it back cost.
+const MIN_FREEZE_STEPS: u64 = 16;
 
 /// The fluid model under the packet model's configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,6 +102,11 @@ pub struct FluidSimulator {
     pub config: PacketConfig,
     /// The time step. Default 250 ns (a dozen 1,000-byte frames at 400 Gb/s).
     pub step: Picos,
+    /// Freeze calm flows (on by default): a flow that has sent the same bytes every step
+    /// for as long as its path takes to carry them, on a path with no queue, is taken out
+    /// of the steps and moved on in closed form until something reaches its links (see
+    /// the module's docs). Off, every flow in flight is stepped.
+    pub calm_skip: bool,
 }
 
 impl Default for FluidSimulator {
@@ -97,6 +114,7 @@ impl Default for FluidSimulator {
         FluidSimulator {
             config: PacketConfig::default(),
             step: Picos(250_000),
+            calm_skip: true,
         }
     }
 }
@@ -116,6 +134,31 @@ impl FlowSimulator for FluidSimulator {
         flows: &FlowSet,
         progress: &mut dyn FnMut(SimProgress),
     ) -> Result<SimReport, SimError> {
+        self.run_with_progress(graph, flows, progress)
+            .map(|(report, _)| report)
+    }
+}
+
+/// What the calm skip did in one run of the fluid model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CalmSkipStats {
+    /// Flows frozen (a flow may be frozen several times).
+    pub freezes: u64,
+    /// Frozen flows thawed before their time because another flow's bytes, a pause or a
+    /// change of room reached one of their links.
+    pub forced_thaws: u64,
+    /// Steps skipped while every flow in flight was frozen (the report's skipped events).
+    pub skipped_steps: u64,
+}
+
+impl FluidSimulator {
+    /// Runs the model, reporting progress, and says what the calm skip did.
+    pub fn run_with_progress(
+        &self,
+        graph: &NetGraph,
+        flows: &FlowSet,
+        progress: &mut dyn FnMut(SimProgress),
+    ) -> Result<(SimReport, CalmSkipStats), SimError> {
         flows.check()?;
         let routes = Routes::compute(graph, flows)?;
         let cfg = self.config.sanitized();
@@ -132,8 +175,14 @@ impl FlowSimulator for FluidSimulator {
             .unwrap_or(u64::MAX);
         let step = self.step.0.clamp(1, shortest.max(1));
         let mut fluid = Fluid::new(&cfg, step, graph, flows, &routes);
+        fluid.calm_skip = self.calm_skip;
         fluid.run(progress)?;
-        Ok(fluid.report())
+        let stats = CalmSkipStats {
+            freezes: fluid.freezes,
+            forced_thaws: fluid.forced_thaws,
+            skipped_steps: fluid.skipped_steps,
+        };
+        Ok((fluid.report(), stats))
     }
 }
 
@@ -189,13 +238,23 @@ struct Link {
     pauses: u64,
     /// Whether the link is in the active list.
     listed: bool,
+    /// Frozen flows through this link: the wire bytes of data they send on it every step,
+    /// the flows, and the wire bytes of ACKs their receivers send on it every step.
+    frozen: f64,
+    frozen_flows: Vec<u32>,
+    frozen_ctrl: f64,
+    /// A NIC port whose one frozen flow was held to the port's room (less its control
+    /// frames), not its rate: it stays frozen only while that room is the same.
+    frozen_held: bool,
 }
 
 #[derive(Debug)]
 struct FlowState {
     fwd: (u32, u32),
     rev: (u32, u32),
-    deps_left: u32,
+    /// Dependencies not finished yet, and the latest finish among those that are (side by
+    /// side: a finish updates both for each of its dependents).
+    deps: Waiting,
     delay: Picos,
     release: Option<Picos>,
     finish: Option<Picos>,
@@ -220,6 +279,23 @@ struct FlowState {
     /// What the completion adds to the fluid's arrival: store-and-forward serialisation and
     /// the rounding of link delays to steps.
     finish_extra: i64,
+    /// Calm-flow freezing: what its NIC port granted it last step, for how many steps in a
+    /// row that was a whole step at its rate, the steps a grant takes to reach the receiver
+    /// (with a margin), what reached the receiver in its last step of deliveries, and,
+    /// while frozen, the step it was frozen at and the step it thaws at the latest.
+    last_give: f64,
+    same_gives: u32,
+    pipeline_steps: u32,
+    delivered_step: u64,
+    delivered_in_step: f64,
+    frozen: Option<(u64, u64)>,
+}
+
+/// A flow's unfinished dependencies.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    left: u32,
+    latest: Picos,
 }
 
 struct Fluid<'a> {
@@ -246,6 +322,19 @@ struct Fluid<'a> {
     /// A NIC port's queue pairs' demands: (wire bytes, flow, start and whole-step demand
     /// as fractions), kept between calls so the water-filling allocates nothing.
     nic_scratch: Vec<(f64, u32, f64, f64)>,
+    /// What each part a FIFO serves frees of its ingress's buffer (kept between calls).
+    freed_scratch: Vec<f64>,
+    /// Calm-flow freezing: whether it is on, the flows that became candidates this step,
+    /// the frozen flows' latest thaws as (step, flow), how many are frozen, and what it
+    /// did: freezes, thaws forced by something reaching a frozen flow's link, and steps
+    /// skipped while flows were frozen.
+    calm_skip: bool,
+    candidates: Vec<u32>,
+    thaws: std::collections::BTreeSet<(u64, u32)>,
+    frozen_count: usize,
+    freezes: u64,
+    forced_thaws: u64,
+    skipped_steps: u64,
 }
 
 impl<'a> Fluid<'a> {
@@ -268,7 +357,7 @@ impl<'a> Fluid<'a> {
                 let delay_steps = ((l.delay.0 / dt) as usize).max(1);
                 let to_switch = graph.kind(l.to).is_switch();
                 Link {
-                    cap: l.bandwidth.0 * dt_secs,
+                    cap: on_grid(l.bandwidth.0 * dt_secs),
                     delay_steps,
                     to: l.to.0,
                     from_switch: graph.kind(l.from).is_switch(),
@@ -294,6 +383,10 @@ impl<'a> Fluid<'a> {
                         .max(1),
                     pauses: 0,
                     listed: false,
+                    frozen: 0.0,
+                    frozen_flows: Vec::new(),
+                    frozen_ctrl: 0.0,
+                    frozen_held: false,
                 }
             })
             .collect();
@@ -335,10 +428,18 @@ impl<'a> Fluid<'a> {
             let wire_total = bytes as f64
                 + (npkts * (wire_per_packet as u64 - u64::from(cfg.mtu_payload))) as f64;
             let line = graph.link(orrery_units::LinkId(path[0])).bandwidth.0;
+            let pipeline_steps = path
+                .iter()
+                .map(|&l| links[l as usize].delay_steps as u32 + 1)
+                .sum::<u32>()
+                + 2;
             states.push(FlowState {
                 fwd,
                 rev,
-                deps_left: f.deps.len() as u32,
+                deps: Waiting {
+                    left: f.deps.len() as u32,
+                    latest: Picos::ZERO,
+                },
                 delay: f.delay,
                 release: None,
                 finish: None,
@@ -355,11 +456,17 @@ impl<'a> Fluid<'a> {
                 rest_delay,
                 rev_delay,
                 finish_extra: extra,
+                last_give: 0.0,
+                same_gives: 0,
+                pipeline_steps,
+                delivered_step: u64::MAX,
+                delivered_in_step: 0.0,
+                frozen: None,
             });
         }
         let mut releases = std::collections::BTreeSet::new();
         for (i, s) in states.iter_mut().enumerate() {
-            if s.deps_left == 0 {
+            if s.deps.left == 0 {
                 s.release = Some(s.delay);
                 releases.insert((s.delay, i as u32));
             }
@@ -384,6 +491,14 @@ impl<'a> Fluid<'a> {
             ack_per_wire: ack_wire / wire_per_packet / f64::from(cfg.ack_every.max(1)),
             wire_per_packet,
             nic_scratch: Vec::new(),
+            freed_scratch: Vec::new(),
+            calm_skip: true,
+            candidates: Vec::new(),
+            thaws: std::collections::BTreeSet::new(),
+            frozen_count: 0,
+            freezes: 0,
+            forced_thaws: 0,
+            skipped_steps: 0,
         }
     }
 
@@ -404,12 +519,18 @@ impl<'a> Fluid<'a> {
         let total = self.flows.len();
         let mut k: u64 = 0;
         while self.unfinished > 0 {
-            // Nothing in flight, queued or sending: skip to the step of the next release.
+            // Nothing in flight, queued or sending but frozen flows: skip to the step of the
+            // next release or thaw.
             if self.senders == 0 && self.in_flight_total == 0 && self.nothing_queued() {
-                let Some(&(t, _)) = self.releases.first() else {
+                let release = self.releases.first().map(|&(t, _)| t.0 / self.dt);
+                let thaw = self.thaws.first().map(|&(at, _)| at);
+                let Some(next) = release.into_iter().chain(thaw).min() else {
                     break;
                 };
-                k = k.max(t.0 / self.dt);
+                if self.frozen_count > 0 {
+                    self.skipped_steps += next.saturating_sub(k);
+                }
+                k = k.max(next);
             }
             let t = k * self.dt;
             if t > TIME_LIMIT.0 {
@@ -485,10 +606,10 @@ impl<'a> Fluid<'a> {
                         hop: p.hop + 1,
                         ..*p
                     });
-                    added += p.wire;
+                    added += on_grid(p.wire * self.buffered_per_wire);
                     self.list(out);
                 }
-                self.ingress_add(l, added * self.buffered_per_wire);
+                self.ingress_add(l, added);
             } else {
                 for p in &landing {
                     self.deliver(p, t);
@@ -513,12 +634,16 @@ impl<'a> Fluid<'a> {
             self.list(first);
             self.senders += 1;
         }
-        // Each FIFO's arrivals of the step become one segment.
+        // Each FIFO's arrivals of the step become one segment, in the order of their flows:
+        // bytes of one step count as arriving together, and an order of their own keeps
+        // the result from depending on the order links are visited in (which freezing
+        // changes).
         for i in 0..self.active.len() {
             let link = &mut self.links[self.active[i] as usize];
             if link.arriving.is_empty() {
                 continue;
             }
+            link.arriving.sort_by_key(|p| p.flow);
             let mut sum = 0.0;
             let n = link.arriving.len() as u32;
             for p in link.arriving.drain(..) {
@@ -528,20 +653,25 @@ impl<'a> Fluid<'a> {
             link.segs.push_back((n, sum, k));
             link.queued += sum;
         }
-        // Every link transmits: control frames first, then data unless paused.
+        if self.frozen_count > 0 {
+            self.thaw_where_reached(k);
+        }
+        // Every link transmits: control frames first, then data unless paused. A frozen
+        // flow's bytes take their share of the link as if they were there.
         let mut sent: Vec<Part> = Vec::new();
         for i in 0..self.active.len() {
             let l = self.active[i];
             let link = &self.links[l as usize];
-            let room = (link.cap - link.ctrl).max(0.0);
-            if link.paused || room <= 0.0 {
+            let room = (link.cap - link.ctrl - link.frozen_ctrl).max(0.0);
+            let frozen = link.frozen;
+            if link.paused || room - frozen <= 0.0 {
                 continue;
             }
             sent.clear();
             if link.from_switch {
-                self.serve_fifo(l, room, k, &mut sent);
+                self.serve_fifo(l, room, frozen, k, &mut sent);
             } else {
-                self.serve_nic(l, room, t, &mut sent);
+                self.serve_nic(l, room - frozen, t, &mut sent);
             }
             if sent.is_empty() {
                 continue;
@@ -561,6 +691,9 @@ impl<'a> Fluid<'a> {
             let link = &mut self.links[self.active[i] as usize];
             link.ctrl = std::mem::take(&mut link.ctrl_next);
         }
+        for c in std::mem::take(&mut self.candidates) {
+            self.try_freeze(c, k);
+        }
         // Links with nothing left leave the active list.
         let links = &mut self.links;
         self.active.retain(|&l| {
@@ -573,7 +706,12 @@ impl<'a> Fluid<'a> {
                 || !link.pause_changes.is_empty()
                 || link.pause_sent
                 || link.paused
-                || link.in_bytes > DUST;
+                || link.in_bytes > DUST
+                // A frozen flow's links stay on the list as its bytes in flight would keep
+                // them: the list's order decides the order in which a step's marks and
+                // buffer changes add up, and it must not depend on freezing.
+                || !link.frozen_flows.is_empty()
+                || link.frozen_ctrl > 0.0;
             if !keep {
                 link.listed = false;
             }
@@ -620,18 +758,29 @@ impl<'a> Fluid<'a> {
     /// When each part crosses the link within the step: bytes queued before the step go
     /// back to back from its start; the step's own arrivals (its last segment) go out
     /// together after them, interleaved as they arrived, no earlier than they arrived.
-    fn serve_fifo(&mut self, l: u32, room: f64, k: u64, sent: &mut Vec<Part>) {
+    ///
+    /// `frozen` wire bytes of frozen flows cross the link too this step: they arrived in it
+    /// and leave with its last segment (the link is calm: nothing older is queued, see
+    /// [`Fluid::thaw_where_reached`]), so they lengthen that segment's span.
+    fn serve_fifo(&mut self, l: u32, room: f64, frozen: f64, k: u64, sent: &mut Vec<Part>) {
+        let per_wire = self.buffered_per_wire;
+        let mut freed = std::mem::take(&mut self.freed_scratch);
+        freed.clear();
         let link = &mut self.links[l as usize];
-        let mut left = room.min(link.queued);
+        let mut left = (room - frozen).min(link.queued);
         let mut clock = 0.0f64;
         while left > DUST {
             let Some(&(n, total, born)) = link.segs.front() else {
                 break;
             };
-            let take = total.min(left);
+            // A segment all but dust of which fits goes whole: the running sum `queued`
+            // drifts from its segments' by float dust, and a dust remainder would stand
+            // in the queue as an older segment, step after step.
+            let take = if total <= left + DUST { total } else { left };
             let share = take / total;
             let fresh = born == k;
-            let (seg_begin, seg_end) = (clock, clock + take / room);
+            let span = if fresh { take + frozen } else { take };
+            let (seg_begin, seg_end) = (clock, clock + span / room);
             for p in link.parts.iter_mut().take(n as usize) {
                 let wire = p.wire * share;
                 let (begin, end) = if fresh {
@@ -641,7 +790,17 @@ impl<'a> Fluid<'a> {
                     clock += wire / room;
                     (b, clock.min(1.0))
                 };
+                // What the part frees of its ingress's buffer, on the grid: what it holds
+                // before less what it holds after, so the pieces of a part add up to what
+                // its landing took, whatever they are.
+                let held = on_grid(p.wire * per_wire);
                 p.wire -= wire;
+                let still = if share >= 1.0 {
+                    0.0
+                } else {
+                    on_grid(p.wire * per_wire)
+                };
+                freed.push(held - still);
                 sent.push(Part {
                     wire,
                     begin,
@@ -662,30 +821,21 @@ impl<'a> Fluid<'a> {
         if link.segs.is_empty() {
             link.queued = 0.0;
         }
-        for p in sent.iter() {
+        for (p, &bytes) in sent.iter().zip(&freed) {
             let ingress = self.path(p.flow)[p.hop as usize - 1];
-            self.ingress_add(ingress, -p.wire * self.buffered_per_wire);
+            self.ingress_add(ingress, -bytes);
         }
+        self.freed_scratch = freed;
     }
 
     /// Serves NIC port `l`'s queue pairs: each may send its rate's worth of the step (from
     /// its release, if that falls within it) and no more than it has left; they share the
     /// port's `room` by water-filling.
     fn serve_nic(&mut self, l: u32, room: f64, t: Picos, sent: &mut Vec<Part>) {
-        let dt_secs = self.dt as f64 / PICOS_PER_SEC;
         let mut want = std::mem::take(&mut self.nic_scratch);
         want.clear();
         for &f in &self.links[l as usize].qps {
-            let fl = &self.flows[f as usize];
-            let from = fl.release.map_or(t, |r| r.max(t));
-            let begin = (from.0 - t.0) as f64 / self.dt as f64;
-            let rate = if self.cfg.dcqcn {
-                fl.rp.rate
-            } else {
-                fl.rp.line
-            };
-            let full = rate * dt_secs * (1.0 - begin);
-            let demand = full.min(fl.wire_total - fl.wire_sent).max(0.0);
+            let (demand, begin, full) = self.nic_demand(f, t);
             want.push((demand, f, begin, full));
         }
         // Water-filling: the smallest demands are met in full, the rest split what is left.
@@ -698,10 +848,21 @@ impl<'a> Fluid<'a> {
             let give = demand.min(share);
             left -= give;
             n_left -= 1;
+            let fl = &mut self.flows[f as usize];
+            // A whole step at its rate, or all the port's room, as the step before: calm at
+            // its sender so far.
+            if give > 0.0 && begin == 0.0 && give == fl.last_give {
+                fl.same_gives += 1;
+                if self.calm_skip && fl.same_gives == fl.pipeline_steps {
+                    self.candidates.push(f);
+                }
+            } else {
+                fl.same_gives = 0;
+            }
+            fl.last_give = give;
             if give <= 0.0 {
                 continue;
             }
-            let fl = &mut self.flows[f as usize];
             fl.wire_sent += give;
             if fl.wire_total - fl.wire_sent <= DUST {
                 fl.wire_sent = fl.wire_total;
@@ -733,6 +894,22 @@ impl<'a> Fluid<'a> {
             self.senders -= before - self.links[l as usize].qps.len();
         }
         self.nic_scratch = want;
+    }
+
+    /// What flow `f` asks of its NIC port in the step from `t`: (wire bytes, when within
+    /// the step it starts, as a fraction, and a whole step's worth at its rate from then).
+    fn nic_demand(&self, f: u32, t: Picos) -> (f64, f64, f64) {
+        let fl = &self.flows[f as usize];
+        let from = fl.release.map_or(t, |r| r.max(t));
+        let begin = (from.0 - t.0) as f64 / self.dt as f64;
+        let rate = if self.cfg.dcqcn {
+            fl.rp.rate
+        } else {
+            fl.rp.line
+        };
+        let full = rate * (self.dt as f64 / PICOS_PER_SEC) * (1.0 - begin);
+        let demand = full.min(fl.wire_total - fl.wire_sent).max(0.0);
+        (demand, begin, full)
     }
 
     /// ECN on the bytes `sent` left link `l`'s queue with: each flow's receiver counts the
@@ -822,13 +999,20 @@ impl<'a> Fluid<'a> {
     fn deliver(&mut self, p: &Part, t: Picos) {
         let (f, wire) = (p.flow, p.wire);
         let (a, n) = self.flows[f as usize].rev;
-        let ack = wire * self.ack_per_wire;
+        let ack = on_grid(wire * self.ack_per_wire);
         for h in a..a + n {
             let l = self.paths[h as usize];
             self.links[l as usize].ctrl_next += ack;
             self.list(l);
         }
+        let step = t.0 / self.dt;
         let fl = &mut self.flows[f as usize];
+        if fl.delivered_step == step {
+            fl.delivered_in_step += wire;
+        } else {
+            fl.delivered_step = step;
+            fl.delivered_in_step = wire;
+        }
         let before = fl.wire_delivered;
         fl.wire_delivered += wire;
         // Summing a flow's parts, split across FIFO segments and steps, loses float dust:
@@ -849,12 +1033,246 @@ impl<'a> Fluid<'a> {
         for k in 0..self.dependents[f as usize].len() {
             let d = self.dependents[f as usize][k] as usize;
             let dep = &mut self.flows[d];
-            dep.deps_left -= 1;
-            if dep.deps_left == 0 {
-                let r = Picos(at.0.saturating_add(dep.delay.0));
+            let waiting = &mut dep.deps;
+            waiting.left -= 1;
+            // The last finish, not the last processed: two finishes within one step are
+            // processed in the order their bytes landed, not in the order of their times.
+            waiting.latest = waiting.latest.max(at);
+            if waiting.left == 0 {
+                let r = Picos(waiting.latest.0.saturating_add(dep.delay.0));
                 dep.release = Some(r);
                 self.releases.insert((r, d as u32));
             }
+        }
+    }
+
+    /// Freezes flow `f` at the end of step `k` if it is calm: its port granted it the same
+    /// whole step at its rate for as long as its path takes to carry it, every link of
+    /// its path holds one such grant per step in flight and nothing queued, paused or
+    /// about to pause, its receiver took one grant in step `k`, and no rate change is due
+    /// but a rate increase (it thaws by then). Its bytes in flight leave the rings; its
+    /// links keep its load per step (`frozen`, `frozen_ctrl`) to count it when others use
+    /// them; it thaws at the latest two grants before its bytes run out.
+    fn try_freeze(&mut self, f: u32, k: u64) {
+        let fl = &self.flows[f as usize];
+        let x = fl.last_give;
+        if fl.frozen.is_some()
+            || fl.finish.is_some()
+            || fl.decrease_at.is_some()
+            || !fl.cnps.is_empty()
+            || fl.delivered_step != k
+            || (fl.delivered_in_step - x).abs() > 1e-9 * x
+        {
+            self.flows[f as usize].same_gives = 0;
+            return;
+        }
+        let runs = ((fl.wire_total - fl.wire_sent) / x).floor() as u64;
+        let mut until = k + runs.saturating_sub(1);
+        if let Some(at) = fl.increase_at.filter(|_| self.cfg.dcqcn) {
+            until = until.min(at.0.div_ceil(self.dt));
+        }
+        // Held under its rate, it must have had its port to itself, all of its room.
+        let held = x < self.nic_demand(f, Picos(k * self.dt)).2;
+        let port = &self.links[self.path(f)[0] as usize];
+        let port_ok =
+            !port.frozen_held && (!held || (port.qps.len() == 1 && port.frozen_flows.is_empty()));
+        if until < k + MIN_FREEZE_STEPS || !port_ok || !self.calm_path(f, k, x) {
+            self.flows[f as usize].same_gives = 0;
+            return;
+        }
+        let (a, n) = self.flows[f as usize].fwd;
+        for h in 0..n {
+            let l = self.paths[(a + h) as usize] as usize;
+            let link = &mut self.links[l];
+            for j in 1..=link.delay_steps {
+                let slot = (k as usize + j) & (link.ring.len() - 1);
+                link.ring[slot].retain(|p| p.flow != f || p.hop != h);
+            }
+            link.in_flight -= link.delay_steps;
+            self.in_flight_total -= link.delay_steps;
+            link.frozen += x;
+            link.frozen_flows.push(f);
+            if h == 0 {
+                link.qps.retain(|&q| q != f);
+                link.frozen_held = held;
+                self.senders -= 1;
+            }
+        }
+        let ack = on_grid(x * self.ack_per_wire);
+        let (a, n) = self.flows[f as usize].rev;
+        for h in a..a + n {
+            let link = &mut self.links[self.paths[h as usize] as usize];
+            link.frozen_ctrl += ack;
+            link.ctrl = (link.ctrl - ack).max(0.0);
+        }
+        let fl = &mut self.flows[f as usize];
+        fl.frozen = Some((k, until));
+        self.thaws.insert((until, f));
+        self.frozen_count += 1;
+        self.freezes += 1;
+    }
+
+    /// Whether every link of flow `f`'s path is calm for it at the end of step `k`: one
+    /// part of `x` wire bytes of it in flight per step of the link's delay, as a whole step
+    /// sends it (from the step's start to its end), no queue, no pause sent, due or held.
+    fn calm_path(&self, f: u32, k: u64, x: f64) -> bool {
+        let quiet = self.path(f).iter().all(|&l| {
+            let link = &self.links[l as usize];
+            !(link.paused
+                || link.pause_sent
+                || !link.pause_changes.is_empty()
+                || (link.from_switch && link.queued > DUST))
+        });
+        quiet
+            && self.path(f).iter().enumerate().all(|(h, &l)| {
+                let link = &self.links[l as usize];
+                (1..=link.delay_steps).all(|j| {
+                let slot = (k as usize + j) & (link.ring.len() - 1);
+                let mut mine = link.ring[slot]
+                    .iter()
+                    .filter(|p| p.flow == f && p.hop == h as u32);
+                matches!(
+                    (mine.next(), mine.next()),
+                    (Some(p), None) if (p.wire - x).abs() <= 1e-9 * x && p.begin == 0.0 && p.end == 1.0
+                )
+            })
+        })
+    }
+
+    /// Thaws, before step `k` transmits, the frozen flows due to thaw by `k` and every
+    /// frozen flow on a link that is no longer calm: paused, holding bytes from an earlier
+    /// step, or asked for more than its room with the frozen flows' share counted. Such a
+    /// link would have queued or shared out the frozen flows' bytes too, so they must be
+    /// there. Thawing moves load from `frozen` into the queues and rings of the same
+    /// links, so it makes no other link less calm; links it lists are checked in turn.
+    fn thaw_where_reached(&mut self, k: u64) {
+        while let Some(&(at, f)) = self.thaws.first() {
+            if at > k {
+                break;
+            }
+            self.thaw(f, k);
+        }
+        let t = Picos(k * self.dt);
+        let mut i = 0;
+        while i < self.active.len() {
+            let l = self.active[i] as usize;
+            i += 1;
+            let link = &self.links[l];
+            if link.frozen_flows.is_empty() {
+                continue;
+            }
+            let room = (link.cap - link.ctrl - link.frozen_ctrl).max(0.0);
+            let reached = if link.from_switch {
+                // As `serve_fifo` decides whether a segment goes whole.
+                link.segs.front().is_some_and(|s| s.2 < k)
+                    || link.queued + link.frozen > room + DUST
+            } else if link.frozen_held {
+                // Its flow took all the room: any other sender, or any other room, and
+                // the port would have granted it something else.
+                !link.qps.is_empty() || room != link.frozen
+            } else {
+                let asked: f64 = link.qps.iter().map(|&q| self.nic_demand(q, t).0).sum();
+                asked + link.frozen > room
+            };
+            if link.paused || reached {
+                self.forced_thaws += link.frozen_flows.len() as u64;
+                while let Some(&f) = self.links[l].frozen_flows.last() {
+                    self.thaw(f, k);
+                }
+            }
+        }
+    }
+
+    /// Puts frozen flow `f` back into step `k` (after its landings, before it transmits):
+    /// it sent and delivered one grant in each step it was frozen through, its grant that
+    /// lands in step `k` on each link joins the next link's FIFO (or reaches its receiver),
+    /// the rest of its grants in flight go back on the rings, its rate is brought to the
+    /// step's start, and its port serves it again.
+    fn thaw(&mut self, f: u32, k: u64) {
+        let t = Picos(k * self.dt);
+        let Some((at, until)) = self.flows[f as usize].frozen.take() else {
+            return;
+        };
+        self.thaws.remove(&(until, f));
+        self.frozen_count -= 1;
+        let x = self.flows[f as usize].last_give;
+        let fl = &mut self.flows[f as usize];
+        // One grant per step, added as the steps would have added it (a product would
+        // round differently, and the completion is interpolated on these sums).
+        for _ in at + 1..k {
+            fl.wire_sent += x;
+            fl.wire_delivered += x;
+        }
+        fl.same_gives = 0;
+        let part = |hop: u32| Part {
+            flow: f,
+            hop,
+            wire: x,
+            begin: 0.0,
+            end: 1.0,
+        };
+        let (a, n) = self.flows[f as usize].fwd;
+        for h in 0..n {
+            let l = self.paths[(a + h) as usize];
+            let link = &mut self.links[l as usize];
+            link.frozen -= x;
+            if link.frozen_flows.len() == 1 {
+                link.frozen = 0.0;
+            }
+            link.frozen_flows.retain(|&q| q != f);
+            for j in 1..link.delay_steps {
+                let slot = (k as usize + j) & (link.ring.len() - 1);
+                link.ring[slot].push(part(h));
+            }
+            link.in_flight += link.delay_steps - 1;
+            self.in_flight_total += link.delay_steps - 1;
+            if h == 0 {
+                link.qps.push(f);
+                link.frozen_held = false;
+                self.senders += 1;
+            }
+            self.list(l);
+            if h + 1 == n {
+                self.deliver(&part(h), t);
+            } else {
+                let out = self.paths[(a + h + 1) as usize];
+                let next = &mut self.links[out as usize];
+                // Into this step's segment, in its place by flow.
+                let fresh = match next.segs.back_mut() {
+                    Some(seg) if seg.2 == k => {
+                        seg.0 += 1;
+                        seg.1 += x;
+                        seg.0 as usize - 1
+                    }
+                    _ => {
+                        next.segs.push_back((1, x, k));
+                        0
+                    }
+                };
+                let start = next.parts.len() - fresh;
+                let at = (start..next.parts.len())
+                    .find(|&i| next.parts[i].flow > f)
+                    .unwrap_or(next.parts.len());
+                next.parts.insert(at, part(h + 1));
+                next.queued += x;
+                self.list(out);
+                self.ingress_add(l, on_grid(x * self.buffered_per_wire));
+            }
+        }
+        let ack = on_grid(x * self.ack_per_wire);
+        let (a, n) = self.flows[f as usize].rev;
+        for h in a..a + n {
+            let l = self.paths[h as usize];
+            let link = &mut self.links[l as usize];
+            link.frozen_ctrl -= ack;
+            if link.frozen_ctrl < DUST {
+                link.frozen_ctrl = 0.0;
+            }
+            link.ctrl += ack;
+            self.list(l);
+        }
+        if self.cfg.dcqcn {
+            self.drive_rate(f, t);
         }
     }
 
@@ -889,7 +1307,10 @@ impl<'a> Fluid<'a> {
             bytes_sent: total,
             bytes_delivered: total,
             events: self.steps,
-            accel: Default::default(),
+            accel: crate::sim::AccelCounts {
+                skipped_events: self.skipped_steps,
+                ..Default::default()
+            },
         }
     }
 }
