@@ -131,3 +131,18 @@ fn fluid_ring_16_gpus_16mib(b: divan::Bencher) {
             .map(|r| r.events)
     });
 }
+
+/// The same ring with every flow stepped: what freezing calm flows saves (the results are
+/// the same).
+#[divan::bench(sample_count = 10)]
+fn fluid_every_step_ring_16_gpus_16mib(b: divan::Bencher) {
+    let (g, set) = ring();
+    b.bench(|| {
+        FluidSimulator {
+            calm_skip: false,
+            ..Default::default()
+        }
+        .simulate(&g, &set)
+        .map(|r| r.events)
+    });
+}
