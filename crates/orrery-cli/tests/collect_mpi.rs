@@ -74,6 +74,7 @@ fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let log = dir.join("mpirun.log");
     let out = dir.join("mpirun.out");
+    let session = common::mpi_session_dir();
     let mut command = Command::new(&launcher);
     for (i, (ranks, args)) in apps.iter().enumerate() {
         if i > 0 {
@@ -93,6 +94,8 @@ fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
         .env("OMPI_MCA_btl", "self,tcp")
         .env("OMPI_MCA_btl_tcp_if_include", "lo")
         .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        // Its own session folder: parallel launches race on a shared one.
+        .env("TMPDIR", &session)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -113,6 +116,7 @@ fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    let _ = std::fs::remove_dir_all(&session);
     let code = status.code().unwrap_or(-1);
     if code != 0 {
         eprintln!("{}", std::fs::read_to_string(&log).unwrap_or_default());

@@ -388,6 +388,7 @@ fn launch_waiting(mode: &str, ranks: usize, dir: &Path, waiting: Option<&str>) -
     let exe = std::env::current_exe().unwrap();
     let log = dir.join(format!("{mode}.log"));
     let log_file = std::fs::File::create(&log).unwrap();
+    let session = common::mpi_session_dir();
     let mut command = Command::new(&launcher);
     match waiting {
         Some(w) => command.env(WAIT_VAR, w),
@@ -411,6 +412,8 @@ fn launch_waiting(mode: &str, ranks: usize, dir: &Path, waiting: Option<&str>) -
         .env("OMPI_MCA_btl_tcp_if_include", "lo")
         // The out-of-band channel between mpirun and the ranks, also on loopback.
         .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        // Its own session folder: parallel launches race on a shared one.
+        .env("TMPDIR", &session)
         .stdin(Stdio::null())
         .stdout(log_file.try_clone().unwrap())
         .stderr(log_file)
@@ -443,6 +446,7 @@ fn launch_waiting(mode: &str, ranks: usize, dir: &Path, waiting: Option<&str>) -
         }
         std::thread::sleep(Duration::from_millis(100));
     };
+    let _ = std::fs::remove_dir_all(&session);
     let output = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         status.success(),
