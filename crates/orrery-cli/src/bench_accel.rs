@@ -421,6 +421,10 @@ struct AccelRow {
     fluid_secs: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fluid_errors: Option<AccelErrors>,
+    /// With `--fluid`: the fluid model stepping every flow (`calm_skip` off), timed the
+    /// same way; the bench fails if its flows differ from the default run's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fluid_every_step_secs: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -537,6 +541,13 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                     "",
                     secs / row.accelerated_secs
                 );
+                if let Some(stepped) = row.fluid_every_step_secs {
+                    outln!(
+                        "{:<46} the fluid model stepping every flow: {stepped:.3} s (the calm skip {:.2}x faster, the same flows)",
+                        "",
+                        stepped / secs
+                    );
+                }
             }
             for (e, what) in [
                 (&row.reference_seed_spread, "with the next seed"),
@@ -618,11 +629,19 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         _ => None,
     };
     let fluid = if spreads.fluid {
-        let (report, secs) = timed_fluid(s)?;
+        let (report, secs) = timed_fluid(s, true)?;
+        let (stepped, stepped_secs) = timed_fluid(s, false)?;
+        if stepped.flows != report.flows {
+            anyhow::bail!(
+                "{}: the fluid model's calm skip changed the flows' times (it must not: \
+                 compare `orrery netsim --model fluid` with and without --fluid-every-step)",
+                s.name
+            );
+        }
         let errors = reference
             .as_ref()
             .map(|(r, _)| RunErrors::between(&r.report, &report, &s.flows).into());
-        Some((secs, errors))
+        Some((secs, errors, stepped_secs))
     } else {
         None
     };
@@ -665,13 +684,18 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         reference_seed_spread: spread,
         reference_label_spread: label_spread,
         fluid_secs: fluid.as_ref().map(|f| f.0),
+        fluid_every_step_secs: fluid.as_ref().map(|f| f.2),
         fluid_errors: fluid.and_then(|f| f.1),
     })
 }
 
-/// The fluid model on `s`, timed as [`timed_median`] times the accelerated run.
-fn timed_fluid(s: &Scenario) -> Result<(SimReport, f64)> {
-    let sim = FluidSimulator::default();
+/// The fluid model on `s`, calm flows frozen or every flow stepped, timed as
+/// [`timed_median`] times the accelerated run.
+fn timed_fluid(s: &Scenario, calm_skip: bool) -> Result<(SimReport, f64)> {
+    let sim = FluidSimulator {
+        calm_skip,
+        ..Default::default()
+    };
     let run = || -> Result<(SimReport, f64)> {
         let start = Instant::now();
         let report = sim
@@ -811,6 +835,7 @@ mod tests {
             reference_label_spread: None,
             fluid_secs: None,
             fluid_errors: None,
+            fluid_every_step_secs: None,
         }
     }
 
@@ -886,5 +911,21 @@ mod tests {
             assert_eq!(deps, want, "flow {i}");
             assert!(b.deps.iter().all(|d| new_of[d.index()] < k));
         }
+    }
+
+    /// `--fluid` times the fluid model with and without its calm skip, and the row is made
+    /// only where the two runs' flows agree (the bench fails otherwise).
+    #[test]
+    fn the_fluid_rows_time_the_calm_skip_against_every_step() {
+        let s = ring_all_reduce(16, 16 << 20).unwrap();
+        let spreads = Spreads {
+            seed: false,
+            label: false,
+            fluid: true,
+        };
+        let row = measure(&s, false, spreads).unwrap();
+        assert!(row.fluid_secs.is_some_and(|t| t > 0.0));
+        assert!(row.fluid_every_step_secs.is_some_and(|t| t > 0.0));
+        assert!(row.fluid_errors.is_none(), "no reference ran");
     }
 }

@@ -107,7 +107,8 @@ enum Command {
         #[arg(long)]
         label_spread: bool,
         /// With --accel: also run each scenario in the fluid model and print its wall time
-        /// and its errors against the reference.
+        /// and its errors against the reference, and its time stepping every flow (the
+        /// calm skip off; the bench fails if the two runs' flows differ).
         #[arg(long)]
         fluid: bool,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
