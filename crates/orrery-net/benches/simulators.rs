@@ -111,38 +111,22 @@ fn flow_ring_16_gpus_16mib(b: divan::Bencher) {
 }
 
 /// The fluid model on the 4-to-1 incast above: the queue, PFC and DCQCN's cuts followed
-/// in 250 ns steps instead of packets.
-#[divan::bench(sample_count = 10)]
-fn fluid_incast_4_to_1_400g(b: divan::Bencher) {
-    let (g, set) = incast(4, 400.0, 30 << 20);
-    b.bench(|| {
-        FluidSimulator::default()
-            .simulate(&g, &set)
-            .map(|r| r.events)
-    });
+/// in 250 ns steps instead of packets; with and without freezing its calm flows
+/// (`calm_skip`, which changes no result).
+#[divan::bench(sample_count = 10, args = [true, false])]
+fn fluid_incast_4_to_1_400g(b: divan::Bencher, calm_skip: bool) {
+    fluid_bench(b, incast(4, 400.0, 30 << 20), calm_skip);
 }
 
-#[divan::bench(sample_count = 10)]
-fn fluid_ring_16_gpus_16mib(b: divan::Bencher) {
-    let (g, set) = ring();
-    b.bench(|| {
-        FluidSimulator::default()
-            .simulate(&g, &set)
-            .map(|r| r.events)
-    });
+#[divan::bench(sample_count = 10, args = [true, false])]
+fn fluid_ring_16_gpus_16mib(b: divan::Bencher, calm_skip: bool) {
+    fluid_bench(b, ring(), calm_skip);
 }
 
-/// The same ring with every flow stepped: what freezing calm flows saves (the results are
-/// the same).
-#[divan::bench(sample_count = 10)]
-fn fluid_every_step_ring_16_gpus_16mib(b: divan::Bencher) {
-    let (g, set) = ring();
-    b.bench(|| {
-        FluidSimulator {
-            calm_skip: false,
-            ..Default::default()
-        }
-        .simulate(&g, &set)
-        .map(|r| r.events)
-    });
+fn fluid_bench(b: divan::Bencher, (g, set): (NetGraph, FlowSet), calm_skip: bool) {
+    let sim = FluidSimulator {
+        calm_skip,
+        ..Default::default()
+    };
+    b.bench(|| sim.simulate(&g, &set).map(|r| r.events));
 }

@@ -216,8 +216,7 @@ impl FluidSimulator {
             .min()
             .unwrap_or(u64::MAX);
         let step = self.step.0.clamp(1, shortest.max(1));
-        let mut fluid = Fluid::new(&cfg, step, graph, flows, &routes);
-        fluid.calm_skip = self.calm_skip;
+        let mut fluid = Fluid::new(&cfg, step, graph, flows, &routes, self.calm_skip);
         fluid.run(progress)?;
         let stats = CalmSkipStats {
             freezes: fluid.freezes,
@@ -306,10 +305,9 @@ struct FlowState {
     wire_sent: f64,
     wire_delivered: f64,
     rp: ReactionPoint,
-    /// CNPs on their way to the sender, by arrival time.
+    /// CNPs on their way to the sender, by arrival time (its timers are the reaction
+    /// point's own: `rp.pending_decrease()`, `rp.next_increase()`).
     cnps: VecDeque<Picos>,
-    increase_at: Option<Picos>,
-    decrease_at: Option<Picos>,
     /// When the receiver last sent a CNP, and the marked packets (expected) that reached
     /// it since it could send the next.
     last_cnp: Option<Picos>,
@@ -367,13 +365,12 @@ struct Fluid<'a> {
     /// What each part a FIFO serves frees of its ingress's buffer (kept between calls).
     freed_scratch: Vec<f64>,
     /// Calm-flow freezing: whether it is on, the flows that became candidates this step,
-    /// the frozen flows' latest thaws as (step, flow), how many are frozen, and what it
-    /// did: freezes, thaws forced by something reaching a frozen flow's link, and steps
-    /// skipped while flows were frozen.
+    /// the frozen flows' latest thaws as (step, flow) (one each: none frozen when it is
+    /// empty), and what it did: freezes, thaws forced by something reaching a frozen
+    /// flow's link, and steps skipped while flows were frozen.
     calm_skip: bool,
     candidates: Vec<u32>,
     thaws: std::collections::BTreeSet<(u64, u32)>,
-    frozen_count: usize,
     freezes: u64,
     forced_thaws: u64,
     skipped_steps: u64,
@@ -386,6 +383,7 @@ impl<'a> Fluid<'a> {
         graph: &NetGraph,
         flows: &FlowSet,
         routes: &Routes,
+        calm_skip: bool,
     ) -> Fluid<'a> {
         let frame = (u64::from(cfg.mtu_payload) + u64::from(cfg.header_bytes)) as f64;
         let wire_per_packet = cfg.data_wire_bytes() as f64;
@@ -491,8 +489,6 @@ impl<'a> Fluid<'a> {
                 wire_delivered: 0.0,
                 rp: ReactionPoint::new(line),
                 cnps: VecDeque::new(),
-                increase_at: None,
-                decrease_at: None,
                 last_cnp: None,
                 marks: 0.0,
                 rest_delay,
@@ -534,10 +530,9 @@ impl<'a> Fluid<'a> {
             wire_per_packet,
             nic_scratch: Vec::new(),
             freed_scratch: Vec::new(),
-            calm_skip: true,
+            calm_skip,
             candidates: Vec::new(),
             thaws: std::collections::BTreeSet::new(),
-            frozen_count: 0,
             freezes: 0,
             forced_thaws: 0,
             skipped_steps: 0,
@@ -569,7 +564,7 @@ impl<'a> Fluid<'a> {
                 let Some(next) = release.into_iter().chain(thaw).min() else {
                     break;
                 };
-                if self.frozen_count > 0 {
+                if !self.thaws.is_empty() {
                     self.skipped_steps += next.saturating_sub(k);
                 }
                 k = k.max(next);
@@ -695,7 +690,7 @@ impl<'a> Fluid<'a> {
             link.segs.push_back((n, sum, k));
             link.queued += sum;
         }
-        if self.frozen_count > 0 {
+        if !self.thaws.is_empty() {
             self.thaw_where_reached(k);
         }
         // Every link transmits: control frames first, then data unless paused. A frozen
@@ -771,28 +766,21 @@ impl<'a> Fluid<'a> {
         let fl = &mut self.flows[f as usize];
         loop {
             let cnp = fl.cnps.front().copied();
-            let Some(at) = [fl.decrease_at, fl.increase_at, cnp]
-                .into_iter()
-                .flatten()
-                .min()
-            else {
+            let (decrease, increase) = (fl.rp.pending_decrease(), fl.rp.next_increase());
+            let Some(at) = [decrease, increase, cnp].into_iter().flatten().min() else {
                 break;
             };
             if at > t {
                 break;
             }
-            if Some(at) == fl.decrease_at {
-                fl.decrease_at = None;
-                if let Some(inc) = fl.rp.on_decrease_tick(at, p) {
-                    fl.increase_at = Some(inc);
-                }
-            } else if Some(at) == fl.increase_at {
-                fl.increase_at = fl.rp.on_increase_timer(at, p);
+            // What each call schedules is the reaction point's own state, read above.
+            if Some(at) == decrease {
+                fl.rp.on_decrease_tick(at, p);
+            } else if Some(at) == increase {
+                fl.rp.on_increase_timer(at, p);
             } else {
                 fl.cnps.pop_front();
-                if let Some(dec) = fl.rp.on_cnp(at, p) {
-                    fl.decrease_at = Some(dec);
-                }
+                fl.rp.on_cnp(at, p);
             }
         }
     }
@@ -1092,7 +1080,8 @@ impl<'a> Fluid<'a> {
     }
 
     /// Freezes flow `f` at the end of step `k` if it is calm: its port granted it the same
-    /// whole step at its rate for as long as its path takes to carry it, every link of
+    /// whole step (at its rate, or all the room of a port it has to itself) for as long
+    /// as its path takes to carry it, every link of
     /// its path holds one such grant per step in flight and nothing queued, paused or
     /// about to pause, its receiver took one grant in step `k`, and no rate change is due
     /// but a rate increase (it thaws by then). Its bytes in flight leave the rings; its
@@ -1103,7 +1092,7 @@ impl<'a> Fluid<'a> {
         let x = fl.last_give;
         if fl.frozen.is_some()
             || fl.finish.is_some()
-            || fl.decrease_at.is_some()
+            || fl.rp.pending_decrease().is_some()
             || !fl.cnps.is_empty()
             || fl.delivered_step != k
             || (fl.delivered_in_step - x).abs() > 1e-9 * x
@@ -1113,7 +1102,7 @@ impl<'a> Fluid<'a> {
         }
         let runs = ((fl.wire_total - fl.wire_sent) / x).floor() as u64;
         let mut until = k + runs.saturating_sub(1);
-        if let Some(at) = fl.increase_at.filter(|_| self.cfg.dcqcn) {
+        if let Some(at) = fl.rp.next_increase() {
             until = until.min(at.0.div_ceil(self.dt));
         }
         // Held under its rate, it must have had its port to itself, all of its room.
@@ -1135,7 +1124,6 @@ impl<'a> Fluid<'a> {
             }
             link.in_flight -= link.delay_steps;
             self.in_flight_total -= link.delay_steps;
-            link.frozen += x;
             link.frozen_flows.push(f);
             if h == 0 {
                 link.qps.retain(|&q| q != f);
@@ -1143,6 +1131,8 @@ impl<'a> Fluid<'a> {
                 self.senders -= 1;
             }
         }
+        self.flows[f as usize].frozen = Some((k, until));
+        self.sum_frozen(f);
         let ack = on_grid(x * self.ack_per_wire);
         let (a, n) = self.flows[f as usize].rev;
         for h in a..a + n {
@@ -1150,11 +1140,23 @@ impl<'a> Fluid<'a> {
             link.frozen_ctrl += ack;
             link.ctrl = (link.ctrl - ack).max(0.0);
         }
-        let fl = &mut self.flows[f as usize];
-        fl.frozen = Some((k, until));
         self.thaws.insert((until, f));
-        self.frozen_count += 1;
         self.freezes += 1;
+    }
+
+    /// Adds up again what the flows frozen on flow `f`'s links send on each per step (after
+    /// `f` froze or thawed): a sum of the few flows there, rather than a running sum that
+    /// would keep the rounding of every flow that came and went.
+    fn sum_frozen(&mut self, f: u32) {
+        let (a, n) = self.flows[f as usize].fwd;
+        for &l in &self.paths[a as usize..(a + n) as usize] {
+            let link = &mut self.links[l as usize];
+            link.frozen = link
+                .frozen_flows
+                .iter()
+                .map(|&q| self.flows[q as usize].last_give)
+                .sum();
+        }
     }
 
     /// Whether every link of flow `f`'s path is calm for it at the end of step `k`: one
@@ -1168,20 +1170,20 @@ impl<'a> Fluid<'a> {
                 || !link.pause_changes.is_empty()
                 || (link.from_switch && link.queued > DUST))
         });
+        // In each slot the link's delay fills, one part of `f`: a whole-step grant of `x`.
+        let one_grant = |slot: &[Part], h: usize| {
+            let mut mine = slot.iter().filter(|p| p.flow == f && p.hop as usize == h);
+            match (mine.next(), mine.next()) {
+                (Some(p), None) => (p.wire - x).abs() <= 1e-9 * x && p.begin == 0.0 && p.end == 1.0,
+                _ => false,
+            }
+        };
         quiet
             && self.path(f).iter().enumerate().all(|(h, &l)| {
                 let link = &self.links[l as usize];
-                (1..=link.delay_steps).all(|j| {
-                let slot = (k as usize + j) & (link.ring.len() - 1);
-                let mut mine = link.ring[slot]
-                    .iter()
-                    .filter(|p| p.flow == f && p.hop == h as u32);
-                matches!(
-                    (mine.next(), mine.next()),
-                    (Some(p), None) if (p.wire - x).abs() <= 1e-9 * x && p.begin == 0.0 && p.end == 1.0
-                )
+                (1..=link.delay_steps)
+                    .all(|j| one_grant(&link.ring[(k as usize + j) & (link.ring.len() - 1)], h))
             })
-        })
     }
 
     /// Thaws, before step `k` transmits, the frozen flows due to thaw by `k` and every
@@ -1239,7 +1241,6 @@ impl<'a> Fluid<'a> {
             return;
         };
         self.thaws.remove(&(until, f));
-        self.frozen_count -= 1;
         let x = self.flows[f as usize].last_give;
         let fl = &mut self.flows[f as usize];
         // One grant per step, added as the steps would have added it (a product would
@@ -1260,10 +1261,6 @@ impl<'a> Fluid<'a> {
         for h in 0..n {
             let l = self.paths[(a + h) as usize];
             let link = &mut self.links[l as usize];
-            link.frozen -= x;
-            if link.frozen_flows.len() == 1 {
-                link.frozen = 0.0;
-            }
             link.frozen_flows.retain(|&q| q != f);
             for j in 1..link.delay_steps {
                 let slot = (k as usize + j) & (link.ring.len() - 1);
@@ -1304,15 +1301,14 @@ impl<'a> Fluid<'a> {
                 self.ingress_add(l, on_grid(x * self.buffered_per_wire));
             }
         }
+        self.sum_frozen(f);
+        // On the grid, so the frozen ACKs come off exactly (to zero with the last).
         let ack = on_grid(x * self.ack_per_wire);
         let (a, n) = self.flows[f as usize].rev;
         for h in a..a + n {
             let l = self.paths[h as usize];
             let link = &mut self.links[l as usize];
             link.frozen_ctrl -= ack;
-            if link.frozen_ctrl < DUST {
-                link.frozen_ctrl = 0.0;
-            }
             link.ctrl += ack;
             self.list(l);
         }
