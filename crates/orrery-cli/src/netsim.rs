@@ -40,6 +40,11 @@ pub struct NetsimArgs {
     /// reference for the calm skip, which is on by default).
     #[arg(long)]
     fluid_every_step: bool,
+    /// Fluid model: the time step in nanoseconds (default 250), never longer than the
+    /// shortest delay of a link the flows use. Longer steps are faster and round each
+    /// rate change, pause and queue to the step.
+    #[arg(long, value_name = "NS")]
+    fluid_step_ns: Option<f64>,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
 }
@@ -139,6 +144,9 @@ pub struct NetsimSummary {
     /// Fluid model only: what freezing calm flows did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calm_skip: Option<orrery_net::packet::CalmSkipStats>,
+    /// Fluid model only: the time step it took, in picoseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fluid_step_ps: Option<u64>,
     /// Packet model: the rotations symmetry reduction found, outermost first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub symmetry: Vec<orrery_net::packet::SymmetryShift>,
@@ -341,6 +349,7 @@ fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64
         wall_seconds: wall,
         packet_stats: None,
         calm_skip: None,
+        fluid_step_ps: None,
         symmetry: Vec::new(),
     }
 }
@@ -473,6 +482,9 @@ fn render(s: &NetsimSummary) -> String {
         "\nPFC pauses {}, drops {}, bytes sent {}, delivered {}",
         s.pfc_pauses, s.drops, s.bytes_sent, s.bytes_delivered
     );
+    if let Some(step) = s.fluid_step_ps {
+        let _ = writeln!(out, "fluid step {}", Picos(step));
+    }
     if let Some(c) = &s.calm_skip {
         let _ = writeln!(
             out,
@@ -768,6 +780,16 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             "--fluid-every-step applies to the fluid model only: add --model fluid or leave it out",
         );
     }
+    if let Some(ns) = args.fluid_step_ns {
+        if model != SimModel::Fluid {
+            problems.push(
+                "--fluid-step-ns applies to the fluid model only: add --model fluid or leave it out",
+            );
+        }
+        if !(ns.is_finite() && ns >= 0.001) {
+            problems.push("--fluid-step-ns must be a number of nanoseconds, at least 0.001 (1 ps)");
+        }
+    }
     if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
     {
         problems.push("--queue-trace-us must be a positive number");
@@ -782,7 +804,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let start = std::time::Instant::now();
     let mut samples = Vec::new();
     let mut stats = None;
-    let mut calm_skip = None;
+    let mut fluid_run: Option<orrery_net::packet::FluidRun> = None;
     let mut flow_events = None;
     let mut symmetry = Vec::new();
     let report = match model {
@@ -795,11 +817,15 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         SimModel::Fluid => orrery_net::packet::FluidSimulator {
             config: packet_config,
             calm_skip: !args.fluid_every_step,
-            ..Default::default()
+            step: args
+                .fluid_step_ns
+                .map_or(orrery_net::packet::FluidSimulator::DEFAULT_STEP, |ns| {
+                    Picos((ns * 1000.0).round() as u64)
+                }),
         }
         .run_with_progress(&scenario.graph, &scenario.flows, &mut progress)
-        .map(|(report, calm)| {
-            calm_skip = Some(calm);
+        .map(|(report, run)| {
+            fluid_run = Some(run);
             report
         }),
         SimModel::Packet => {
@@ -845,7 +871,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     bar.finish_and_clear();
     let mut summary = summarize(&scenario, &report, flow_events.as_deref(), wall);
     summary.packet_stats = stats;
-    summary.calm_skip = calm_skip;
+    summary.calm_skip = fluid_run.map(|r| r.calm_skip);
+    summary.fluid_step_ps = fluid_run.map(|r| r.step.0);
     summary.symmetry = symmetry;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);

@@ -369,6 +369,25 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         v["flows"].clone()
     };
     assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-every-step"]));
+    // The fluid model's step: the default or the one asked for, never longer than the
+    // shortest delay of a link the flows use (every link here has the default 1 us).
+    let step_ps = |extra: &[&str]| {
+        let mut args = vec![
+            "netsim",
+            scenario.to_str().unwrap(),
+            "--model",
+            "fluid",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = orrery(&args);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        v["fluid_step_ps"].as_u64()
+    };
+    assert_eq!(step_ps(&[]), Some(500_000));
+    assert_eq!(step_ps(&["--fluid-step-ns", "125"]), Some(125_000));
+    assert_eq!(step_ps(&["--fluid-step-ns", "5000"]), Some(1_000_000));
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -436,13 +455,22 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     ]);
     assert_eq!(code, 2);
     assert_mentions(&stderr, &["--reference", "fluid model", "flows[0].dst"]);
-    // The fluid model's own switch is refused with the packet model.
-    let (code, _, stderr) = orrery(&["netsim", scenario.to_str().unwrap(), "--fluid-every-step"]);
+    // The fluid model's own switches are refused with the packet model, and a step that
+    // is not a positive time with any model.
+    let (code, _, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--fluid-every-step",
+        "--fluid-step-ns",
+        "0",
+    ]);
     assert_eq!(code, 2);
     assert_mentions(
         &stderr,
         &[
             "--fluid-every-step applies to the fluid model",
+            "--fluid-step-ns applies to the fluid model",
+            "--fluid-step-ns must be",
             "flows[0].dst",
         ],
     );

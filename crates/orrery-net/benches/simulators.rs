@@ -111,7 +111,7 @@ fn flow_ring_16_gpus_16mib(b: divan::Bencher) {
 }
 
 /// The fluid model on the 4-to-1 incast above: the queue, PFC and DCQCN's cuts followed
-/// in 250 ns steps instead of packets; with and without freezing its calm flows
+/// in 500 ns steps instead of packets; with and without freezing its calm flows
 /// (`calm_skip`, which changes no result).
 #[divan::bench(sample_count = 10, args = [true, false])]
 fn fluid_incast_4_to_1_400g(b: divan::Bencher, calm_skip: bool) {

@@ -4,9 +4,9 @@
 //! collide, DCQCN keeps them in a transient (marks, cuts, a PFC-held queue, recovery) for
 //! milliseconds, and no steady state lets its fast-forward skip them. This model follows
 //! the same fabric, under the same [`PacketConfig`], with each flow's bytes as a fluid
-//! moved in fixed time steps (`step`, 250 ns by default, or the shortest link delay if
-//! that is shorter): what it keeps from the packet model is what decides a congested
-//! flow's course.
+//! moved in fixed time steps (`step`, 500 ns by default, or the shortest delay of a link
+//! the flows use if that is shorter: 200 ns where they cross a DGX-like host's NVLink):
+//! what it keeps from the packet model is what decides a congested flow's course.
 //!
 //! - **Queue pairs and NICs.** A flow sends from its release at its DCQCN rate (line rate
 //!   without DCQCN), on the wire with the packet model's headers and framing; the flows
@@ -142,7 +142,14 @@ pub struct FluidSimulator {
     /// The fabric: buffers, PFC, ECN, DCQCN, packet sizes (the acceleration settings are
     /// not used).
     pub config: PacketConfig,
-    /// The time step. Default 250 ns (a dozen 1,000-byte frames at 400 Gb/s).
+    /// The time step: at most this, and never longer than the shortest delay of a link
+    /// the flows use. Default 500 ns (25 frames of 1,000 bytes at 400 Gb/s, half a 1 us
+    /// cable's delay). Rates, pauses and a FIFO's segments change on step boundaries;
+    /// completions and CNPs are placed within the step. Measured against the packet
+    /// model's reference (docs/benchmarks.md, 2026-12-07): on the Llama 3 405B pipeline
+    /// step (128 GPUs, every flow on 1 us cables) 250 ns, 500 ns and 1 us steps gave the
+    /// same per-flow errors (0.21% mean, 1.4% to 1.5% at p99) in 0.26, 0.12 and 0.06 s; on
+    /// the 8-to-1 incast at 100 Gb/s the end 0.37%, 0.32% and 0.51% off. 250 ns until then.
     pub step: Picos,
     /// Freeze calm flows (on by default): a flow that has sent the same bytes every step
     /// for as long as its path takes to carry them, on a path with no queue, is taken out
@@ -155,7 +162,7 @@ impl Default for FluidSimulator {
     fn default() -> Self {
         FluidSimulator {
             config: PacketConfig::default(),
-            step: Picos(250_000),
+            step: Self::DEFAULT_STEP,
             calm_skip: true,
         }
     }
@@ -181,6 +188,15 @@ impl FlowSimulator for FluidSimulator {
     }
 }
 
+/// What one run of the fluid model used and did beyond its report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FluidRun {
+    /// The time step it took: [`FluidSimulator::step`], or the shortest delay of a link
+    /// the flows use if that is shorter.
+    pub step: Picos,
+    pub calm_skip: CalmSkipStats,
+}
+
 /// What the calm skip did in one run of the fluid model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CalmSkipStats {
@@ -194,36 +210,45 @@ pub struct CalmSkipStats {
 }
 
 impl FluidSimulator {
-    /// Runs the model, reporting progress, and says what the calm skip did.
+    /// The default time step (see [`FluidSimulator::step`]).
+    pub const DEFAULT_STEP: Picos = Picos(500_000);
+
+    /// Runs the model, reporting progress, and says which step it took and what the calm
+    /// skip did.
     pub fn run_with_progress(
         &self,
         graph: &NetGraph,
         flows: &FlowSet,
         progress: &mut dyn FnMut(SimProgress),
-    ) -> Result<(SimReport, CalmSkipStats), SimError> {
+    ) -> Result<(SimReport, FluidRun), SimError> {
         flows.check()?;
         let routes = Routes::compute(graph, flows)?;
         let cfg = self.config.sanitized();
-        // No step longer than the shortest link delay: a link holds its bytes for whole
-        // steps (rounded down), and the rest is added back to each completion, which must
-        // never fall before the step that delivers it (its dependents cannot start in the
-        // past).
-        let shortest = graph
-            .links()
+        // No step longer than the shortest delay of a link the flows use (data or reverse
+        // path): a link holds its bytes for whole steps (rounded down), and the rest is
+        // added back to each completion, which must never fall before the step that
+        // delivers it (its dependents cannot start in the past). Links no route takes
+        // carry nothing, so their delays do not bound the step: a fabric's NVLink hops
+        // (200 ns) would otherwise set the step of traffic that never crosses them.
+        let shortest = routes
+            .paths
             .iter()
-            .map(|l| l.delay.0)
+            .map(|&l| graph.link(orrery_units::LinkId(l)).delay.0)
             .filter(|&d| d > 0)
             .min()
             .unwrap_or(u64::MAX);
         let step = self.step.0.clamp(1, shortest.max(1));
         let mut fluid = Fluid::new(&cfg, step, graph, flows, &routes, self.calm_skip);
         fluid.run(progress)?;
-        let stats = CalmSkipStats {
-            freezes: fluid.freezes,
-            forced_thaws: fluid.forced_thaws,
-            skipped_steps: fluid.skipped_steps,
+        let run = FluidRun {
+            step: Picos(step),
+            calm_skip: CalmSkipStats {
+                freezes: fluid.freezes,
+                forced_thaws: fluid.forced_thaws,
+                skipped_steps: fluid.skipped_steps,
+            },
         };
-        Ok((fluid.report(), stats))
+        Ok((fluid.report(), run))
     }
 }
 

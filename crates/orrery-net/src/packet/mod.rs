@@ -260,7 +260,7 @@ mod switch;
 mod symmetry;
 
 pub use config::{AccelConfig, ConfigProblem, DcqcnParams, EcnPoint, EcnThresholds, PacketConfig};
-pub use fluid::{CalmSkipStats, FluidSimulator};
+pub use fluid::{CalmSkipStats, FluidRun, FluidSimulator};
 pub use memo::{MemoCache, MemoFileError};
 pub use symmetry::SymmetryShift;
 
