@@ -305,7 +305,12 @@ pub struct AccelConfig {
     /// reference's own spread over seeds; the 8,192-GPU step 1.51G, 1.32G, 1.24G and
     /// 2.15G, at 2 us because fewer of its data-parallel reduce-scatters went periodic (40
     /// extrapolated against 49, each of the others simulating about 990 of its 4,032 flows
-    /// instead of 252; why was not found; at 2.5 us all 49 go periodic). Packet
+    /// instead of 252; why was not found; at 2.5 us all 49 go periodic). Measured again
+    /// on 2026-12-07 (after `period_own_paths`): the 8,192-GPU step at 2 us (window 100)
+    /// has all 49 periodic and takes 1.12G events against 1.16G; the 405B step on 128
+    /// GPUs 1.4% to 9.3% fewer events over seeds 0 to 4, but at seed 0, the bench's, 109
+    /// flows more than 5% off the reference instead of 25 (p99 35% against 2.4%), where
+    /// the other seeds moved by a few flows either way: 2.5 us stays. Packet
     /// quantisation, 4% of a 100 Gb/s flow's sample at 2 us and 3.2% at 2.5 us, is kept
     /// out of the steadiness test by testing blocks of samples ([`AccelConfig::theta`]).
     /// Sampling costs a pass over the active partitions per interval.
