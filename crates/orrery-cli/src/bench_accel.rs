@@ -351,6 +351,8 @@ pub struct AccelBench {
     pub label_spread: bool,
     /// Also run each scenario in the fluid model ([`FluidSimulator`]).
     pub fluid: bool,
+    /// The fluid model's [`FluidSimulator::longest_link_step`].
+    pub fluid_link_step: Option<Picos>,
     pub json: bool,
 }
 
@@ -509,6 +511,7 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
             seed: b.seed_spread,
             label: b.label_spread,
             fluid: b.fluid,
+            fluid_link_step: b.fluid_link_step,
         };
         let row = measure(s, s.gpus <= b.reference_max_gpus, spreads)?;
         if !b.json {
@@ -582,8 +585,9 @@ struct Spreads {
     seed: bool,
     /// On the flows renumbered (other tie-breaking between same-time events).
     label: bool,
-    /// The fluid model's run.
+    /// The fluid model's run, and its links' longest step.
     fluid: bool,
+    fluid_link_step: Option<Picos>,
 }
 
 /// `flows` numbered in another order that keeps each flow after its dependencies (among
@@ -629,8 +633,8 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         _ => None,
     };
     let fluid = if spreads.fluid {
-        let (report, secs) = timed_fluid(s, true)?;
-        let (stepped, stepped_secs) = timed_fluid(s, false)?;
+        let (report, secs) = timed_fluid(s, true, spreads.fluid_link_step)?;
+        let (stepped, stepped_secs) = timed_fluid(s, false, spreads.fluid_link_step)?;
         if stepped.flows != report.flows {
             anyhow::bail!(
                 "{}: the fluid model's calm skip changed the flows' times (it must not: \
@@ -691,9 +695,14 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
 
 /// The fluid model on `s`, calm flows frozen or every flow stepped, timed as
 /// [`timed_median`] times the accelerated run.
-fn timed_fluid(s: &Scenario, calm_skip: bool) -> Result<(SimReport, f64)> {
+fn timed_fluid(
+    s: &Scenario,
+    calm_skip: bool,
+    longest_link_step: Option<Picos>,
+) -> Result<(SimReport, f64)> {
     let sim = FluidSimulator {
         calm_skip,
+        longest_link_step,
         ..Default::default()
     };
     let run = || -> Result<(SimReport, f64)> {
@@ -922,6 +931,7 @@ mod tests {
             seed: false,
             label: false,
             fluid: true,
+            fluid_link_step: None,
         };
         let row = measure(&s, false, spreads).unwrap();
         assert!(row.fluid_secs.is_some_and(|t| t > 0.0));

@@ -111,6 +111,11 @@ enum Command {
         /// calm skip off; the bench fails if the two runs' flows differ).
         #[arg(long)]
         fluid: bool,
+        /// With --accel --fluid: let the fluid model step links whose delay spans several
+        /// of its steps at most this many nanoseconds apart (`orrery netsim
+        /// --fluid-link-step-ns`).
+        #[arg(long, value_name = "NS", requires = "fluid")]
+        fluid_link_step_ns: Option<f64>,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
         #[arg(long, value_delimiter = ',', default_values_t = [64, 128, 256, 1024])]
         gpt_gpus: Vec<u32>,
@@ -402,6 +407,7 @@ fn run(cli: Cli) -> Result<()> {
             seed_spread,
             label_spread,
             fluid,
+            fluid_link_step_ns,
             gpt_gpus,
             gpt_13b_gpus,
             llama_pp_gpus,
@@ -419,6 +425,12 @@ fn run(cli: Cli) -> Result<()> {
             seed_spread,
             label_spread,
             fluid,
+            fluid_link_step: match fluid_link_step_ns {
+                Some(ns) if !(ns.is_finite() && ns >= 0.001) => return Err(bad(
+                    "--fluid-link-step-ns must be a number of nanoseconds, at least 0.001 (1 ps)",
+                )),
+                ns => ns.map(|ns| orrery_units::Picos::from_secs_f64(ns * 1e-9)),
+            },
             gpt_gpus,
             gpt_13b_gpus,
             llama_pp_gpus,

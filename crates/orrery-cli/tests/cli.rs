@@ -388,6 +388,21 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     assert_eq!(step_ps(&[]), Some(500_000));
     assert_eq!(step_ps(&["--fluid-step-ns", "125"]), Some(125_000));
     assert_eq!(step_ps(&["--fluid-step-ns", "5000"]), Some(1_000_000));
+    // Links stepped once every few steps: the 1 us cables every 1 us with 500 ns steps.
+    let (code, stdout, stderr) = orrery(&[
+        "netsim",
+        scenario.to_str().unwrap(),
+        "--model",
+        "fluid",
+        "--fluid-link-step-ns",
+        "1000",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
+    assert_eq!(v["fluid_link_step_ps"].as_u64(), Some(1_000_000));
+    assert_eq!(v["fct"]["count"], 4);
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -463,6 +478,8 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         "--fluid-every-step",
         "--fluid-step-ns",
         "0",
+        "--fluid-link-step-ns",
+        "1000",
     ]);
     assert_eq!(code, 2);
     assert_mentions(
@@ -471,6 +488,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
             "--fluid-every-step applies to the fluid model",
             "--fluid-step-ns applies to the fluid model",
             "--fluid-step-ns must be",
+            "--fluid-link-step-ns applies to the fluid model",
             "flows[0].dst",
         ],
     );
