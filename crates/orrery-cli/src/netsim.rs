@@ -40,7 +40,7 @@ pub struct NetsimArgs {
     /// reference for the calm skip, which is on by default).
     #[arg(long)]
     fluid_every_step: bool,
-    /// Fluid model: the time step in nanoseconds (default 250), never longer than the
+    /// Fluid model: the time step in nanoseconds (default 500), never longer than the
     /// shortest delay of a link the flows use. Longer steps are faster and round each
     /// rate change, pause and queue to the step.
     #[arg(long, value_name = "NS")]

@@ -266,11 +266,12 @@ fn links_stepped_at_their_own_length_keep_the_results() {
     // every 500 ns (0.035%, 0.095%, 0.023%).
     assert!(e.mean_fct < 0.005 && e.end < 0.005, "{e:?}");
 
-    // One flow on 1 us cables released 300 ns in: with 500 ns steps its port transmits
-    // every 1 us from time zero, and the flow still takes its closed form's time.
+    // One flow on 1 us cables released 700 ns in, in the second 500 ns step of its port's
+    // first 1 us: it sends from its release and takes the time it takes with every link
+    // stepped every step (the closed form's, `a_lone_flow_...`), not up to 300 ns more.
     let g = NetGraph::single_switch(2, gbps(100.0), us(1)).unwrap();
     let mut late = flow(0, 1, 10_000_000);
-    late.delay = Picos::from_nanos(300);
+    late.delay = Picos::from_nanos(700);
     let fs = flow_set(vec![late]);
     let (alone, run) = strided(true)
         .run_with_progress(&g, &fs, &mut |_| {})
