@@ -115,17 +115,30 @@ fn flow_ring_16_gpus_16mib(b: divan::Bencher) {
 /// (`calm_skip`, which changes no result).
 #[divan::bench(sample_count = 10, args = [true, false])]
 fn fluid_incast_4_to_1_400g(b: divan::Bencher, calm_skip: bool) {
-    fluid_bench(b, incast(4, 400.0, 30 << 20), calm_skip);
+    fluid_bench(b, incast(4, 400.0, 30 << 20), calm_skip, None);
 }
 
 #[divan::bench(sample_count = 10, args = [true, false])]
 fn fluid_ring_16_gpus_16mib(b: divan::Bencher, calm_skip: bool) {
-    fluid_bench(b, ring(), calm_skip);
+    fluid_bench(b, ring(), calm_skip, None);
 }
 
-fn fluid_bench(b: divan::Bencher, (g, set): (NetGraph, FlowSet), calm_skip: bool) {
+/// The same ring with its 1 us cables stepped once a microsecond while its NVLink hops
+/// keep the 200 ns step (`longest_link_step`).
+#[divan::bench(sample_count = 10)]
+fn fluid_ring_16_gpus_16mib_cables_every_1us(b: divan::Bencher) {
+    fluid_bench(b, ring(), true, Some(Picos::from_micros(1)));
+}
+
+fn fluid_bench(
+    b: divan::Bencher,
+    (g, set): (NetGraph, FlowSet),
+    calm_skip: bool,
+    longest_link_step: Option<Picos>,
+) {
     let sim = FluidSimulator {
         calm_skip,
+        longest_link_step,
         ..Default::default()
     };
     b.bench(|| sim.simulate(&g, &set).map(|r| r.events));
