@@ -26,7 +26,7 @@ fn every_step(g: &NetGraph, fs: &FlowSet, dcqcn: bool) -> SimReport {
     sim.simulate(g, fs).unwrap()
 }
 
-/// The largest difference between two reports' finishes, picoseconds.
+/// The largest difference between two reports' starts or finishes, picoseconds.
 fn largest_difference(a: &SimReport, b: &SimReport) -> u64 {
     a.flows
         .iter()

@@ -435,6 +435,10 @@ struct FlowState {
     last_give: f64,
     same_gives: u32,
     pipeline_steps: u32,
+    /// Whether a link of its data or reverse path is strided: then it is never frozen (its
+    /// grants and bytes in flight come once a stride, which the calm test's per-step grants
+    /// and ring slots do not describe).
+    strided: bool,
     delivered_step: u64,
     delivered_in_step: f64,
     frozen: Option<(u64, u64)>,
@@ -473,15 +477,15 @@ struct Fluid<'a> {
     nic_scratch: Vec<(f64, u32, f64, f64)>,
     /// What each part a FIFO serves frees of its ingress's buffer (kept between calls).
     freed_scratch: Vec<f64>,
+    /// Queue pairs released this step inside their strided port's window, as (port, flow),
+    /// and a scratch list of one port's (kept between steps so a step allocates nothing).
+    late_joins: Vec<(u32, u32)>,
+    late_flows: Vec<u32>,
     /// Calm-flow freezing: whether it is on, the flows that became candidates this step,
     /// the frozen flows' latest thaws as (step, flow) (one each: none frozen when it is
     /// empty), and what it did: freezes, thaws forced by something reaching a frozen
     /// flow's link, and steps skipped while flows were frozen.
     calm_skip: bool,
-    /// Queue pairs released this step inside their strided port's window, as (port, flow),
-    /// and a scratch list of one port's (kept between steps so a step allocates nothing).
-    late_joins: Vec<(u32, u32)>,
-    late_flows: Vec<u32>,
     candidates: Vec<u32>,
     thaws: std::collections::BTreeSet<(u64, u32)>,
     freezes: u64,
@@ -591,6 +595,10 @@ impl<'a> Fluid<'a> {
                 .map(|&l| links[l as usize].delay_steps as u32 + 1)
                 .sum::<u32>()
                 + 2;
+            let strided = path
+                .iter()
+                .chain(rpath)
+                .any(|&l| links[l as usize].stride > 1);
             states.push(FlowState {
                 fwd,
                 rev,
@@ -615,6 +623,7 @@ impl<'a> Fluid<'a> {
                 last_give: 0.0,
                 same_gives: 0,
                 pipeline_steps,
+                strided,
                 delivered_step: u64::MAX,
                 delivered_in_step: 0.0,
                 frozen: None,
@@ -648,9 +657,9 @@ impl<'a> Fluid<'a> {
             wire_per_packet,
             nic_scratch: Vec::new(),
             freed_scratch: Vec::new(),
-            calm_skip,
             late_joins: Vec::new(),
             late_flows: Vec::new(),
+            calm_skip,
             candidates: Vec::new(),
             thaws: std::collections::BTreeSet::new(),
             freezes: 0,
@@ -833,21 +842,21 @@ impl<'a> Fluid<'a> {
             if stride > 1 && !k.is_multiple_of(stride) {
                 continue;
             }
-            let sf = stride as f64;
-            let room = (sf * link.cap - link.ctrl - sf * link.frozen_ctrl).max(0.0);
-            let frozen = sf * link.frozen;
+            let (room, frozen) = self.room(l);
             let (paused, from_switch) = (link.paused, link.from_switch);
             if stride > 1 {
-                // Its window: what queue pairs released inside it may still use (less what
-                // this transmission sends, below).
                 let link = &mut self.links[l as usize];
                 link.ctrl = 0.0;
-                link.window_at = k;
-                link.window_left = if paused {
-                    0.0
-                } else {
-                    (room - frozen).max(0.0)
-                };
+                if !from_switch {
+                    // Its window: what queue pairs released inside it may still use (less
+                    // what this transmission sends, below).
+                    link.window_at = k;
+                    link.window_left = if paused {
+                        0.0
+                    } else {
+                        (room - frozen).max(0.0)
+                    };
+                }
             }
             if paused || room - frozen <= 0.0 {
                 continue;
@@ -865,7 +874,7 @@ impl<'a> Fluid<'a> {
                 self.mark(l, &sent, t);
             }
             if stride > 1 {
-                let used = in_steps(&mut sent, sf);
+                let used = in_steps(&mut sent, stride as f64);
                 let link = &mut self.links[l as usize];
                 link.window_left = (link.window_left - used).max(0.0);
             }
@@ -917,6 +926,15 @@ impl<'a> Fluid<'a> {
         });
     }
 
+    /// Link `l`'s room for one transmission (its stride of steps) after its control frames
+    /// and the frozen flows' ACKs, and the frozen flows' data in it.
+    fn room(&self, l: u32) -> (f64, f64) {
+        let link = &self.links[l as usize];
+        let sf = link.stride as f64;
+        let room = (sf * link.cap - link.ctrl - sf * link.frozen_ctrl).max(0.0);
+        (room, sf * link.frozen)
+    }
+
     /// Puts the parts link `l` sent at step `k` in flight, to land its delay later.
     fn launch(&mut self, l: u32, k: u64, sent: &[Part]) {
         let link = &mut self.links[l as usize];
@@ -945,11 +963,12 @@ impl<'a> Fluid<'a> {
             }
             let stride = link.stride;
             let window = k - k % stride;
-            let sf = stride as f64;
             let room = if link.window_at == window {
                 link.window_left
             } else {
-                (sf * (link.cap - link.frozen_ctrl - link.frozen) - link.ctrl).max(0.0)
+                // Not served at the window's start: nothing to send then.
+                let (room, frozen) = self.room(l);
+                (room - frozen).max(0.0)
             };
             if room <= 0.0 {
                 continue;
@@ -958,7 +977,7 @@ impl<'a> Fluid<'a> {
             flows.extend(group.iter().map(|&(_, f)| f));
             sent.clear();
             self.serve_nic(l, room, Picos(window * self.dt), Some(&flows), sent);
-            let used = in_steps(sent, sf);
+            let used = in_steps(sent, stride as f64);
             let link = &mut self.links[l as usize];
             link.window_left = (room - used).max(0.0);
             link.window_at = window;
@@ -1109,7 +1128,7 @@ impl<'a> Fluid<'a> {
             // its sender so far.
             if give > 0.0 && begin == 0.0 && give == fl.last_give {
                 fl.same_gives += 1;
-                if self.calm_skip && fl.same_gives == fl.pipeline_steps {
+                if self.calm_skip && !fl.strided && fl.same_gives == fl.pipeline_steps {
                     self.candidates.push(f);
                 }
             } else {
@@ -1314,17 +1333,8 @@ impl<'a> Fluid<'a> {
     /// links keep its load per step (`frozen`, `frozen_ctrl`) to count it when others use
     /// them; it thaws at the latest two grants before its bytes run out.
     fn try_freeze(&mut self, f: u32, k: u64) {
-        // A flow on a strided link is not frozen: its grants and bytes in flight come once
-        // a stride, which the calm test's per-step grants and ring slots do not describe.
-        let (a, b) = (self.flows[f as usize].fwd, self.flows[f as usize].rev);
-        if (a.0..a.0 + a.1)
-            .chain(b.0..b.0 + b.1)
-            .any(|h| self.links[self.paths[h as usize] as usize].stride > 1)
-        {
-            self.flows[f as usize].same_gives = 0;
-            return;
-        }
         let fl = &self.flows[f as usize];
+        debug_assert!(!fl.strided, "a flow on a strided link is never a candidate");
         let x = fl.last_give;
         if fl.frozen.is_some()
             || fl.finish.is_some()
@@ -1444,7 +1454,7 @@ impl<'a> Fluid<'a> {
             if link.frozen_flows.is_empty() {
                 continue;
             }
-            let room = (link.cap - link.ctrl - link.frozen_ctrl).max(0.0);
+            let (room, _) = self.room(l as u32);
             let reached = if link.from_switch {
                 // As `serve_fifo` decides whether a segment goes whole.
                 link.segs.front().is_some_and(|s| s.2 < k)
