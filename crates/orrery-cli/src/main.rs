@@ -425,12 +425,10 @@ fn run(cli: Cli) -> Result<()> {
             seed_spread,
             label_spread,
             fluid,
-            fluid_link_step: match fluid_link_step_ns {
-                Some(ns) if !(ns.is_finite() && ns >= 0.001) => return Err(bad(
-                    "--fluid-link-step-ns must be a number of nanoseconds, at least 0.001 (1 ps)",
-                )),
-                ns => ns.map(|ns| orrery_units::Picos::from_secs_f64(ns * 1e-9)),
-            },
+            fluid_link_step: fluid_link_step_ns
+                .map(|ns| netsim::nanoseconds("--fluid-link-step-ns", ns))
+                .transpose()
+                .map_err(bad)?,
             gpt_gpus,
             gpt_13b_gpus,
             llama_pp_gpus,

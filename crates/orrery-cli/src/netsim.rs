@@ -494,19 +494,11 @@ fn render(s: &NetsimSummary) -> String {
         s.pfc_pauses, s.drops, s.bytes_sent, s.bytes_delivered
     );
     if let Some(step) = s.fluid_step_ps {
-        match s.fluid_link_step_ps {
-            Some(link) => {
-                let _ = writeln!(
-                    out,
-                    "fluid step {} (links with longer delays every {} at most)",
-                    Picos(step),
-                    Picos(link)
-                );
-            }
-            None => {
-                let _ = writeln!(out, "fluid step {}", Picos(step));
-            }
-        }
+        let links = s
+            .fluid_link_step_ps
+            .map(|l| format!(" (links with longer delays every {} at most)", Picos(l)))
+            .unwrap_or_default();
+        let _ = writeln!(out, "fluid step {}{links}", Picos(step));
     }
     if let Some(c) = &s.calm_skip {
         let _ = writeln!(
@@ -753,6 +745,18 @@ fn packet_config(table: Option<&toml::Table>) -> Result<PacketConfig> {
     )))
 }
 
+/// A time given on the command line in nanoseconds (`flag` names it in the error): at
+/// least a picosecond.
+pub(crate) fn nanoseconds(flag: &str, ns: f64) -> Result<Picos, String> {
+    if ns.is_finite() && ns >= 0.001 {
+        Ok(Picos::from_secs_f64(ns * 1e-9))
+    } else {
+        Err(format!(
+            "{flag} must be a number of nanoseconds, at least 0.001 (1 ps)"
+        ))
+    }
+}
+
 pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.scenario).map_err(|e| {
         bad(format!(
@@ -803,22 +807,19 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             "--fluid-every-step applies to the fluid model only: add --model fluid or leave it out",
         );
     }
-    for (flag, value) in [
+    let [fluid_step, fluid_link_step] = [
         ("--fluid-step-ns", args.fluid_step_ns),
         ("--fluid-link-step-ns", args.fluid_link_step_ns),
-    ] {
-        let Some(ns) = value else { continue };
+    ]
+    .map(|(flag, value)| {
+        let ns = value?;
         if model != SimModel::Fluid {
             problems.push(&format!(
                 "{flag} applies to the fluid model only: add --model fluid or leave it out"
             ));
         }
-        if !(ns.is_finite() && ns >= 0.001) {
-            problems.push(&format!(
-                "{flag} must be a number of nanoseconds, at least 0.001 (1 ps)"
-            ));
-        }
-    }
+        nanoseconds(flag, ns).map_err(|e| problems.push(&e)).ok()
+    });
     if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
     {
         problems.push("--queue-trace-us must be a positive number");
@@ -846,14 +847,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         SimModel::Fluid => orrery_net::packet::FluidSimulator {
             config: packet_config,
             calm_skip: !args.fluid_every_step,
-            step: args
-                .fluid_step_ns
-                .map_or(orrery_net::packet::FluidSimulator::DEFAULT_STEP, |ns| {
-                    Picos::from_secs_f64(ns * 1e-9)
-                }),
-            longest_link_step: args
-                .fluid_link_step_ns
-                .map(|ns| Picos::from_secs_f64(ns * 1e-9)),
+            step: fluid_step.unwrap_or(orrery_net::packet::FluidSimulator::DEFAULT_STEP),
+            longest_link_step: fluid_link_step,
         }
         .run_with_progress(&scenario.graph, &scenario.flows, &mut progress)
         .map(|(report, run)| {

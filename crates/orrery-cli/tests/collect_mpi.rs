@@ -74,7 +74,7 @@ fn mpirun_apps(apps: &[(usize, &[&str])], dir: &Path) -> (i32, String) {
     let launcher = std::env::var("ORRERY_MPIRUN").unwrap_or_else(|_| "mpirun".into());
     let log = dir.join("mpirun.log");
     let out = dir.join("mpirun.out");
-    let session = common::mpi_session_dir();
+    let session = common::mpi_session::mpi_session_dir();
     let mut command = Command::new(&launcher);
     for (i, (ranks, args)) in apps.iter().enumerate() {
         if i > 0 {

@@ -388,7 +388,7 @@ fn launch_waiting(mode: &str, ranks: usize, dir: &Path, waiting: Option<&str>) -
     let exe = std::env::current_exe().unwrap();
     let log = dir.join(format!("{mode}.log"));
     let log_file = std::fs::File::create(&log).unwrap();
-    let session = common::mpi_session_dir();
+    let session = common::mpi_session::mpi_session_dir();
     let mut command = Command::new(&launcher);
     match waiting {
         Some(w) => command.env(WAIT_VAR, w),
