@@ -48,7 +48,8 @@ pub struct NetsimArgs {
     /// Fluid model: let links whose delay spans several steps transmit once every few of
     /// them, each at the longest multiple of the step that divides its delay and is at
     /// most this many nanoseconds (e.g. 1000: 1 us cables where NVLink holds the step to
-    /// 200 ns). Faster where flows cross both; flows on such links are never frozen.
+    /// 200 ns). Faster where flows cross both; a flow whose links' strides differ is never
+    /// frozen.
     #[arg(long, value_name = "NS")]
     fluid_link_step_ns: Option<f64>,
     #[command(flatten)]

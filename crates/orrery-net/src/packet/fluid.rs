@@ -66,9 +66,10 @@
 //! Measured: with cables every 1 us, the ECMP GPT 350M step at 1,024 GPUs takes 4.1 s
 //! instead of 9.6 s, and an uncongested ring and a lone flow give the same picoseconds as
 //! stepping every link; where many short flows cross the cables (the 128-GPU ring's 64 KiB
-//! steps) the per-flow errors grow (docs/benchmarks.md). A flow on a strided link is never
-//! frozen (the calm test is per step), so where cables alone set the step a longer `step`
-//! is the better knob.
+//! steps) the per-flow errors grow (docs/benchmarks.md). A flow whose links (data and
+//! ACKs) all share one stride is frozen as any other, its grant per transmission; one
+//! whose links' strides differ is never frozen (a grant would reach a link between its
+//! transmissions).
 //!
 //! ## Calm flows (`calm_skip`, on by default)
 //!
@@ -89,7 +90,10 @@
 //! of its links ([`Fluid::thaw_where_reached`]): a pause, bytes older than the step in a
 //! FIFO, more asked of a link than its room with the frozen load counted, or, for a flow
 //! held to its port's room, any other sender or any other room. When every flow in flight
-//! is frozen the run skips to the next release or thaw.
+//! is frozen the run skips to the next release or thaw. On strided links the same holds
+//! per transmission: the grant is a transmission's, one per transmission is in flight on
+//! each link, the frozen loads count per transmission, and a thaw between two of them
+//! puts back only the grants in flight (none lands then).
 //!
 //! The skip is exact, not approximate: with and without it, every run compared gave the
 //! same bits (`tests/fluid.rs` checks random traffic, incasts with and without DCQCN and
@@ -153,6 +157,11 @@ fn on_grid(v: f64) -> f64 {
     ((v * GRID + 0.5) as u64) as f64 / GRID
 }
 
+/// The bit of [`Link::ring_bits`] that stands for ring slot `slot`.
+fn slot_bit(slot: usize) -> u64 {
+    1 << (slot & 63)
+}
+
 /// Steps per transmission of a link whose delay is `delay_steps` steps: the largest
 /// divisor of that delay no longer than `longest`, so what it sends at one of its
 /// transmissions lands on a step it transmits at again (its next hop, if alike, too).
@@ -202,9 +211,9 @@ pub struct FluidSimulator {
     /// most this (`None`, the default: every link every step). Where the step is held
     /// short by a few links (a host's NVLink, 200 ns) the others (1 us cables) need not be:
     /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 4.1 s instead of 9.6 s, as
-    /// close to the reference or closer (docs/benchmarks.md). A flow on such a link is
-    /// never frozen (the calm skip's test is per step); a flow released inside its port's
-    /// window sends from its release in what the window has left.
+    /// close to the reference or closer (docs/benchmarks.md). A flow whose links do not
+    /// all share one stride is never frozen; a flow released inside its port's window
+    /// sends from its release in what the window has left.
     pub longest_link_step: Option<Picos>,
     /// Freeze calm flows (on by default): a flow that has sent the same bytes every step
     /// for as long as its path takes to carry them, on a path with no queue, is taken out
@@ -352,6 +361,9 @@ struct Link {
     /// Steps per transmission: the link sends at steps that are multiples of it, each
     /// time for that many steps (1 unless [`FluidSimulator::longest_link_step`] lets it).
     stride: u64,
+    /// The next step it transmits at, if it is strided and has been listed since its last
+    /// transmission (otherwise behind: found again with a division).
+    next_transmission: u64,
     /// A strided NIC port's room left in its window that began at step `window_at`, for
     /// the queue pairs released inside that window.
     window_left: f64,
@@ -370,6 +382,11 @@ struct Link {
     /// Bytes in flight: `ring[k & (ring.len() - 1)]` lands at step `k` (a power of two of
     /// slots, more than the delay's steps, so a slot is found without a division).
     ring: Vec<Vec<Part>>,
+    /// Which slots of `ring` may hold parts: bit `slot % 64` (a ring of more than 64 slots
+    /// keeps its bits once set). A step's landings test this bit rather than load each
+    /// listed link's slot, which lies elsewhere in memory: on the ECMP GPT 350M step at
+    /// 1,024 GPUs that load was a seventh of the step's own time.
+    ring_bits: u64,
     in_flight: usize,
     /// The flows whose first hop this is (a NIC port's queue pairs).
     qps: Vec<u32>,
@@ -388,8 +405,10 @@ struct Link {
     pauses: u64,
     /// Whether the link is in the active list.
     listed: bool,
-    /// Frozen flows through this link: the wire bytes of data they send on it every step,
-    /// the flows, and the wire bytes of ACKs their receivers send on it every step.
+    /// Frozen flows through this link: the wire bytes of data they send on it at every
+    /// transmission (every step unless it is strided), the flows, and the wire bytes of
+    /// ACKs their receivers send on it per transmission. A frozen flow's links all share
+    /// its stride, so its grant is the same on each.
     frozen: f64,
     frozen_flows: Vec<u32>,
     frozen_ctrl: f64,
@@ -428,17 +447,19 @@ struct FlowState {
     /// What the completion adds to the fluid's arrival: store-and-forward serialisation and
     /// the rounding of link delays to steps.
     finish_extra: i64,
-    /// Calm-flow freezing: what its NIC port granted it last step, for how many steps in a
-    /// row that was a whole step at its rate, the steps a grant takes to reach the receiver
-    /// (with a margin), what reached the receiver in its last step of deliveries, and,
-    /// while frozen, the step it was frozen at and the step it thaws at the latest.
+    /// Calm-flow freezing: what its NIC port granted it at its last transmission, for how
+    /// many transmissions in a row that was a whole one at its rate, the transmissions a
+    /// grant takes to reach the receiver (with a margin), what reached the receiver in its
+    /// last step of deliveries, and, while frozen, the step it was frozen at and the step
+    /// it thaws at the latest.
     last_give: f64,
     same_gives: u32,
     pipeline_steps: u32,
-    /// Whether a link of its data or reverse path is strided: then it is never frozen (its
-    /// grants and bytes in flight come once a stride, which the calm test's per-step grants
-    /// and ring slots do not describe).
-    strided: bool,
+    /// The stride every link of its data and reverse paths shares (1 where none is
+    /// strided), or 0 where they differ: then it is never frozen (its grants would reach
+    /// a link between that link's transmissions, which the frozen load, counted per
+    /// transmission, does not describe).
+    stride: u64,
     delivered_step: u64,
     delivered_in_step: f64,
     frozen: Option<(u64, u64)>,
@@ -519,6 +540,7 @@ impl<'a> Fluid<'a> {
                     cap: on_grid(l.bandwidth.0 * dt_secs),
                     delay_steps,
                     stride,
+                    next_transmission: 0,
                     window_left: 0.0,
                     window_at: u64::MAX,
                     to: l.to.0,
@@ -532,6 +554,7 @@ impl<'a> Fluid<'a> {
                     ring: (0..(delay_steps + 1).next_power_of_two())
                         .map(|_| Vec::new())
                         .collect(),
+                    ring_bits: 0,
                     in_flight: 0,
                     qps: Vec::new(),
                     ctrl: 0.0,
@@ -590,15 +613,22 @@ impl<'a> Fluid<'a> {
             let wire_total = bytes as f64
                 + (npkts * (wire_per_packet as u64 - u64::from(cfg.mtu_payload))) as f64;
             let line = graph.link(orrery_units::LinkId(path[0])).bandwidth.0;
-            let pipeline_steps = path
-                .iter()
-                .map(|&l| links[l as usize].delay_steps as u32 + 1)
-                .sum::<u32>()
-                + 2;
-            let strided = path
+            let stride = links[path[0] as usize].stride;
+            let stride = if path
                 .iter()
                 .chain(rpath)
-                .any(|&l| links[l as usize].stride > 1);
+                .all(|&l| links[l as usize].stride == stride)
+            {
+                stride
+            } else {
+                0
+            };
+            // In its port's transmissions (one per `stride` steps).
+            let pipeline_steps = path
+                .iter()
+                .map(|&l| (links[l as usize].delay_steps as u64 / stride.max(1)) as u32 + 1)
+                .sum::<u32>()
+                + 2;
             states.push(FlowState {
                 fwd,
                 rev,
@@ -623,7 +653,7 @@ impl<'a> Fluid<'a> {
                 last_give: 0.0,
                 same_gives: 0,
                 pipeline_steps,
-                strided,
+                stride,
                 delivered_step: u64::MAX,
                 delivered_in_step: 0.0,
                 frozen: None,
@@ -757,8 +787,15 @@ impl<'a> Fluid<'a> {
         // completion releases its dependents at once, so they may send in this step).
         for i in 0..self.active.len() {
             let l = self.active[i];
-            let slot = (k as usize) & (self.links[l as usize].ring.len() - 1);
-            if self.links[l as usize].ring[slot].is_empty() {
+            let link = &mut self.links[l as usize];
+            let slot = (k as usize) & (link.ring.len() - 1);
+            if link.ring_bits & slot_bit(slot) == 0 {
+                continue;
+            }
+            if link.ring.len() <= 64 {
+                link.ring_bits &= !slot_bit(slot);
+            }
+            if link.ring[slot].is_empty() {
                 continue;
             }
             let mut landing = std::mem::take(&mut self.links[l as usize].ring[slot]);
@@ -837,11 +874,11 @@ impl<'a> Fluid<'a> {
         let mut sent: Vec<Part> = Vec::new();
         for i in 0..self.active.len() {
             let l = self.active[i];
-            let link = &self.links[l as usize];
-            let stride = link.stride;
-            if stride > 1 && !k.is_multiple_of(stride) {
+            if !self.transmits(l, k) {
                 continue;
             }
+            let link = &self.links[l as usize];
+            let stride = link.stride;
             let (room, frozen) = self.room(l);
             let (paused, from_switch) = (link.paused, link.from_switch);
             if stride > 1 {
@@ -926,13 +963,30 @@ impl<'a> Fluid<'a> {
         });
     }
 
+    /// Whether link `l` transmits at step `k`: every step, or at multiples of its stride.
+    /// Asked of every listed link at every step, so without a division where it can be.
+    fn transmits(&mut self, l: u32, k: u64) -> bool {
+        let link = &mut self.links[l as usize];
+        if link.stride == 1 {
+            return true;
+        }
+        if link.next_transmission < k {
+            link.next_transmission = k.next_multiple_of(link.stride);
+        }
+        if link.next_transmission == k {
+            link.next_transmission = k + link.stride;
+            true
+        } else {
+            false
+        }
+    }
+
     /// Link `l`'s room for one transmission (its stride of steps) after its control frames
     /// and the frozen flows' ACKs, and the frozen flows' data in it.
     fn room(&self, l: u32) -> (f64, f64) {
         let link = &self.links[l as usize];
-        let sf = link.stride as f64;
-        let room = (sf * link.cap - link.ctrl - sf * link.frozen_ctrl).max(0.0);
-        (room, sf * link.frozen)
+        let room = (link.stride as f64 * link.cap - link.ctrl - link.frozen_ctrl).max(0.0);
+        (room, link.frozen)
     }
 
     /// Puts the parts link `l` sent at step `k` in flight, to land its delay later.
@@ -941,6 +995,7 @@ impl<'a> Fluid<'a> {
         let land = (k as usize + link.delay_steps) & (link.ring.len() - 1);
         link.in_flight += sent.len();
         self.in_flight_total += sent.len();
+        link.ring_bits |= slot_bit(land);
         link.ring[land].extend_from_slice(sent);
     }
 
@@ -1128,7 +1183,7 @@ impl<'a> Fluid<'a> {
             // its sender so far.
             if give > 0.0 && begin == 0.0 && give == fl.last_give {
                 fl.same_gives += 1;
-                if self.calm_skip && !fl.strided && fl.same_gives == fl.pipeline_steps {
+                if self.calm_skip && fl.stride != 0 && fl.same_gives == fl.pipeline_steps {
                     self.candidates.push(f);
                 }
             } else {
@@ -1334,7 +1389,9 @@ impl<'a> Fluid<'a> {
     /// them; it thaws at the latest two grants before its bytes run out.
     fn try_freeze(&mut self, f: u32, k: u64) {
         let fl = &self.flows[f as usize];
-        debug_assert!(!fl.strided, "a flow on a strided link is never a candidate");
+        let stride = fl.stride;
+        debug_assert!(stride != 0, "a flow across strides is never a candidate");
+        debug_assert!(k.is_multiple_of(stride), "grants come at transmissions");
         let x = fl.last_give;
         if fl.frozen.is_some()
             || fl.finish.is_some()
@@ -1347,7 +1404,7 @@ impl<'a> Fluid<'a> {
             return;
         }
         let runs = ((fl.wire_total - fl.wire_sent) / x).floor() as u64;
-        let mut until = k + runs.saturating_sub(1);
+        let mut until = k + runs.saturating_sub(1) * stride;
         if let Some(at) = fl.rp.next_increase() {
             until = until.min(at.0.div_ceil(self.dt));
         }
@@ -1356,7 +1413,7 @@ impl<'a> Fluid<'a> {
         let port = &self.links[self.path(f)[0] as usize];
         let port_ok =
             !port.frozen_held && (!held || (port.qps.len() == 1 && port.frozen_flows.is_empty()));
-        if until < k + MIN_FREEZE_STEPS || !port_ok || !self.calm_path(f, k, x) {
+        if until < k + MIN_FREEZE_STEPS * stride || !port_ok || !self.calm_path(f, k, x) {
             self.flows[f as usize].same_gives = 0;
             return;
         }
@@ -1364,12 +1421,14 @@ impl<'a> Fluid<'a> {
         for h in 0..n {
             let l = self.paths[(a + h) as usize] as usize;
             let link = &mut self.links[l];
-            for j in 1..=link.delay_steps {
+            // One grant in flight per transmission of its delay.
+            for j in (stride as usize..=link.delay_steps).step_by(stride as usize) {
                 let slot = (k as usize + j) & (link.ring.len() - 1);
                 link.ring[slot].retain(|p| p.flow != f || p.hop != h);
             }
-            link.in_flight -= link.delay_steps;
-            self.in_flight_total -= link.delay_steps;
+            let grants = link.delay_steps / stride as usize;
+            link.in_flight -= grants;
+            self.in_flight_total -= grants;
             link.frozen_flows.push(f);
             if h == 0 {
                 link.qps.retain(|&q| q != f);
@@ -1406,8 +1465,9 @@ impl<'a> Fluid<'a> {
     }
 
     /// Whether every link of flow `f`'s path is calm for it at the end of step `k`: one
-    /// part of `x` wire bytes of it in flight per step of the link's delay, as a whole step
-    /// sends it (from the step's start to its end), no queue, no pause sent, due or held.
+    /// part of `x` wire bytes of it in flight per transmission in the link's delay (per
+    /// step unless strided), as a whole transmission sends it (from its start to its
+    /// end), no queue, no pause sent, due or held.
     fn calm_path(&self, f: u32, k: u64, x: f64) -> bool {
         let quiet = self.path(f).iter().all(|&l| {
             let link = &self.links[l as usize];
@@ -1416,18 +1476,24 @@ impl<'a> Fluid<'a> {
                 || !link.pause_changes.is_empty()
                 || (link.from_switch && link.queued > DUST))
         });
-        // In each slot the link's delay fills, one part of `f`: a whole-step grant of `x`.
+        // In each slot the link's delay fills (one per transmission), one part of `f`: a
+        // whole transmission's grant of `x`.
+        let stride = self.flows[f as usize].stride as usize;
+        let whole = stride as f64;
         let one_grant = |slot: &[Part], h: usize| {
             let mut mine = slot.iter().filter(|p| p.flow == f && p.hop as usize == h);
             match (mine.next(), mine.next()) {
-                (Some(p), None) => (p.wire - x).abs() <= 1e-9 * x && p.begin == 0.0 && p.end == 1.0,
+                (Some(p), None) => {
+                    (p.wire - x).abs() <= 1e-9 * x && p.begin == 0.0 && p.end == whole
+                }
                 _ => false,
             }
         };
         quiet
             && self.path(f).iter().enumerate().all(|(h, &l)| {
                 let link = &self.links[l as usize];
-                (1..=link.delay_steps)
+                (stride..=link.delay_steps)
+                    .step_by(stride)
                     .all(|j| one_grant(&link.ring[(k as usize + j) & (link.ring.len() - 1)], h))
             })
     }
@@ -1477,10 +1543,10 @@ impl<'a> Fluid<'a> {
     }
 
     /// Puts frozen flow `f` back into step `k` (after its landings, before it transmits):
-    /// it sent and delivered one grant in each step it was frozen through, its grant that
-    /// lands in step `k` on each link joins the next link's FIFO (or reaches its receiver),
-    /// the rest of its grants in flight go back on the rings, its rate is brought to the
-    /// step's start, and its port serves it again.
+    /// it sent and delivered one grant at each of its transmissions while frozen, its grant
+    /// that lands in step `k` on each link (if `k` is a transmission) joins the next link's
+    /// FIFO (or reaches its receiver), the rest of its grants in flight go back on the
+    /// rings, its rate is brought to the step's start, and its port serves it again.
     fn thaw(&mut self, f: u32, k: u64) {
         let t = Picos(k * self.dt);
         let Some((at, until)) = self.flows[f as usize].frozen.take() else {
@@ -1489,9 +1555,12 @@ impl<'a> Fluid<'a> {
         self.thaws.remove(&(until, f));
         let x = self.flows[f as usize].last_give;
         let fl = &mut self.flows[f as usize];
-        // One grant per step, added as the steps would have added it (a product would
-        // round differently, and the completion is interpolated on these sums).
-        for _ in at + 1..k {
+        let stride = fl.stride;
+        // One grant per transmission after `at` and before `k` (`at` is one), added as the
+        // steps would have added them (a product would round differently, and the
+        // completion is interpolated on these sums). Every link of its path transmits and
+        // lands at the same steps, so its receiver took as many.
+        for _ in 0..(k - 1) / stride - at / stride {
             fl.wire_sent += x;
             fl.wire_delivered += x;
         }
@@ -1501,25 +1570,35 @@ impl<'a> Fluid<'a> {
             hop,
             wire: x,
             begin: 0.0,
-            end: 1.0,
+            end: stride as f64,
         };
+        let lands_now = k.is_multiple_of(stride);
         let (a, n) = self.flows[f as usize].fwd;
         for h in 0..n {
             let l = self.paths[(a + h) as usize];
             let link = &mut self.links[l as usize];
             link.frozen_flows.retain(|&q| q != f);
+            // Its grants sent before step `k` that land after it.
+            let mut grants = 0;
             for j in 1..link.delay_steps {
-                let slot = (k as usize + j) & (link.ring.len() - 1);
-                link.ring[slot].push(part(h));
+                if (k as usize + j).is_multiple_of(stride as usize) {
+                    let slot = (k as usize + j) & (link.ring.len() - 1);
+                    link.ring_bits |= slot_bit(slot);
+                    link.ring[slot].push(part(h));
+                    grants += 1;
+                }
             }
-            link.in_flight += link.delay_steps - 1;
-            self.in_flight_total += link.delay_steps - 1;
+            link.in_flight += grants;
+            self.in_flight_total += grants;
             if h == 0 {
                 link.qps.push(f);
                 link.frozen_held = false;
                 self.senders += 1;
             }
             self.list(l);
+            if !lands_now {
+                continue;
+            }
             if h + 1 == n {
                 self.deliver(&part(h), k);
             } else {
