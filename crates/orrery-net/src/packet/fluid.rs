@@ -415,6 +415,8 @@ struct Link {
     /// A NIC port whose one frozen flow was held to the port's room (less its control
     /// frames), not its rate: it stays frozen only while that room is the same.
     frozen_held: bool,
+    /// Whether it is in [`Fluid::frozen_links`].
+    in_frozen_links: bool,
 }
 
 #[derive(Debug)]
@@ -498,6 +500,11 @@ struct Fluid<'a> {
     nic_scratch: Vec<(f64, u32, f64, f64)>,
     /// What each part a FIFO serves frees of its ingress's buffer (kept between calls).
     freed_scratch: Vec<f64>,
+    /// The links whose `arriving` took parts this step, and the pauses and resumes on
+    /// their way as (step they arrive at, link): what a step visits instead of every
+    /// listed link.
+    arrived: Vec<u32>,
+    pause_calendar: std::collections::BTreeSet<(u64, u32)>,
     /// Queue pairs released this step inside their strided port's window, as (port, flow),
     /// and a scratch list of one port's (kept between steps so a step allocates nothing).
     late_joins: Vec<(u32, u32)>,
@@ -508,6 +515,8 @@ struct Fluid<'a> {
     /// flow's link, and steps skipped while flows were frozen.
     calm_skip: bool,
     candidates: Vec<u32>,
+    /// The links frozen flows cross (some may have none left: dropped when next tested).
+    frozen_links: Vec<u32>,
     thaws: std::collections::BTreeSet<(u64, u32)>,
     freezes: u64,
     forced_thaws: u64,
@@ -572,6 +581,7 @@ impl<'a> Fluid<'a> {
                     frozen_flows: Vec::new(),
                     frozen_ctrl: 0.0,
                     frozen_held: false,
+                    in_frozen_links: false,
                 }
             })
             .collect();
@@ -687,10 +697,13 @@ impl<'a> Fluid<'a> {
             wire_per_packet,
             nic_scratch: Vec::new(),
             freed_scratch: Vec::new(),
+            arrived: Vec::new(),
+            pause_calendar: std::collections::BTreeSet::new(),
             late_joins: Vec::new(),
             late_flows: Vec::new(),
             calm_skip,
             candidates: Vec::new(),
+            frozen_links: Vec::new(),
             thaws: std::collections::BTreeSet::new(),
             freezes: 0,
             forced_thaws: 0,
@@ -762,25 +775,34 @@ impl<'a> Fluid<'a> {
     /// One step `[k dt, (k + 1) dt)`.
     fn step(&mut self, k: u64) {
         let (t, next) = (Picos(k * self.dt), Picos((k + 1) * self.dt));
-        // Rate control events up to the step's start, in time order per flow.
+        // Rate control events up to the step's start, in time order per flow, for the
+        // ports that transmit in it. A strided port's flows are driven at its next
+        // transmission instead: each event is applied at its own time whenever the call
+        // comes, and their rates are read only when the port sends (or where a thaw is
+        // tested, which changes nothing it decides).
         if self.cfg.dcqcn {
             for i in 0..self.active.len() {
-                let l = self.active[i] as usize;
-                for q in 0..self.links[l].qps.len() {
-                    let f = self.links[l].qps[q];
+                let l = self.active[i];
+                if !self.transmits_at(l, k) {
+                    continue;
+                }
+                for q in 0..self.links[l as usize].qps.len() {
+                    let f = self.links[l as usize].qps[q];
                     self.drive_rate(f, t);
                 }
             }
         }
-        // Pauses and resumes that reach their transmitters.
-        for i in 0..self.active.len() {
-            let link = &mut self.links[self.active[i] as usize];
-            while let Some(&(at, paused)) = link.pause_changes.front() {
-                if at > k {
-                    break;
-                }
+        // Pauses and resumes that reach their transmitters (each link's in the order they
+        // were sent).
+        while let Some(&(at, l)) = self.pause_calendar.first() {
+            if at > k {
+                break;
+            }
+            self.pause_calendar.pop_first();
+            let link = &mut self.links[l as usize];
+            if let Some((due, paused)) = link.pause_changes.pop_front() {
+                debug_assert_eq!(due, at);
                 link.paused = paused;
-                link.pause_changes.pop_front();
             }
         }
         // Bytes landing this step: into the next switch's egress FIFO, or delivered (a
@@ -805,7 +827,11 @@ impl<'a> Fluid<'a> {
                 let mut added = 0.0;
                 for p in &landing {
                     let out = self.path(p.flow)[p.hop as usize + 1];
-                    self.links[out as usize].arriving.push(Part {
+                    let next = &mut self.links[out as usize];
+                    if next.arriving.is_empty() {
+                        self.arrived.push(out);
+                    }
+                    next.arriving.push(Part {
                         hop: p.hop + 1,
                         ..*p
                     });
@@ -848,12 +874,9 @@ impl<'a> Fluid<'a> {
         // Each FIFO's arrivals of the step become one segment, in the order of their flows:
         // bytes of one step count as arriving together, and an order of their own keeps
         // the result from depending on the order links are visited in (which freezing
-        // changes).
-        for i in 0..self.active.len() {
-            let link = &mut self.links[self.active[i] as usize];
-            if link.arriving.is_empty() {
-                continue;
-            }
+        // changes). Only the links that took arrivals are visited.
+        for i in 0..self.arrived.len() {
+            let link = &mut self.links[self.arrived[i] as usize];
             link.arriving.sort_by_key(|p| p.flow);
             let mut sum = 0.0;
             let n = link.arriving.len() as u32;
@@ -864,6 +887,7 @@ impl<'a> Fluid<'a> {
             link.segs.push_back((n, sum, k));
             link.queued += sum;
         }
+        self.arrived.clear();
         if !self.thaws.is_empty() {
             self.thaw_where_reached(k);
         }
@@ -961,6 +985,15 @@ impl<'a> Fluid<'a> {
             }
             keep
         });
+    }
+
+    /// Whether link `l` transmits at step `k`, without marking it done (see
+    /// [`Fluid::transmits`]).
+    fn transmits_at(&self, l: u32, k: u64) -> bool {
+        let link = &self.links[l as usize];
+        link.stride == 1
+            || link.next_transmission == k
+            || (link.next_transmission < k && k.is_multiple_of(link.stride))
     }
 
     /// Whether link `l` transmits at step `k`: every step, or at multiples of its stride.
@@ -1317,11 +1350,13 @@ impl<'a> Fluid<'a> {
                 link.pause_sent = true;
                 link.pauses += 1;
                 link.pause_changes.push_back((k + link.pause_lag, true));
+                self.pause_calendar.insert((k + link.pause_lag, l as u32));
             } else if link.pause_sent
                 && (shared <= DUST || shared + self.cfg.pfc_resume_offset as f64 <= thr)
             {
                 link.pause_sent = false;
                 link.pause_changes.push_back((k + link.pause_lag, false));
+                self.pause_calendar.insert((k + link.pause_lag, l as u32));
             }
         }
     }
@@ -1430,6 +1465,10 @@ impl<'a> Fluid<'a> {
             link.in_flight -= grants;
             self.in_flight_total -= grants;
             link.frozen_flows.push(f);
+            if !link.in_frozen_links {
+                link.in_frozen_links = true;
+                self.frozen_links.push(l as u32);
+            }
             if h == 0 {
                 link.qps.retain(|&q| q != f);
                 link.frozen_held = held;
@@ -1512,10 +1551,16 @@ impl<'a> Fluid<'a> {
             self.thaw(f, k);
         }
         let t = Picos(k * self.dt);
-        let mut i = 0;
-        while i < self.active.len() {
-            let l = self.active[i] as usize;
-            i += 1;
+        let links = &mut self.links;
+        self.frozen_links.retain(|&l| {
+            let link = &mut links[l as usize];
+            link.in_frozen_links = !link.frozen_flows.is_empty();
+            link.in_frozen_links
+        });
+        // In any order: a thaw moves a flow's load from `frozen` into the queues and rings
+        // of its links, which leaves every other link's test as it was.
+        for i in 0..self.frozen_links.len() {
+            let l = self.frozen_links[i] as usize;
             let link = &self.links[l];
             if link.frozen_flows.is_empty() {
                 continue;
