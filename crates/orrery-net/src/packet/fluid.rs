@@ -353,70 +353,76 @@ struct Part {
 
 /// One directed link: its transmitter (a NIC port or a switch egress port), its FIFO when
 /// a switch sends on it, the bytes in flight on it, and its PFC state as an ingress.
+///
+/// In declared order (`repr(C)`), the fields a step reads of every listed link first, so
+/// they share the fewest cache lines: a step touches hundreds of links for a few bytes
+/// each.
 #[derive(Debug)]
+#[repr(C)]
 struct Link {
-    /// Wire bytes it carries per step.
-    cap: f64,
-    delay_steps: usize,
     /// Steps per transmission: the link sends at steps that are multiples of it, each
     /// time for that many steps (1 unless [`FluidSimulator::longest_link_step`] lets it).
     stride: u64,
     /// The next step it transmits at, if it is strided and has been listed since its last
     /// transmission (otherwise behind: found again with a division).
     next_transmission: u64,
-    /// A strided NIC port's room left in its window that began at step `window_at`, for
-    /// the queue pairs released inside that window.
-    window_left: f64,
-    window_at: u64,
-    to: u32,
-    from_switch: bool,
-    to_switch: bool,
-    ecn: EcnThresholds,
-    /// Wire bytes waiting in the egress FIFO, and the FIFO itself: segments (parts count,
-    /// wire bytes, the step they entered in) over the parts in entry order.
-    queued: f64,
-    segs: VecDeque<(u32, f64, u64)>,
-    parts: VecDeque<Part>,
-    /// Parts that entered the FIFO this step (one segment at the step's end).
-    arriving: Vec<Part>,
-    /// Bytes in flight: `ring[k & (ring.len() - 1)]` lands at step `k` (a power of two of
-    /// slots, more than the delay's steps, so a slot is found without a division).
-    ring: Vec<Vec<Part>>,
     /// Which slots of `ring` may hold parts: bit `slot % 64` (a ring of more than 64 slots
     /// keeps its bits once set). A step's landings test this bit rather than load each
     /// listed link's slot, which lies elsewhere in memory: on the ECMP GPT 350M step at
     /// 1,024 GPUs that load was a seventh of the step's own time.
     ring_bits: u64,
+    /// Bytes in flight: `ring[k & (ring.len() - 1)]` lands at step `k` (a power of two of
+    /// slots, more than the delay's steps, so a slot is found without a division).
+    ring: Vec<Vec<Part>>,
     in_flight: usize,
     /// The flows whose first hop this is (a NIC port's queue pairs).
     qps: Vec<u32>,
     /// Control wire bytes this step and next (ACKs, with strict priority).
     ctrl: f64,
     ctrl_next: f64,
+    /// Wire bytes waiting in the egress FIFO (the FIFO itself is `segs` and `parts`).
+    queued: f64,
     /// As an ingress of a switch: buffered bytes that came in by it, whether it has paused
     /// its transmitter, and the pauses and resumes on their way to the transmitter.
     in_bytes: f64,
+    pause_changes: VecDeque<(u64, bool)>,
     pause_sent: bool,
     paused: bool,
-    pause_changes: VecDeque<(u64, bool)>,
-    /// Steps from a pause or resume being sent to its reaching the transmitter: the
-    /// pause frame's serialisation and the link's delay.
-    pause_lag: u64,
-    pauses: u64,
     /// Whether the link is in the active list.
     listed: bool,
+    from_switch: bool,
+    to_switch: bool,
+    /// Whether it is in [`Fluid::frozen_links`].
+    in_frozen_links: bool,
+    /// A NIC port whose one frozen flow was held to the port's room (less its control
+    /// frames), not its rate: it stays frozen only while that room is the same.
+    frozen_held: bool,
+    to: u32,
     /// Frozen flows through this link: the wire bytes of data they send on it at every
     /// transmission (every step unless it is strided), the flows, and the wire bytes of
     /// ACKs their receivers send on it per transmission. A frozen flow's links all share
     /// its stride, so its grant is the same on each.
-    frozen: f64,
     frozen_flows: Vec<u32>,
     frozen_ctrl: f64,
-    /// A NIC port whose one frozen flow was held to the port's room (less its control
-    /// frames), not its rate: it stays frozen only while that room is the same.
-    frozen_held: bool,
-    /// Whether it is in [`Fluid::frozen_links`].
-    in_frozen_links: bool,
+    frozen: f64,
+    /// Wire bytes it carries per step.
+    cap: f64,
+    delay_steps: usize,
+    /// A strided NIC port's room left in its window that began at step `window_at`, for
+    /// the queue pairs released inside that window.
+    window_left: f64,
+    window_at: u64,
+    ecn: EcnThresholds,
+    /// The egress FIFO: segments (parts count, wire bytes, the step they entered in) over
+    /// the parts in entry order.
+    segs: VecDeque<(u32, f64, u64)>,
+    parts: VecDeque<Part>,
+    /// Parts that entered the FIFO this step (one segment at the step's end).
+    arriving: Vec<Part>,
+    /// Steps from a pause or resume being sent to its reaching the transmitter: the
+    /// pause frame's serialisation and the link's delay.
+    pause_lag: u64,
+    pauses: u64,
 }
 
 #[derive(Debug)]
