@@ -404,6 +404,22 @@ fn calm_flows_on_strided_links_are_frozen_and_thawed_without_changing_the_result
         assert!(stats.freezes > 0 && stats.forced_thaws > 0, "{stats:?}");
         assert!(frozen.events < stepped.events);
     }
+    // A flow alone at line rate, frozen, the run skipping ahead with nothing else in
+    // flight; a second flow on its port released 700 ns into a window whose start was
+    // skipped: the first took that window's room at its start, and the second waits for
+    // the next (taking the window's room as whole when its start was skipped over put the
+    // second flow's bytes in it: 300 ns off stepping every flow).
+    let g = NetGraph::single_switch(3, gbps(400.0), us(1)).unwrap();
+    let mut second = flow(1, 2, 10_485_760);
+    second.delay = Picos::from_nanos(300_700);
+    let fs = flow_set(vec![flow(1, 0, 52_428_800), second]);
+    let sim = FluidSimulator {
+        step: Picos::from_nanos(200),
+        longest_link_step: Some(us(1)),
+        ..Default::default()
+    };
+    let (_, _, stats) = frozen_and_stepped_by(&sim, &g, &fs, "a release after a skip");
+    assert!(stats.skipped_steps > 0, "{stats:?}");
     // A ring on 1 us cables with 200 ns NVLink hops: the cables' flows are frozen at 1 us
     // strides, the NVLink flows at every step.
     let (g, fs) = ring_all_reduce(64 << 20);
