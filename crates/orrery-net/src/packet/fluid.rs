@@ -68,10 +68,11 @@
 //! one with a shorter counts as arriving by the end of the shorter's step; the fabrics
 //! here have no such hop). A queue pair released inside its port's stride sends from its
 //! release in what the stride has left ([`Fluid::serve_late_joins`]).
-//! Measured: with cables every 1 us, the ECMP GPT 350M step at 1,024 GPUs takes 4.1 s
-//! instead of 9.6 s, and an uncongested ring and a lone flow give the same picoseconds as
-//! stepping every link; where many short flows cross the cables (the 128-GPU ring's 64 KiB
-//! steps) the per-flow errors grow (docs/benchmarks.md). A flow whose links (data and
+//! Measured: with cables every 1 us, the ECMP GPT 350M step at 1,024 GPUs takes 3.4 s
+//! instead of 9.5 s, its errors against the reference as small, and an uncongested ring
+//! and a lone flow give the same picoseconds as stepping every link; where DCQCN's course
+//! is set on the cables themselves (the 8-to-1 incast at 100 Gb/s, its 1 us links at two
+//! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md). A flow whose links (data and
 //! ACKs) all share one stride is frozen as any other, its grant per transmission; one
 //! whose links' strides differ is never frozen (a grant would reach a link between its
 //! transmissions).
@@ -215,8 +216,8 @@ pub struct FluidSimulator {
     /// many: each at the longest multiple of the step that divides its delay and is at
     /// most this (`None`, the default: every link every step). Where the step is held
     /// short by a few links (a host's NVLink, 200 ns) the others (1 us cables) need not be:
-    /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 4.1 s instead of 9.6 s, as
-    /// close to the reference or closer (docs/benchmarks.md). A flow whose links do not
+    /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 3.4 s instead of 9.5 s, as
+    /// close to the reference (docs/benchmarks.md). A flow whose links do not
     /// all share one stride is never frozen; a flow released inside its port's window
     /// sends from its release in what the window has left.
     pub longest_link_step: Option<Picos>,
@@ -1476,37 +1477,37 @@ impl<'a> Fluid<'a> {
         }
     }
 
-    /// Takes (`sign` -1) or puts back (+1) the ACKs a frozen flow `f`'s grants of `ack`
-    /// wire bytes have on their way at step `k`, on the links of its reverse path after
-    /// the receiver's: at a freeze (the end of step `k`), those due after `k`; at a thaw
-    /// (before step `k` transmits), those of grants delivered before `k` due from `k`
-    /// on (a grant delivered at `k` is delivered by the thaw). They come one per
-    /// transmission, at the flow's stride; one due at the link's next step is in `ctrl`.
-    fn frozen_acks(&mut self, f: u32, k: u64, ack: f64, sign: f64) {
+    /// Takes off (at a freeze, the end of step `k`) or puts back (`thawing`: before step
+    /// `k` transmits) the ACKs a frozen flow `f`'s grants of `ack` wire bytes have on their
+    /// way to the links of its reverse path after the receiver's: at a freeze, those of
+    /// grants delivered up to `k` due after it; at a thaw, those of grants delivered before
+    /// `k` due from it (a grant delivered at `k` is delivered by the thaw). They come one
+    /// per transmission, at the flow's stride; the one due at the link's next step is in
+    /// `ctrl` already.
+    fn frozen_acks(&mut self, f: u32, k: u64, ack: f64, thawing: bool) {
         let (a, n) = self.flows[f as usize].rev;
         let stride = self.flows[f as usize].stride as usize;
         let k = k as usize;
+        let delta = if thawing { ack } else { -ack };
         let mut after = 0usize;
         for h in a..a + n {
             let l = self.paths[h as usize];
             let link = &mut self.links[l as usize];
             if after > 0 {
-                // Due steps: `m + after` for deliveries at transmissions `m`.
-                let (first, last) = if sign < 0.0 {
-                    (k + stride, k + after)
+                // Due at `m + after` for deliveries at transmissions `m`.
+                let (first, last, in_ctrl) = if thawing {
+                    (k.next_multiple_of(stride), k + after - 1, k)
                 } else {
-                    (k.next_multiple_of(stride).max(k), k + after - 1)
+                    (k + stride, k + after, k + 1)
                 };
-                let mut due = first;
-                while due <= last {
-                    if due == k + usize::from(sign < 0.0) {
-                        link.ctrl = (link.ctrl + sign * ack).max(0.0);
+                for due in (first..=last).step_by(stride) {
+                    if due == in_ctrl {
+                        link.ctrl = (link.ctrl + delta).max(0.0);
                     } else {
                         let slot = due & (link.ctrl_ring.len() - 1);
-                        link.ctrl_ring[slot] = (link.ctrl_ring[slot] + sign * ack).max(0.0);
-                        link.ctrl_ahead = (link.ctrl_ahead + sign * ack).max(0.0);
+                        link.ctrl_ring[slot] = (link.ctrl_ring[slot] + delta).max(0.0);
+                        link.ctrl_ahead = (link.ctrl_ahead + delta).max(0.0);
                     }
-                    due += stride;
                 }
             }
             after += link.delay_steps;
@@ -1600,7 +1601,7 @@ impl<'a> Fluid<'a> {
         for h in a..a + n {
             self.links[self.paths[h as usize] as usize].frozen_ctrl += ack;
         }
-        self.frozen_acks(f, k, ack, -1.0);
+        self.frozen_acks(f, k, ack, false);
         self.thaws.insert((until, f));
         self.freezes += 1;
     }
@@ -1797,7 +1798,7 @@ impl<'a> Fluid<'a> {
             self.links[l as usize].frozen_ctrl -= ack;
             self.list(l);
         }
-        self.frozen_acks(f, k, ack, 1.0);
+        self.frozen_acks(f, k, ack, true);
         if self.cfg.dcqcn {
             self.drive_rate(f, t);
         }
