@@ -48,10 +48,10 @@
 //! than at the first marked packet a draw gives; rates change on step boundaries; a paused
 //! port's in-flight bytes count against the shared pool rather than its headroom; CNPs and
 //! PFC frames take no bandwidth; a flow's ACKs reach a link in the step its delay ends
-//! in, not at its instant; there are no drops, retransmissions or timeouts (PFC is assumed, as in the
-//! defaults). Time is integer picoseconds at step boundaries and in every reported time;
-//! the fluid amounts are `f64`, control loads, buffer use and link capacities on a grid
-//! of 1/1024 byte ([`GRID`]). The model is deterministic: no random numbers at all. Its
+//! in, not at its instant; there are no drops, retransmissions or timeouts (PFC is
+//! assumed, as in the defaults). Time is integer picoseconds at step boundaries and in
+//! every reported time; the fluid amounts are `f64`, control loads, buffer use and link
+//! capacities on a grid of 1/1024 byte ([`GRID`]). The model is deterministic: no random numbers at all. Its
 //! report counts the steps it took as its events (idle stretches, skipped, count none).
 //!
 //! ## Links stepped at their own length (`longest_link_step`, off by default)
@@ -72,10 +72,10 @@
 //! instead of 9.5 s, its errors against the reference as small, and an uncongested ring
 //! and a lone flow give the same picoseconds as stepping every link; where DCQCN's course
 //! is set on the cables themselves (the 8-to-1 incast at 100 Gb/s, its 1 us links at two
-//! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md). A flow whose links (data and
-//! ACKs) all share one stride is frozen as any other, its grant per transmission; one
-//! whose links' strides differ is never frozen (a grant would reach a link between its
-//! transmissions).
+//! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md). A flow
+//! whose links (data and ACKs) all share one stride is frozen as any other, its grant
+//! per transmission; one whose links' strides differ is never frozen (a grant would
+//! reach a link between its transmissions).
 //!
 //! ## Calm flows (`calm_skip`, on by default)
 //!
