@@ -357,8 +357,8 @@ fn calm_flows_are_frozen_and_thawed_without_changing_the_result() {
         // Measured: identical finishes. With DCQCN 1,869 steps against 5,229 (500 ns
         // steps; the flows cut back to one another's room run calm for hundreds of
         // microseconds between increases); without it, 3,549 against 3,740: the three
-        // senders into port 0
-        // hold its queue at PFC's threshold from 300 us to the end, and nothing is calm.
+        // senders into port 0 hold its queue at PFC's threshold from 300 us to the end,
+        // and nothing is calm.
         if dcqcn {
             assert!(
                 frozen.events * 2 < stepped.events,
