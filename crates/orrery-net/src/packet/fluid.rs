@@ -402,8 +402,9 @@ struct Link {
     listed: bool,
     from_switch: bool,
     to_switch: bool,
-    /// Whether it is in [`Fluid::frozen_links`].
+    /// Whether it is in [`Fluid::frozen_links`], and in [`Fluid::pfc_links`].
     in_frozen_links: bool,
+    in_pfc_links: bool,
     /// A NIC port whose one frozen flow was held to the port's room (less its control
     /// frames), not its rate: it stays frozen only while that room is the same.
     frozen_held: bool,
@@ -521,6 +522,9 @@ struct Fluid<'a> {
     /// listed link.
     arrived: Vec<u32>,
     pause_calendar: std::collections::BTreeSet<(u64, u32)>,
+    /// The switch ingresses that may pause or resume: those holding shared bytes or with a
+    /// pause sent (some may have neither left: dropped at the next PFC pass).
+    pfc_links: Vec<u32>,
     /// Queue pairs released this step inside their strided port's window, as (port, flow),
     /// and a scratch list of one port's (kept between steps so a step allocates nothing).
     late_joins: Vec<(u32, u32)>,
@@ -599,6 +603,7 @@ impl<'a> Fluid<'a> {
                     frozen_ctrl: 0.0,
                     frozen_held: false,
                     in_frozen_links: false,
+                    in_pfc_links: false,
                 }
             })
             .collect();
@@ -730,6 +735,7 @@ impl<'a> Fluid<'a> {
             freed_scratch: Vec::new(),
             arrived: Vec::new(),
             pause_calendar: std::collections::BTreeSet::new(),
+            pfc_links: Vec::new(),
             late_joins: Vec::new(),
             late_flows: Vec::new(),
             calm_skip,
@@ -1389,6 +1395,10 @@ impl<'a> Fluid<'a> {
         link.in_bytes = (link.in_bytes + buffered).max(0.0);
         let after = (link.in_bytes - reserve).max(0.0);
         self.shared_used[link.to as usize] += after - before;
+        if after > 0.0 && !link.in_pfc_links {
+            link.in_pfc_links = true;
+            self.pfc_links.push(l);
+        }
         self.list(l);
     }
 
@@ -1400,12 +1410,17 @@ impl<'a> Fluid<'a> {
             return;
         }
         let reserve = self.cfg.pfc_reserve as f64;
-        for i in 0..self.active.len() {
-            let l = self.active[i] as usize;
+        // Only an ingress holding shared bytes can pass the threshold, and only one that
+        // has paused can resume: the others are left out.
+        let links = &mut self.links;
+        self.pfc_links.retain(|&l| {
+            let link = &mut links[l as usize];
+            link.in_pfc_links = link.in_bytes > reserve || link.pause_sent;
+            link.in_pfc_links
+        });
+        for i in 0..self.pfc_links.len() {
+            let l = self.pfc_links[i] as usize;
             let link = &self.links[l];
-            if !link.to_switch {
-                continue;
-            }
             let sw = link.to as usize;
             let thr = self.cfg.pfc_alpha * (self.shared_cap[sw] - self.shared_used[sw]).max(0.0);
             let shared = (link.in_bytes - reserve).max(0.0);
