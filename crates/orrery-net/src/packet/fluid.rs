@@ -68,8 +68,8 @@
 //! one with a shorter counts as arriving by the end of the shorter's step; the fabrics
 //! here have no such hop). A queue pair released inside its port's stride sends from its
 //! release in what the stride has left ([`Fluid::serve_late_joins`]).
-//! Measured: with cables every 1 us, the ECMP GPT 350M step at 1,024 GPUs takes 3.4 s
-//! instead of 9.5 s, its errors against the reference as small, and an uncongested ring
+//! Measured: with cables every 1 us, the ECMP GPT 350M step at 1,024 GPUs takes 3.2 s
+//! instead of 8.8 s, its errors against the reference as small, and an uncongested ring
 //! and a lone flow give the same picoseconds as stepping every link; where DCQCN's course
 //! is set on the cables themselves (the 8-to-1 incast at 100 Gb/s, its 1 us links at two
 //! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md). A flow
@@ -216,7 +216,7 @@ pub struct FluidSimulator {
     /// many: each at the longest multiple of the step that divides its delay and is at
     /// most this (`None`, the default: every link every step). Where the step is held
     /// short by a few links (a host's NVLink, 200 ns) the others (1 us cables) need not be:
-    /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 3.4 s instead of 9.5 s, as
+    /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 3.2 s instead of 8.8 s, as
     /// close to the reference (docs/benchmarks.md). A flow whose links do not
     /// all share one stride is never frozen; a flow released inside its port's window
     /// sends from its release in what the window has left.
