@@ -332,16 +332,16 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         "#,
     )
     .unwrap();
-    for model in ["flow", "packet", "fluid"] {
-        let (code, stdout, stderr) = orrery(&[
-            "netsim",
-            scenario.to_str().unwrap(),
-            "--model",
-            model,
-            "--json",
-        ]);
+    // `netsim` on the scenario with `--json` and these arguments, which must succeed.
+    let netsim_json = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["netsim", scenario.to_str().unwrap(), "--json"];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = orrery(&args);
         assert_eq!(code, 0, "{stderr}");
-        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        serde_json::from_str(&stdout).unwrap()
+    };
+    for model in ["flow", "packet", "fluid"] {
+        let v = netsim_json(&["--model", model]);
         assert_eq!(v["model"], model);
         assert_eq!(v["fct"]["count"], 4);
         assert_eq!(v["bytes_delivered"], v["bytes_sent"]);
@@ -372,34 +372,14 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     // The fluid model's step: the default or the one asked for, never longer than the
     // shortest delay of a link the flows use (every link here has the default 1 us).
     let step_ps = |extra: &[&str]| {
-        let mut args = vec![
-            "netsim",
-            scenario.to_str().unwrap(),
-            "--model",
-            "fluid",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let (code, stdout, stderr) = orrery(&args);
-        assert_eq!(code, 0, "{stderr}");
-        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-        v["fluid_step_ps"].as_u64()
+        let args = [&["--model", "fluid"], extra].concat();
+        netsim_json(&args)["fluid_step_ps"].as_u64()
     };
     assert_eq!(step_ps(&[]), Some(500_000));
     assert_eq!(step_ps(&["--fluid-step-ns", "125"]), Some(125_000));
     assert_eq!(step_ps(&["--fluid-step-ns", "5000"]), Some(1_000_000));
     // Links stepped once every few steps: the 1 us cables every 1 us with 500 ns steps.
-    let (code, stdout, stderr) = orrery(&[
-        "netsim",
-        scenario.to_str().unwrap(),
-        "--model",
-        "fluid",
-        "--fluid-link-step-ns",
-        "1000",
-        "--json",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let v = netsim_json(&["--model", "fluid", "--fluid-link-step-ns", "1000"]);
     assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
     assert_eq!(v["fluid_link_step_ps"].as_u64(), Some(1_000_000));
     assert_eq!(v["fct"]["count"], 4);
