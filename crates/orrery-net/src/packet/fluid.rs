@@ -369,8 +369,8 @@ struct Link {
     /// Steps per transmission: the link sends at steps that are multiples of it, each
     /// time for that many steps (1 unless [`FluidSimulator::longest_link_step`] lets it).
     stride: u64,
-    /// If strided, the step it transmits at next from when [`Fluid::transmits`] last asked
-    /// (behind once that has passed: found again with a division).
+    /// If strided, the step it transmits at next: set at each transmission, and found
+    /// again with a division where it fell behind (the link was not listed then).
     next_transmission: u64,
     /// Which slots of `ring` may hold parts: bit `slot % 64` (a ring of more than 64 slots
     /// keeps its bits once set). A step's landings test this bit rather than load each
@@ -972,7 +972,10 @@ impl<'a> Fluid<'a> {
                     // Less what this transmission sends, below.
                     self.open_window(l, k, (room, frozen));
                 }
-                self.links[l as usize].ctrl = 0.0;
+                let link = &mut self.links[l as usize];
+                link.ctrl = 0.0;
+                // Its next, found without a division.
+                link.next_transmission = k + stride;
             }
             if paused || room - frozen <= 0.0 {
                 continue;
@@ -1048,7 +1051,7 @@ impl<'a> Fluid<'a> {
 
     /// Whether link `l` transmits at step `k`: every step, or at multiples of its stride.
     /// Asked of every listed link at every step, so a strided link keeps its next
-    /// transmission and divides only once that is behind (once per transmission).
+    /// transmission and divides only where that fell behind.
     fn transmits(&mut self, l: u32, k: u64) -> bool {
         let link = &mut self.links[l as usize];
         if link.stride == 1 {
