@@ -112,8 +112,8 @@ enum Command {
         #[arg(long)]
         fluid: bool,
         /// With --accel --fluid: let the fluid model step links whose delay spans several
-        /// of its steps at most this many nanoseconds apart (`orrery netsim
-        /// --fluid-link-step-ns`).
+        /// of its steps at most this many nanoseconds apart, 0 for every link every step
+        /// (`orrery netsim --fluid-link-step-ns`; by default as there).
         #[arg(long, value_name = "NS", requires = "fluid")]
         fluid_link_step_ns: Option<f64>,
         /// With --accel: GPU counts of the GPT step scenarios (0: none).
@@ -426,7 +426,7 @@ fn run(cli: Cli) -> Result<()> {
             label_spread,
             fluid,
             fluid_link_step: fluid_link_step_ns
-                .map(|ns| netsim::nanoseconds("--fluid-link-step-ns", ns))
+                .map(|ns| netsim::link_step("--fluid-link-step-ns", ns))
                 .transpose()
                 .map_err(bad)?,
             gpt_gpus,

@@ -47,9 +47,10 @@ pub struct NetsimArgs {
     fluid_step_ns: Option<f64>,
     /// Fluid model: let links whose delay spans several steps transmit once every few of
     /// them, each at the longest multiple of the step that divides its delay and is at
-    /// most this many nanoseconds (e.g. 1000: 1 us cables where NVLink holds the step to
-    /// 200 ns). Faster where flows cross both; a flow whose links' strides differ is never
-    /// frozen.
+    /// most this many nanoseconds; 0: every link every step. By default 1000 (1 us
+    /// cables where NVLink holds the step to 200 ns) where a link shorter than the step
+    /// asked for holds the step below it, 0 otherwise. Faster where flows cross both; a
+    /// flow whose links' strides differ is never frozen.
     #[arg(long, value_name = "NS")]
     fluid_link_step_ns: Option<f64>,
     #[command(flatten)]
@@ -758,6 +759,17 @@ pub(crate) fn nanoseconds(flag: &str, ns: f64) -> Result<Picos, String> {
     }
 }
 
+/// The fluid model's longest link step from `ns` nanoseconds: 0 (every link every step)
+/// or a time as [`nanoseconds`] takes it.
+pub(crate) fn link_step(flag: &str, ns: f64) -> Result<Picos, String> {
+    if ns == 0.0 {
+        return Ok(Picos::ZERO);
+    }
+    nanoseconds(flag, ns).map_err(|_| {
+        format!("{flag} must be 0 (every link every step) or a number of nanoseconds, at least 0.001 (1 ps)")
+    })
+}
+
 pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.scenario).map_err(|e| {
         bad(format!(
@@ -809,17 +821,21 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         );
     }
     let [fluid_step, fluid_link_step] = [
-        ("--fluid-step-ns", args.fluid_step_ns),
-        ("--fluid-link-step-ns", args.fluid_link_step_ns),
+        (
+            "--fluid-step-ns",
+            args.fluid_step_ns,
+            nanoseconds as fn(&str, f64) -> _,
+        ),
+        ("--fluid-link-step-ns", args.fluid_link_step_ns, link_step),
     ]
-    .map(|(flag, value)| {
+    .map(|(flag, value, parse)| {
         let ns = value?;
         if model != SimModel::Fluid {
             problems.push(&format!(
                 "{flag} applies to the fluid model only: add --model fluid or leave it out"
             ));
         }
-        nanoseconds(flag, ns).map_err(|e| problems.push(&e)).ok()
+        parse(flag, ns).map_err(|e| problems.push(&e)).ok()
     });
     if args.queue_trace.is_some() && !(args.queue_trace_us.is_finite() && args.queue_trace_us > 0.0)
     {

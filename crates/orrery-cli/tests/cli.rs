@@ -383,6 +383,10 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
     assert_eq!(v["fluid_link_step_ps"].as_u64(), Some(1_000_000));
     assert_eq!(v["fct"]["count"], 4);
+    // 0: every link every step (no link is strided, so the field is left out).
+    let v = netsim_json(&["--model", "fluid", "--fluid-link-step-ns", "0"]);
+    assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
+    assert!(v.get("fluid_link_step_ps").is_none(), "{v}");
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -458,8 +462,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         "--fluid-every-step",
         "--fluid-step-ns",
         "0",
-        "--fluid-link-step-ns",
-        "1000",
+        "--fluid-link-step-ns=-1",
     ]);
     assert_eq!(code, 2);
     assert_mentions(
@@ -469,6 +472,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
             "--fluid-step-ns applies to the fluid model",
             "--fluid-step-ns must be",
             "--fluid-link-step-ns applies to the fluid model",
+            "--fluid-link-step-ns must be 0 (every link every step) or",
             "flows[0].dst",
         ],
     );

@@ -16,6 +16,17 @@ fn fluid(g: &NetGraph, fs: &FlowSet) -> SimReport {
     FluidSimulator::default().simulate(g, fs).unwrap()
 }
 
+/// The fluid model with every link transmitting at every step, none strided (which the
+/// default does where a short link holds the step down).
+fn every_link_every_step(g: &NetGraph, fs: &FlowSet) -> SimReport {
+    FluidSimulator {
+        longest_link_step: Some(Picos::ZERO),
+        ..Default::default()
+    }
+    .simulate(g, fs)
+    .unwrap()
+}
+
 /// The fluid model stepping every flow in flight: the calm skip's slow path.
 fn every_step(g: &NetGraph, fs: &FlowSet, dcqcn: bool) -> SimReport {
     let mut sim = FluidSimulator {
@@ -214,32 +225,46 @@ fn a_ring_all_reduce_agrees_with_the_reference_step_by_step() {
 #[test]
 fn the_step_is_bounded_by_the_links_the_flows_use() {
     let g = four_gpu_hosts(2);
-    let step = |sim: &FluidSimulator, flows| {
+    // The step and the longest step a link took.
+    let steps = |sim: &FluidSimulator, flows| {
         let (report, run) = sim
             .run_with_progress(&g, &flow_set(flows), &mut |_| {})
             .unwrap();
         assert!(report.flows.iter().all(|f| f.finish > f.start));
-        run.step
+        (run.step, run.longest_link_step)
     };
     let default = FluidSimulator::default();
     // GPU 0 to GPU 4 is rail 0 between the hosts: two 1 us cables, no NVLink.
     let across = || flow(0, 4, 1 << 20);
-    assert_eq!(step(&default, vec![across()]), FluidSimulator::DEFAULT_STEP);
+    let step = FluidSimulator::DEFAULT_STEP;
+    assert_eq!(steps(&default, vec![across()]), (step, step));
+    // Where NVLink holds the step to 200 ns the cables transmit once a microsecond, unless
+    // every link is asked to transmit every step.
+    let with_nvlink = || vec![across(), flow(0, 1, 1 << 20)];
+    let nvlink_step = Picos::from_nanos(200);
     assert_eq!(
-        step(&default, vec![across(), flow(0, 1, 1 << 20)]),
-        Picos::from_nanos(200)
+        steps(&default, with_nvlink()),
+        (nvlink_step, FluidSimulator::DEFAULT_LINK_STEP)
+    );
+    let every_link = FluidSimulator {
+        longest_link_step: Some(Picos::ZERO),
+        ..Default::default()
+    };
+    assert_eq!(
+        steps(&every_link, with_nvlink()),
+        (nvlink_step, nvlink_step)
     );
     // A step asked for that is longer than the delays is the shortest delay's.
     let coarse = FluidSimulator {
         step: us(5),
         ..Default::default()
     };
-    assert_eq!(step(&coarse, vec![across()]), us(1));
+    assert_eq!(steps(&coarse, vec![across()]), (us(1), us(1)));
 }
 
-/// Links stepped once a microsecond where NVLink holds the step to 200 ns: the 8-rank ring
-/// over two hosts stays as close to the reference, the calm skip (which leaves flows on
-/// strided links alone) still changes nothing, and a flow released inside its port's
+/// Links stepped once a microsecond where NVLink holds the step to 200 ns (what the
+/// default chooses there): the 8-rank ring over two hosts stays as close to the
+/// reference, the calm skip still changes nothing, and a flow released inside its port's
 /// window sends from its release, not from the next window.
 #[test]
 fn links_stepped_at_their_own_length_keep_the_results() {
@@ -270,7 +295,10 @@ fn links_stepped_at_their_own_length_keep_the_results() {
     assert_eq!(largest_difference(&report, &stepped), 0);
     // Nothing queues on its cables, and a strided link's parts keep their times within
     // its step: the same picoseconds as stepping every link every step.
-    assert_eq!(largest_difference(&report, &fluid(&g, &fs)), 0);
+    assert_eq!(
+        largest_difference(&report, &every_link_every_step(&g, &fs)),
+        0
+    );
 
     // Four 50 MB flows into one port (DCQCN's cuts, PFC): 500 ns steps, the cables every
     // 1 us.
@@ -301,7 +329,7 @@ fn links_stepped_at_their_own_length_keep_the_results() {
         (run.step, run.longest_link_step),
         (FluidSimulator::DEFAULT_STEP, us(1))
     );
-    let every_step = fluid(&g, &fs);
+    let every_step = every_link_every_step(&g, &fs);
     let diff = alone.flows[0].fct().0.abs_diff(every_step.flows[0].fct().0);
     println!("lone flow released inside a window: {diff} ps from stepping every link");
     assert!(diff <= 1_000, "{diff} ps");

@@ -54,11 +54,13 @@
 //! capacities on a grid of 1/1024 byte ([`GRID`]). The model is deterministic: no random numbers at all. Its
 //! report counts the steps it took as its events (idle stretches, skipped, count none).
 //!
-//! ## Links stepped at their own length (`longest_link_step`, off by default)
+//! ## Links stepped at their own length (`longest_link_step`)
 //!
 //! The step is the shortest delay of a link the flows use, so one NVLink hop (200 ns) sets
 //! it for the 1 us cables too, and a step's cost is the parts it moves, hop by hop. With
-//! `longest_link_step`, a link whose delay spans several steps transmits only at steps
+//! `longest_link_step` (by default 1 us where a link shorter than the step asked for holds
+//! the step below it, and no striding where the step is the one asked for), a link whose
+//! delay spans several steps transmits only at steps
 //! that are multiples of its *stride* (the largest divisor of its delay in steps whose
 //! length stays within the bound), each time for that many steps: its room, control
 //! frames, marks and its port's water-filling cover the stride, and its parts keep their
@@ -72,7 +74,10 @@
 //! instead of 8.8 s, its errors against the reference as small, and an uncongested ring
 //! and a lone flow give the same picoseconds as stepping every link; where DCQCN's course
 //! is set on the cables themselves (the 8-to-1 incast at 100 Gb/s, its 1 us links at two
-//! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md). A flow
+//! 500 ns steps) the end moves from 0.32% to 0.51% off (docs/benchmarks.md), which is why
+//! the default strides links only where a shorter link has already taken the step below
+//! the one asked for: there the longer links would otherwise be stepped finer than asked,
+//! and the fabrics measured so (NVLink hosts on 1 us cables) kept their errors. A flow
 //! whose links (data and ACKs) all share one stride is frozen as any other, its grant
 //! per transmission; one whose links' strides differ is never frozen (a grant would
 //! reach a link between its transmissions).
@@ -214,12 +219,14 @@ pub struct FluidSimulator {
     pub step: Picos,
     /// Let links whose delay spans several steps transmit once every few of them, for as
     /// many: each at the longest multiple of the step that divides its delay and is at
-    /// most this (`None`, the default: every link every step). Where the step is held
-    /// short by a few links (a host's NVLink, 200 ns) the others (1 us cables) need not be:
-    /// with 1 us the ECMP GPT 350M step at 1,024 GPUs takes 3.2 s instead of 8.8 s, as
-    /// close to the reference (docs/benchmarks.md). A flow whose links do not
-    /// all share one stride is never frozen; a flow released inside its port's window
-    /// sends from its release in what the window has left.
+    /// most this (`Some` of the step or less: every link every step). `None`, the
+    /// default, chooses: [`FluidSimulator::DEFAULT_LINK_STEP`] (1 us) where a link
+    /// shorter than `step` holds the step below it (a host's NVLink, 200 ns), every link
+    /// every step otherwise, so the step asked for is what the longer links (1 us
+    /// cables) get at least. With 1 us the ECMP GPT 350M step at 1,024 GPUs takes 3.2 s
+    /// instead of 8.8 s, as close to the reference (docs/benchmarks.md). A flow whose
+    /// links do not all share one stride is never frozen; a flow released inside its
+    /// port's window sends from its release in what the window has left.
     pub longest_link_step: Option<Picos>,
     /// Freeze calm flows (on by default): a flow that has sent the same bytes every step
     /// for as long as its path takes to carry them, on a path with no queue, is taken out
@@ -287,6 +294,15 @@ impl FluidSimulator {
     /// The default time step (see [`FluidSimulator::step`]).
     pub const DEFAULT_STEP: Picos = Picos(500_000);
 
+    /// The longest step of a link where a shorter link holds the step below the one asked
+    /// for and [`FluidSimulator::longest_link_step`] is left to choose: a 1 us cable's
+    /// delay, so such cables transmit once per delay. Measured against the packet model's
+    /// reference on every fabric here with NVLink hosts (docs/benchmarks.md, 2026-12-07,
+    /// night): per-flow errors as small (the GPT 350M ECMP step at 1,024 GPUs 1.15% mean
+    /// and 32.0% p99 against 1.14% and 33.8%), ends within 0.2% (`small-ring` 0.18%
+    /// against 0.04%), at 1.1 to 2.7 times the speed.
+    pub const DEFAULT_LINK_STEP: Picos = Picos(1_000_000);
+
     /// Runs the model, reporting progress, and says which step it took and what the calm
     /// skip did.
     pub fn run_with_progress(
@@ -312,9 +328,12 @@ impl FluidSimulator {
             .min()
             .unwrap_or(u64::MAX);
         let step = self.step.0.clamp(1, shortest.max(1));
-        let longest_stride = self
-            .longest_link_step
-            .map_or(1, |l| (l.0 / step).clamp(1, MAX_STRIDE) as usize);
+        let longest_link_step = self.longest_link_step.unwrap_or(if step < self.step.0 {
+            Self::DEFAULT_LINK_STEP
+        } else {
+            Picos(step)
+        });
+        let longest_stride = (longest_link_step.0 / step).clamp(1, MAX_STRIDE) as usize;
         let mut fluid = Fluid::new(
             &cfg,
             step,
