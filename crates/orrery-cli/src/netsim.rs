@@ -53,6 +53,10 @@ pub struct NetsimArgs {
     /// flow whose links' strides differ is never frozen.
     #[arg(long, value_name = "NS")]
     fluid_link_step_ns: Option<f64>,
+    /// Fluid model: step every host of traffic that repeats itself host by host (or GPU by
+    /// GPU) instead of one copy per orbit (symmetry reduction is on by default).
+    #[arg(long)]
+    fluid_no_symmetry: bool,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
 }
@@ -159,9 +163,12 @@ pub struct NetsimSummary {
     /// the longest such link step, in picoseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fluid_link_step_ps: Option<u64>,
-    /// Packet model: the rotations symmetry reduction found, outermost first.
+    /// Packet and fluid models: the rotations symmetry reduction found, outermost first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub symmetry: Vec<orrery_net::packet::SymmetryShift>,
+    /// Fluid model only, where symmetry reduction found a rotation: the flows stepped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fluid_simulated_flows: Option<u64>,
 }
 
 /// One flow of the `--out` report: what it was (the flow set's spec, its collective by
@@ -364,6 +371,7 @@ fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64
         fluid_step_ps: None,
         fluid_link_step_ps: None,
         symmetry: Vec::new(),
+        fluid_simulated_flows: None,
     }
 }
 
@@ -508,6 +516,16 @@ fn render(s: &NetsimSummary) -> String {
             "calm skip: {} flows frozen ({} thawed early by traffic reaching their links), {} steps skipped",
             c.freezes, c.forced_thaws, c.skipped_steps
         );
+    }
+    if let Some(stepped) = s.fluid_simulated_flows {
+        let copies: u64 = s.symmetry.iter().map(|r| u64::from(r.copies())).product();
+        let _ = writeln!(
+            out,
+            "symmetry: {stepped} flows stepped, each for {copies} copies"
+        );
+        for shift in &s.symmetry {
+            let _ = writeln!(out, "symmetry: {shift}");
+        }
     }
     if let Some(p) = &s.packet_stats {
         let _ = writeln!(
@@ -815,10 +833,15 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             problems.push(&e.to_string());
         }
     }
-    if args.fluid_every_step && model != SimModel::Fluid {
-        problems.push(
-            "--fluid-every-step applies to the fluid model only: add --model fluid or leave it out",
-        );
+    for (given, flag) in [
+        (args.fluid_every_step, "--fluid-every-step"),
+        (args.fluid_no_symmetry, "--fluid-no-symmetry"),
+    ] {
+        if given && model != SimModel::Fluid {
+            problems.push(&format!(
+                "{flag} applies to the fluid model only: add --model fluid or leave it out"
+            ));
+        }
     }
     let [fluid_step, fluid_link_step] = [
         (
@@ -866,6 +889,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             calm_skip: !args.fluid_every_step,
             step: fluid_step.unwrap_or(orrery_net::packet::FluidSimulator::DEFAULT_STEP),
             longest_link_step: fluid_link_step,
+            symmetry: !args.fluid_no_symmetry,
         }
         .run_with_progress(&scenario.graph, &scenario.flows, &mut progress)
         .map(|(report, run)| {
@@ -915,11 +939,16 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     bar.finish_and_clear();
     let mut summary = summarize(&scenario, &report, flow_events.as_deref(), wall);
     summary.packet_stats = stats;
-    summary.calm_skip = fluid_run.map(|r| r.calm_skip);
-    summary.fluid_step_ps = fluid_run.map(|r| r.step.0);
-    summary.fluid_link_step_ps = fluid_run
-        .filter(|r| r.longest_link_step > r.step)
-        .map(|r| r.longest_link_step.0);
+    if let Some(run) = fluid_run {
+        summary.calm_skip = Some(run.calm_skip);
+        summary.fluid_step_ps = Some(run.step.0);
+        summary.fluid_link_step_ps =
+            (run.longest_link_step > run.step).then_some(run.longest_link_step.0);
+        if !run.symmetry.is_empty() {
+            summary.fluid_simulated_flows = Some(run.simulated_flows);
+        }
+        symmetry = run.symmetry;
+    }
     summary.symmetry = symmetry;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&summary)?);

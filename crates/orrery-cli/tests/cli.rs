@@ -369,6 +369,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         v["flows"].clone()
     };
     assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-every-step"]));
+    assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-no-symmetry"]));
     // The fluid model's step: the default or the one asked for, never longer than the
     // shortest delay of a link the flows use (every link here has the default 1 us).
     let step_ps = |extra: &[&str]| {
@@ -460,6 +461,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         "netsim",
         scenario.to_str().unwrap(),
         "--fluid-every-step",
+        "--fluid-no-symmetry",
         "--fluid-step-ns",
         "0",
         "--fluid-link-step-ns=-1",
@@ -469,6 +471,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         &stderr,
         &[
             "--fluid-every-step applies to the fluid model",
+            "--fluid-no-symmetry applies to the fluid model",
             "--fluid-step-ns applies to the fluid model",
             "--fluid-step-ns must be",
             "--fluid-link-step-ns applies to the fluid model",
@@ -1077,25 +1080,30 @@ fn netsim_runs_the_ring_across_pods_example_periodic_after_its_first_steps() {
     assert!(stat("periodic_flows") > 1500, "{}", stat("periodic_flows"));
 }
 
+/// The README's training-step scenario.
+const GPT_STEP_128: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../examples/scenarios/gpt-step-128.toml"
+);
+
+/// `orrery netsim SCENARIO --json` with `extra` flags, which must succeed, as JSON.
+fn netsim_json_of(scenario: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["netsim", scenario, "--json"];
+    args.extend_from_slice(extra);
+    let (code, stdout, stderr) = orrery(&args);
+    assert_eq!(code, 0, "{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
 #[test]
 fn netsim_exempts_the_gradient_norm_from_the_symmetry_check_unless_told_not_to() {
     // The README's training-step scenario: the GPU shift of the tensor ranks holds exactly;
     // the shift of a pipeline stage's hosts, and then the strided shift of the
     // data-parallel ranks inside a host, hold once the norm's one-packet flows are left
     // out of the check.
-    let scenario = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../examples/scenarios/gpt-step-128.toml"
-    );
-    let run = |extra: &[&str]| {
-        let mut args = vec!["netsim", scenario, "--json"];
-        args.extend_from_slice(extra);
-        let (code, stdout, stderr) = orrery(&args);
-        assert_eq!(code, 0, "{stderr}");
-        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
-    };
-    let loose = run(&[]);
-    let strict = run(&["--strict-symmetry"]);
+    let scenario = GPT_STEP_128;
+    let loose = netsim_json_of(scenario, &[]);
+    let strict = netsim_json_of(scenario, &["--strict-symmetry"]);
     let stat = |v: &serde_json::Value, k: &str| v["packet_stats"][k].as_u64().unwrap();
     assert_eq!(stat(&loose, "symmetry_order"), 32);
     assert!(stat(&loose, "symmetry_exempt_flows") > 0);
@@ -1134,4 +1142,27 @@ fn netsim_exempts_the_gradient_norm_from_the_symmetry_check_unless_told_not_to()
         text.contains("symmetry: hosts 1 place on in blocks of 4 (x4)"),
         "{text}"
     );
+}
+
+#[test]
+fn netsim_fluid_steps_one_copy_of_the_training_step() {
+    // The fluid model finds the packet model's rotations on the README's training step and
+    // steps one copy per orbit; with `--fluid-no-symmetry` it steps them all, to nearly the
+    // same flows (the gradient norm's one-packet flows are stepped apart from their copies'
+    // frames, and the flows after it are timed through their own dependencies).
+    let scenario = GPT_STEP_128;
+    let reduced = netsim_json_of(scenario, &["--model", "fluid"]);
+    let full = netsim_json_of(scenario, &["--model", "fluid", "--fluid-no-symmetry"]);
+    assert_eq!(reduced["symmetry"].as_array().map(Vec::len), Some(3));
+    let stepped = reduced["fluid_simulated_flows"].as_u64().unwrap();
+    let flows = reduced["fct"]["count"].as_u64().unwrap();
+    // 1,828 of 51,296 when written: the exempt flows are each stepped on their own.
+    assert!(16 * stepped < flows, "{stepped} of {flows}");
+    assert!(full.get("symmetry").is_none() && full.get("fluid_simulated_flows").is_none());
+    assert_eq!(reduced["bytes_delivered"], full["bytes_delivered"]);
+    let end = |v: &serde_json::Value| v["end"].as_f64().unwrap();
+    assert!((end(&reduced) - end(&full)).abs() < 0.001 * end(&full));
+    let (code, text, stderr) = orrery(&["netsim", scenario, "--model", "fluid"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(text.contains("flows stepped, each for 32 copies"), "{text}");
 }

@@ -10,7 +10,8 @@
 mod common;
 
 use common::{
-    add_ring, add_ring_of, flow, flow_set, four_gpu_hosts, gbps, ring_all_reduce, run, us,
+    add_ring, add_ring_of, flow, flow_set, four_gpu_hosts, gbps, ring_all_reduce, run,
+    step_with_a_tree_norm, us,
 };
 use orrery_net::flows::{
     collective_flows, dependency_order, CollectiveInfo, FlowAlgorithm, FlowSet,
@@ -2511,81 +2512,6 @@ fn a_leaf_that_every_host_shares_counts_every_copy_in_its_buffer() {
         pauses(&on),
         pauses(&off)
     );
-}
-
-/// Adds `kind` over `ranks` by `algorithm` to `fs`, every first step of a rank waiting for
-/// all the flows into that rank of the collective `after` (when given). Returns its flows.
-#[allow(clippy::too_many_arguments)]
-fn add_after(
-    fs: &mut FlowSet,
-    name: &str,
-    kind: CollectiveKind,
-    algorithm: FlowAlgorithm,
-    ranks: &[u32],
-    bytes: u64,
-    after: Option<std::ops::Range<usize>>,
-) -> std::ops::Range<usize> {
-    let added = collective_flows(
-        fs,
-        name,
-        kind,
-        algorithm,
-        ranks,
-        Bytes(bytes),
-        4,
-        Picos::from_nanos(2000),
-    )
-    .unwrap();
-    if let Some(before) = after {
-        for f in added.clone() {
-            if fs.flows[f].deps.is_empty() {
-                let src = fs.flows[f].src;
-                fs.flows[f].deps = before
-                    .clone()
-                    .filter(|&g| fs.flows[g].dst == src)
-                    .map(|g| FlowId(g as u32))
-                    .collect();
-            }
-        }
-    }
-    added
-}
-
-/// A gradient reduce-scatter over every GPU of four hosts of four, the 4-byte all-reduce
-/// of its norm over a tree across hosts (which has a root, so no host shift maps it onto
-/// itself), and the parameter all-gather after it.
-fn step_with_a_tree_norm() -> (NetGraph, FlowSet) {
-    let ranks: Vec<u32> = (0..16).collect();
-    let mut fs = FlowSet::default();
-    let ring = FlowAlgorithm::Ring { channels: 4 };
-    let reduce = add_after(
-        &mut fs,
-        "grad-reduce",
-        CollectiveKind::ReduceScatter,
-        ring,
-        &ranks,
-        64_000_000,
-        None,
-    );
-    let norm = add_after(
-        &mut fs,
-        "grad-norm",
-        CollectiveKind::AllReduce,
-        FlowAlgorithm::HostTree,
-        &ranks,
-        4,
-        Some(reduce),
-    );
-    add_after(
-        &mut fs,
-        "param-all-gather",
-        CollectiveKind::AllGather,
-        ring,
-        &ranks,
-        64_000_000,
-        Some(norm),
-    );
-    (four_gpu_hosts(4), fs)
 }
 
 #[test]

@@ -123,6 +123,25 @@
 //! apart from the first rounding on the 1,024-GPU step (the end 0.03%, a collective's
 //! finish 1.4%), as any perturbation of a congested step's rounding does.
 //!
+//! ## Symmetric traffic (`symmetry`, on by default)
+//!
+//! Traffic that repeats itself host by host, or GPU by GPU, is stepped as one copy: the
+//! packet model's symmetry search (its `symmetry` module, through `simulate_reduced`)
+//! gives the quotient, one flow per orbit on one link per orbit, and a switch that stands
+//! for several alike counts each byte it holds that many times against its shared pool
+//! (`Fluid::buffer_copies`, as the packet model's buffers do), so its PFC thresholds see
+//! the whole fabric's occupancy. The packet model's copies part where ECN's draws differ;
+//! the fluid model draws nothing, so every copy of an orbit follows the one course the
+//! quotient steps, and the reduction is exact: the same picoseconds, bytes and pauses as
+//! stepping every copy on the scenarios compared (`tests/fluid.rs`: a 4-channel ring over
+//! four hosts, four 4-to-1 incasts with PFC pauses, an all-to-all; the example scenarios
+//! and the bench's ring, GPT, Mixtral and 405B steps, docs/benchmarks.md). Where flows of
+//! one packet are left out of the check (a gradient norm over a tree), each is stepped
+//! on its own, without its copies' frames beside it, and the flows after it are timed
+//! through their own dependencies: there the step of `tests/fluid.rs` is 0.03% off per
+//! flow on average, its end exact. ECMP's hashes are not symmetric, so ECMP traffic is
+//! seldom reduced.
+//!
 //! What it does not do: it does not replace the packet model where packets matter (a few
 //! packets per flow, losses without PFC, a mark's draw deciding a race), and it steps
 //! every flow that is not calm every step: where flows collide (ECMP across pods), its
@@ -133,6 +152,8 @@
 use super::config::{EcnThresholds, PacketConfig};
 use super::dcqcn::ReactionPoint;
 use super::engine::Routes;
+use super::symmetry::{simulate_reduced, Quotient, ReducedRun};
+use super::SymmetryShift;
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, FlowSimulator, SimError, SimProgress, SimReport, PROGRESS_EVERY};
 use crate::topology::NetGraph;
@@ -233,6 +254,11 @@ pub struct FluidSimulator {
     /// of the steps and moved on in closed form until something reaches its links (see
     /// the module's docs). Off, every flow in flight is stepped.
     pub calm_skip: bool,
+    /// Step one copy of traffic that repeats itself host by host or GPU by GPU (on by
+    /// default): the packet model's symmetry reduction (its `symmetry` module), flows of
+    /// one packet left out of the check as there. See "Symmetric traffic" in the module's
+    /// docs for what it changes (nothing, where no flow is left out of the check).
+    pub symmetry: bool,
 }
 
 impl Default for FluidSimulator {
@@ -242,6 +268,7 @@ impl Default for FluidSimulator {
             step: Self::DEFAULT_STEP,
             longest_link_step: None,
             calm_skip: true,
+            symmetry: true,
         }
     }
 }
@@ -267,7 +294,7 @@ impl FlowSimulator for FluidSimulator {
 }
 
 /// What one run of the fluid model used and did beyond its report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct FluidRun {
     /// The time step it took: [`FluidSimulator::step`], or the shortest delay of a link
     /// the flows use if that is shorter.
@@ -276,6 +303,16 @@ pub struct FluidRun {
     /// [`FluidSimulator::longest_link_step`]): `step` unless some link was strided.
     pub longest_link_step: Picos,
     pub calm_skip: CalmSkipStats,
+    /// The rotations symmetry reduction found, outermost first (see
+    /// [`FluidSimulator::symmetry`]); empty when it found none.
+    pub symmetry: Vec<SymmetryShift>,
+    /// The flows stepped: the innermost quotient's (each standing for the product of the
+    /// rotations' copies), or every flow without symmetry.
+    pub simulated_flows: u64,
+    /// Steps of a quotient run set aside because flows waiting for exempt ones came out of
+    /// step with their copies (counted in the report's events too; see the `symmetry`
+    /// module).
+    pub retried_steps: u64,
 }
 
 /// What the calm skip did in one run of the fluid model.
@@ -334,32 +371,80 @@ impl FluidSimulator {
             Picos(step)
         });
         let longest_stride = (longest_link_step.0 / step).clamp(1, MAX_STRIDE) as usize;
-        let mut fluid = Fluid::new(
-            &cfg,
-            step,
+        let ties = super::host::tie_keys(graph, flows);
+        // Flows of one packet may be left out of the symmetry check, as in the packet
+        // model by default (see the `symmetry` module).
+        let exempt_bytes = u64::from(cfg.mtu_payload);
+        let out = simulate_reduced(
             graph,
             flows,
-            &routes,
-            self.calm_skip,
-            longest_stride,
-        );
-        fluid.run(progress)?;
-        let used_stride = routes
-            .paths
-            .iter()
-            .map(|&l| fluid.links[l as usize].stride)
-            .max()
-            .unwrap_or(1);
-        let run = FluidRun {
-            step: Picos(step),
-            longest_link_step: Picos(step * used_stride),
-            calm_skip: CalmSkipStats {
-                freezes: fluid.freezes,
-                forced_thaws: fluid.forced_thaws,
-                skipped_steps: fluid.skipped_steps,
+            routes,
+            &ties,
+            self.symmetry,
+            exempt_bytes,
+            |flows, routes, copies, _ties, _levels| {
+                let mut fluid = Fluid::new(
+                    &cfg,
+                    step,
+                    graph,
+                    flows,
+                    &routes,
+                    copies,
+                    self.calm_skip,
+                    longest_stride,
+                );
+                fluid.run(progress)?;
+                let used_stride = routes
+                    .paths
+                    .iter()
+                    .map(|&l| fluid.links[l as usize].stride)
+                    .max()
+                    .unwrap_or(1);
+                let run = FluidRun {
+                    step: Picos(step),
+                    longest_link_step: Picos(step * used_stride),
+                    calm_skip: CalmSkipStats {
+                        freezes: fluid.freezes,
+                        forced_thaws: fluid.forced_thaws,
+                        skipped_steps: fluid.skipped_steps,
+                    },
+                    symmetry: Vec::new(),
+                    simulated_flows: flows.flows.len() as u64,
+                    retried_steps: 0,
+                };
+                Ok(FluidOutput {
+                    report: fluid.report(),
+                    run,
+                })
             },
-        };
-        Ok((fluid.report(), run))
+        )?;
+        Ok((out.report, out.run))
+    }
+}
+
+/// A fluid run on its way through [`simulate_reduced`]: expanded level by level.
+struct FluidOutput {
+    report: SimReport,
+    run: FluidRun,
+}
+
+impl ReducedRun for FluidOutput {
+    fn events(&self) -> u64 {
+        self.report.events
+    }
+
+    fn expand(self, q: &Quotient) -> Option<Self> {
+        let mut run = self.run;
+        run.symmetry.insert(0, q.shift);
+        Some(FluidOutput {
+            report: q.expand_report(self.report)?,
+            run,
+        })
+    }
+
+    fn add_retried_events(&mut self, events: u64) {
+        self.report.events += events;
+        self.run.retried_steps += events;
     }
 }
 
@@ -518,9 +603,12 @@ struct Fluid<'a> {
     paths: Vec<u32>,
     flows: Vec<FlowState>,
     dependents: Vec<Vec<u32>>,
-    /// Per switch node: shared-pool capacity and use (buffered bytes).
+    /// Per switch node: shared-pool capacity and use (buffered bytes), and how many alike
+    /// switches it stands for in a symmetry quotient (each byte it holds counts that many
+    /// times against its pool, as the copies' bytes would; 1 without symmetry).
     shared_cap: Vec<f64>,
     shared_used: Vec<f64>,
+    buffer_copies: Vec<f64>,
     /// Releases not yet taken, as (time, flow), and the active links.
     releases: std::collections::BTreeSet<(Picos, u32)>,
     active: Vec<u32>,
@@ -567,12 +655,16 @@ struct Fluid<'a> {
 }
 
 impl<'a> Fluid<'a> {
+    /// The model of `flows` on `routes` (a symmetry quotient's, with its switches'
+    /// `buffer_copies`, as [`super::engine::Engine::with_routes`] takes them).
+    #[allow(clippy::too_many_arguments)]
     fn new(
         cfg: &'a PacketConfig,
         dt: u64,
         graph: &NetGraph,
         flows: &FlowSet,
         routes: &Routes,
+        buffer_copies: &[u64],
         calm_skip: bool,
         longest_stride: usize,
     ) -> Fluid<'a> {
@@ -745,6 +837,7 @@ impl<'a> Fluid<'a> {
             dependents,
             shared_cap,
             shared_used: vec![0.0; n_nodes],
+            buffer_copies: buffer_copies.iter().map(|&c| c.max(1) as f64).collect(),
             releases,
             active: Vec::new(),
             senders: 0,
@@ -1405,7 +1498,9 @@ impl<'a> Fluid<'a> {
         let before = (link.in_bytes - reserve).max(0.0);
         link.in_bytes = (link.in_bytes + buffered).max(0.0);
         let after = (link.in_bytes - reserve).max(0.0);
-        self.shared_used[link.to as usize] += after - before;
+        // An integer multiple of grid values stays on the grid: exact in any order.
+        self.shared_used[link.to as usize] +=
+            (after - before) * self.buffer_copies[link.to as usize];
         if after > 0.0 && !link.in_pfc_links {
             link.in_pfc_links = true;
             self.pfc_links.push(l);

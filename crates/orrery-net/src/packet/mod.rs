@@ -680,95 +680,34 @@ impl PacketSimulator {
         };
         flows.check()?;
         let routes = engine::Routes::compute(graph, flows)?;
-        let ones = vec![1; graph.num_nodes()];
         let ties = host::tie_keys(graph, flows);
         let exempt_bytes = if cfg.accel.symmetry_exempt {
             u64::from(cfg.mtu_payload)
         } else {
             0
         };
-        // Levels from `strict_from` on look only for symmetries that map every flow: a
-        // level with exempt flows whose late flows came out of step (see the `symmetry`
-        // module) is searched again strictly, and the run simulated again.
-        let mut strict_from = usize::MAX;
-        let mut retried_events = 0;
-        // Each quotient may have a symmetry of its own (hosts, then the GPUs of a host).
-        let mut levels: Vec<symmetry::Quotient> = Vec::new();
-        loop {
-            // The levels below one set aside still hold; the search goes on from them.
-            loop {
-                let exempt = if levels.len() < strict_from {
-                    exempt_bytes
-                } else {
-                    0
-                };
-                let next = match levels.last() {
-                    _ if !cfg.accel.symmetry => None,
-                    Some(q) => {
-                        symmetry::find(graph, &q.flows, &q.routes, &q.copies, &q.ties, exempt)
-                    }
-                    None => symmetry::find(graph, flows, &routes, &ones, &ties, exempt),
-                };
-                match next {
-                    Some(q) => levels.push(q),
-                    None => break,
-                }
-            }
-            let Some(last) = levels.last() else {
-                let mut run = engine::Engine::with_routes(
+        symmetry::simulate_reduced(
+            graph,
+            flows,
+            routes,
+            &ties,
+            cfg.accel.symmetry,
+            exempt_bytes,
+            |flows, routes, copies, ties, levels| {
+                let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
+                engine::Engine::with_routes(
                     &cfg,
                     graph,
                     flows,
                     routes,
-                    &ones,
-                    &ties,
-                    trace,
+                    copies,
+                    ties,
+                    &q_trace,
                     Some(&mut cache),
                 )?
-                .run(progress)?;
-                run.add_retried_events(retried_events);
-                return Ok(run);
-            };
-            let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
-            let run = engine::Engine::with_routes(
-                &cfg,
-                graph,
-                &last.flows,
-                last.routes.clone(),
-                &last.copies,
-                &last.ties,
-                &q_trace,
-                Some(&mut cache),
-            )?
-            .run(progress)?;
-            let events = run.report.events;
-            let mut expanded = Some(run);
-            for (level, q) in levels.iter().enumerate().rev() {
-                expanded = expanded.and_then(|run| q.expand(run));
-                if expanded.is_none() {
-                    strict_from = level;
-                    break;
-                }
-            }
-            match expanded {
-                Some(mut run) => {
-                    run.add_retried_events(retried_events);
-                    return Ok(run);
-                }
-                None => {
-                    retried_events += events;
-                    levels.truncate(strict_from);
-                }
-            }
-        }
-    }
-}
-
-impl PacketRun {
-    /// Counts the events of runs simulated and set aside before this one as its own.
-    fn add_retried_events(&mut self, events: u64) {
-        self.report.events += events;
-        self.stats.symmetry_retried_events += events;
+                .run(progress)
+            },
+        )
     }
 }
 

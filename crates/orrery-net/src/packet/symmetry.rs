@@ -1,5 +1,7 @@
 //! Symmetry reduction (issue 4; `accel.symmetry`): simulate one copy of traffic that
-//! repeats itself host by host, or GPU by GPU.
+//! repeats itself host by host, or GPU by GPU. The packet model and the fluid model
+//! ([`super::FluidSimulator::symmetry`]) both run through [`simulate_reduced`], which
+//! finds the levels, has the innermost quotient simulated and expands its run.
 //!
 //! A collective over many hosts is often the same traffic on every host: in a ring
 //! all-reduce on 16 hosts of 8 GPUs every host sends its NVLink steps and one step to the
@@ -158,7 +160,7 @@
 use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
 use crate::flows::{dependency_order, Deps, FlowSet, FlowSpec};
-use crate::sim::FlowOutcome;
+use crate::sim::{FlowOutcome, SimError, SimReport};
 use crate::topology::{mix, NetGraph};
 use crate::word_hash::WordMap;
 use orrery_units::{FlowId, LinkId, Picos};
@@ -243,6 +245,108 @@ pub(super) struct LateFlow {
     pub exempt: bool,
     pub deps: Vec<u32>,
     pub delay: Picos,
+}
+
+/// What a simulation of a quotient gives back, so that [`simulate_reduced`] can expand it
+/// to the flow set the quotient was taken from: the packet model's [`PacketRun`], the
+/// fluid model's report.
+pub(super) trait ReducedRun: Sized {
+    /// The events it processed (counted again in the run that replaces it, if it is set
+    /// aside).
+    fn events(&self) -> u64;
+    /// The run the quotient `q` stands for, or `None` as for [`Quotient::expand`].
+    fn expand(self, q: &Quotient) -> Option<Self>;
+    /// Counts the events of runs simulated and set aside before this one as its own.
+    fn add_retried_events(&mut self, events: u64);
+}
+
+impl ReducedRun for PacketRun {
+    fn events(&self) -> u64 {
+        self.report.events
+    }
+
+    fn expand(self, q: &Quotient) -> Option<Self> {
+        q.expand(self)
+    }
+
+    fn add_retried_events(&mut self, events: u64) {
+        self.report.events += events;
+        self.stats.symmetry_retried_events += events;
+    }
+}
+
+/// Simulates `flows` (on `routes`) through the symmetries found, or as they are when
+/// `enabled` is false or none is found: each quotient is searched again for a symmetry of
+/// its own, the innermost one is simulated by `simulate` (its flows, routes, buffer copies
+/// per node and tie keys, and the levels found, outermost first; the plain flow set with
+/// no levels), and its run is expanded level by level. Levels are first searched with
+/// flows of at most `exempt_bytes` left out of the check (0: strictly); a level whose
+/// late flows came out of step is searched again strictly from there, and the run
+/// simulated again, its events counted in the final run.
+pub(super) fn simulate_reduced<R: ReducedRun>(
+    graph: &NetGraph,
+    flows: &FlowSet,
+    routes: Routes,
+    ties: &[u64],
+    enabled: bool,
+    exempt_bytes: u64,
+    mut simulate: impl FnMut(&FlowSet, Routes, &[u64], &[u64], &[Quotient]) -> Result<R, SimError>,
+) -> Result<R, SimError> {
+    let ones = vec![1; graph.num_nodes()];
+    // Levels from `strict_from` on look only for symmetries that map every flow.
+    let mut strict_from = usize::MAX;
+    let mut retried_events = 0;
+    let mut levels: Vec<Quotient> = Vec::new();
+    loop {
+        // The levels below one set aside still hold; the search goes on from them.
+        loop {
+            let exempt = if levels.len() < strict_from {
+                exempt_bytes
+            } else {
+                0
+            };
+            let next = match levels.last() {
+                _ if !enabled => None,
+                Some(q) => find(graph, &q.flows, &q.routes, &q.copies, &q.ties, exempt),
+                None => find(graph, flows, &routes, &ones, ties, exempt),
+            };
+            match next {
+                Some(q) => levels.push(q),
+                None => break,
+            }
+        }
+        let Some(last) = levels.last() else {
+            let mut run = simulate(flows, routes, &ones, ties, &[])?;
+            run.add_retried_events(retried_events);
+            return Ok(run);
+        };
+        let run = simulate(
+            &last.flows,
+            last.routes.clone(),
+            &last.copies,
+            &last.ties,
+            &levels,
+        )?;
+        let events = run.events();
+        let mut expanded = Some(run);
+        for (level, q) in levels.iter().enumerate().rev() {
+            expanded = expanded.and_then(|run| run.expand(q));
+            if expanded.is_none() {
+                strict_from = level;
+                break;
+            }
+        }
+        match expanded {
+            Some(mut run) => {
+                run.add_retried_events(retried_events);
+                return Ok(run);
+            }
+            None => {
+                retried_events += events;
+                levels.truncate(strict_from);
+            }
+        }
+    }
 }
 
 /// The quotient of the first rotation (of hosts, then of GPUs inside every host) that is
@@ -1257,9 +1361,70 @@ impl Quotient {
     /// copy (see [`LAG_SPREAD`]).
     pub fn expand(&self, run: PacketRun) -> Option<PacketRun> {
         let b = u64::from(self.order);
+        let mut report = self.expand_report(run.report)?;
+        let s = run.stats;
+        // The copies of this level cost what the level below cost, its own copies included.
+        let symmetry_skipped_events = (b - 1) * (report.events + s.total_skipped_events());
+        let stats = PacketStats {
+            ecn_marks: s.ecn_marks * b,
+            cnps: s.cnps * b,
+            acks: s.acks * b,
+            nacks: s.nacks * b,
+            go_backs: s.go_backs * b,
+            timeouts: s.timeouts * b,
+            retransmitted_bytes: s.retransmitted_bytes * b,
+            // A quotient of a quotient: the copies multiply, and the flows simulated are
+            // the innermost one's.
+            symmetry_order: b * s.symmetry_order.max(1),
+            symmetry_flows: if s.symmetry_order > 1 {
+                s.symmetry_flows
+            } else {
+                self.reps.len() as u64
+            },
+            symmetry_skipped_events: symmetry_skipped_events + s.symmetry_skipped_events,
+            symmetry_exempt_flows: self.exempt_routes.len() as u64 + s.symmetry_exempt_flows,
+            symmetry_late_flows: self.late.len() as u64 + s.symmetry_late_flows,
+            ..s
+        };
+        report.accel.skipped_events = stats.total_skipped_events();
+        let samples = run
+            .samples
+            .into_iter()
+            .map(|mut sample| {
+                // Samples without per-flow vectors keep them empty.
+                if !sample.delivered.is_empty() {
+                    sample.delivered = self.per_flow(&sample.delivered);
+                    sample.rate = self.per_flow(&sample.rate);
+                }
+                sample
+            })
+            .collect();
+        // A flow's own events are those of the flow that was simulated; its copies have
+        // none, as memo hits have none.
+        let mut flow_events = vec![0; self.flow_index.len()];
+        for (k, &r) in self.reps.iter().enumerate() {
+            flow_events[r as usize] = run.flow_events[k];
+        }
+        let mut symmetry = vec![self.shift];
+        symmetry.extend(run.symmetry);
+        Some(PacketRun {
+            report,
+            stats,
+            samples,
+            flow_events,
+            symmetry,
+        })
+    }
+
+    /// The report of the full flow set that the quotient's `report` stands for: every
+    /// flow the outcome of the one simulated for its orbit (flows waiting for exempt ones
+    /// timed through their dependencies), per-link figures copied from each orbit's link,
+    /// totals multiplied by the copies (exempt flows' bytes counted once), its events the
+    /// quotient's; `None` as for [`Quotient::expand`]. What the fluid model expands.
+    pub fn expand_report(&self, mut report: SimReport) -> Option<SimReport> {
+        let b = u64::from(self.order);
         let per_link =
             |v: &[u64]| -> Vec<u64> { self.link_rep.iter().map(|&r| v[r as usize]).collect() };
-        let mut report = run.report;
         let simulated = std::mem::take(&mut report.flows);
         report.flows = self.per_flow(&simulated);
         // A flow waiting for an exempt one is released when its own dependencies finish,
@@ -1315,58 +1480,7 @@ impl Quotient {
         let once = (b - 1) * exempt_bytes;
         report.bytes_sent = (report.bytes_sent * b).saturating_sub(once);
         report.bytes_delivered = (report.bytes_delivered * b).saturating_sub(once);
-        let s = run.stats;
-        // The copies of this level cost what the level below cost, its own copies included.
-        let symmetry_skipped_events = (b - 1) * (report.events + s.total_skipped_events());
-        let stats = PacketStats {
-            ecn_marks: s.ecn_marks * b,
-            cnps: s.cnps * b,
-            acks: s.acks * b,
-            nacks: s.nacks * b,
-            go_backs: s.go_backs * b,
-            timeouts: s.timeouts * b,
-            retransmitted_bytes: s.retransmitted_bytes * b,
-            // A quotient of a quotient: the copies multiply, and the flows simulated are
-            // the innermost one's.
-            symmetry_order: b * s.symmetry_order.max(1),
-            symmetry_flows: if s.symmetry_order > 1 {
-                s.symmetry_flows
-            } else {
-                self.reps.len() as u64
-            },
-            symmetry_skipped_events: symmetry_skipped_events + s.symmetry_skipped_events,
-            symmetry_exempt_flows: self.exempt_routes.len() as u64 + s.symmetry_exempt_flows,
-            symmetry_late_flows: self.late.len() as u64 + s.symmetry_late_flows,
-            ..s
-        };
-        report.accel.skipped_events = stats.total_skipped_events();
-        let samples = run
-            .samples
-            .into_iter()
-            .map(|mut sample| {
-                // Samples without per-flow vectors keep them empty.
-                if !sample.delivered.is_empty() {
-                    sample.delivered = self.per_flow(&sample.delivered);
-                    sample.rate = self.per_flow(&sample.rate);
-                }
-                sample
-            })
-            .collect();
-        // A flow's own events are those of the flow that was simulated; its copies have
-        // none, as memo hits have none.
-        let mut flow_events = vec![0; self.flow_index.len()];
-        for (k, &r) in self.reps.iter().enumerate() {
-            flow_events[r as usize] = run.flow_events[k];
-        }
-        let mut symmetry = vec![self.shift];
-        symmetry.extend(run.symmetry);
-        Some(PacketRun {
-            report,
-            stats,
-            samples,
-            flow_events,
-            symmetry,
-        })
+        Some(report)
     }
 
     /// Whether every copy's late flows (those of more than one packet) were released
