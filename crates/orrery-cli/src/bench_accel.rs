@@ -15,7 +15,7 @@ use orrery_net::flows::{collective_flows, dependency_order, FlowAlgorithm, FlowS
 use orrery_net::packet::{
     FastForwardHeld, FluidSimulator, PacketConfig, PacketRun, PacketSimulator, TraceRequest,
 };
-use orrery_net::sim::{FlowSimulator, RunErrors, SimReport};
+use orrery_net::sim::{RunErrors, SimReport};
 use orrery_net::topology::{NetGraph, RailOptimizedSpec, Routing};
 use orrery_net::CollectiveKind;
 use orrery_predict::traffic::Release;
@@ -423,6 +423,10 @@ struct AccelRow {
     fluid_secs: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fluid_errors: Option<AccelErrors>,
+    /// With `--fluid`: the copies each flow the fluid model stepped stood for (the
+    /// product of the symmetry reduction's rotations; 1 where it found none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fluid_symmetry_copies: Option<u64>,
     /// With `--fluid`: the fluid model stepping every flow (`calm_skip` off), timed the
     /// same way; the bench fails if its flows differ from the default run's.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -539,8 +543,12 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                     ),
                     _ => "no reference run".to_string(),
                 };
+                let copies = match row.fluid_symmetry_copies {
+                    Some(c) if c > 1 => format!(", one copy stepped for {c}"),
+                    _ => String::new(),
+                };
                 outln!(
-                    "{:<46} the fluid model: {secs:.3} s ({:.2}x the accelerated run's time), {against}",
+                    "{:<46} the fluid model: {secs:.3} s ({:.2}x the accelerated run's time{copies}), {against}",
                     "",
                     secs / row.accelerated_secs
                 );
@@ -633,8 +641,8 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         _ => None,
     };
     let fluid = if spreads.fluid {
-        let (report, secs) = timed_fluid(s, true, spreads.fluid_link_step)?;
-        let (stepped, stepped_secs) = timed_fluid(s, false, spreads.fluid_link_step)?;
+        let (report, secs, copies) = timed_fluid(s, true, spreads.fluid_link_step)?;
+        let (stepped, stepped_secs, _) = timed_fluid(s, false, spreads.fluid_link_step)?;
         if stepped.flows != report.flows {
             anyhow::bail!(
                 "{}: the fluid model's calm skip changed the flows' times (it must not: \
@@ -645,7 +653,7 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         let errors = reference
             .as_ref()
             .map(|(r, _)| RunErrors::between(&r.report, &report, &s.flows).into());
-        Some((secs, errors, stepped_secs))
+        Some((secs, errors, stepped_secs, copies))
     } else {
         None
     };
@@ -689,31 +697,35 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         reference_label_spread: label_spread,
         fluid_secs: fluid.as_ref().map(|f| f.0),
         fluid_every_step_secs: fluid.as_ref().map(|f| f.2),
+        fluid_symmetry_copies: fluid.as_ref().map(|f| f.3),
         fluid_errors: fluid.and_then(|f| f.1),
     })
 }
 
 /// The fluid model on `s`, calm flows frozen or every flow stepped, timed as
-/// [`timed_median`] times the accelerated run.
+/// [`timed_median`] times the accelerated run, with the copies each stepped flow stood for.
 fn timed_fluid(
     s: &Scenario,
     calm_skip: bool,
     longest_link_step: Option<Picos>,
-) -> Result<(SimReport, f64)> {
+) -> Result<(SimReport, f64, u64)> {
     let sim = FluidSimulator {
         calm_skip,
         longest_link_step,
         ..Default::default()
     };
+    // Each run finds the same rotations; the last one's are kept.
+    let copies = std::cell::Cell::new(1);
     let run = || -> Result<(SimReport, f64)> {
         let start = Instant::now();
-        let report = sim
-            .simulate(&s.graph, &s.flows)
+        let (report, run) = sim
+            .run_with_progress(&s.graph, &s.flows, &mut |_| {})
             .with_context(|| format!("{}: the fluid model failed", s.name))?;
+        copies.set(run.symmetry.iter().map(|r| u64::from(r.copies())).product());
         Ok((report, start.elapsed().as_secs_f64()))
     };
     let (report, secs, _) = repeated_while_short(s, "fluid", run, |a, b| a == b)?;
-    Ok((report, secs))
+    Ok((report, secs, copies.get()))
 }
 
 /// The table's header line, its columns as wide as [`table_line`]'s.
@@ -844,6 +856,7 @@ mod tests {
             reference_label_spread: None,
             fluid_secs: None,
             fluid_errors: None,
+            fluid_symmetry_copies: None,
             fluid_every_step_secs: None,
         }
     }
@@ -923,10 +936,12 @@ mod tests {
     }
 
     /// `--fluid` times the fluid model with and without its calm skip, and the row is made
-    /// only where the two runs' flows agree (the bench fails otherwise).
+    /// only where the two runs' flows agree (the bench fails otherwise); it says how many
+    /// copies the fluid model's symmetry reduction stepped as one.
     #[test]
     fn the_fluid_rows_time_the_calm_skip_against_every_step() {
-        let s = ring_all_reduce(16, 16 << 20).unwrap();
+        // 64 GPUs: of 16, 32 and 64, the smallest ring the symmetry search finds a rotation of.
+        let s = ring_all_reduce(64, 16 << 20).unwrap();
         let spreads = Spreads {
             seed: false,
             label: false,
@@ -937,5 +952,8 @@ mod tests {
         assert!(row.fluid_secs.is_some_and(|t| t > 0.0));
         assert!(row.fluid_every_step_secs.is_some_and(|t| t > 0.0));
         assert!(row.fluid_errors.is_none(), "no reference ran");
+        // The fluid model finds the packet model's rotations (the hosts' and their GPUs').
+        assert!(row.symmetry_copies > 1, "{}", row.symmetry_copies);
+        assert_eq!(row.fluid_symmetry_copies, Some(row.symmetry_copies));
     }
 }
