@@ -126,21 +126,23 @@
 //! ## Symmetric traffic (`symmetry`, on by default)
 //!
 //! Traffic that repeats itself host by host, or GPU by GPU, is stepped as one copy: the
-//! packet model's symmetry search (its `symmetry` module, through `simulate_reduced`)
-//! gives the quotient, one flow per orbit on one link per orbit, and a switch that stands
-//! for several alike counts each byte it holds that many times against its shared pool
+//! packet model's symmetry search (its `symmetry` module, through `simulate_reduced`) gives
+//! the quotient, one flow per orbit on one link per orbit, and a switch that stands for
+//! several alike counts each byte it holds that many times against its shared pool
 //! (`Fluid::buffer_copies`, as the packet model's buffers do), so its PFC thresholds see
 //! the whole fabric's occupancy. The packet model's copies part where ECN's draws differ;
 //! the fluid model draws nothing, so every copy of an orbit follows the one course the
-//! quotient steps, and the reduction is exact: the same picoseconds, bytes and pauses as
-//! stepping every copy on the scenarios compared (`tests/fluid.rs`: a 4-channel ring over
-//! four hosts, four 4-to-1 incasts with PFC pauses, an all-to-all; the example scenarios
-//! and the bench's ring, GPT, Mixtral and 405B steps, docs/benchmarks.md). Where flows of
-//! one packet are left out of the check (a gradient norm over a tree), each is stepped
-//! on its own, without its copies' frames beside it, and the flows after it are timed
-//! through their own dependencies: there the step of `tests/fluid.rs` is 0.03% off per
-//! flow on average, its end exact. ECMP's hashes are not symmetric, so ECMP traffic is
-//! seldom reduced.
+//! quotient steps. What could still differ is rounding: the quotient numbers its flows
+//! afresh, and sums over a step's flows (a FIFO segment's shares) take their terms in flow
+//! order. Nothing did where compared: the same picoseconds, bytes and pauses as stepping
+//! every copy
+//! (`tests/fluid.rs`: a 4-channel ring over four hosts, four 4-to-1 incasts with PFC
+//! pauses, an all-to-all; the example scenarios and the bench's ring, GPT, Mixtral and 405B
+//! steps, docs/benchmarks.md). Where flows of one packet are left out of the check (a
+//! gradient norm over a tree), each is stepped on its own, without its copies' frames
+//! beside it, and the flows after it are timed through their own dependencies: there the
+//! step of `tests/fluid.rs` is 0.03% off per flow on average, its end exact. ECMP's hashes
+//! are not symmetric, so ECMP traffic is seldom reduced.
 //!
 //! What it does not do: it does not replace the packet model where packets matter (a few
 //! packets per flow, losses without PFC, a mark's draw deciding a race), and it steps
@@ -257,7 +259,7 @@ pub struct FluidSimulator {
     /// Step one copy of traffic that repeats itself host by host or GPU by GPU (on by
     /// default): the packet model's symmetry reduction (its `symmetry` module), flows of
     /// one packet left out of the check as there. See "Symmetric traffic" in the module's
-    /// docs for what it changes (nothing, where no flow is left out of the check).
+    /// docs for what it changes (nothing measured, where no flow is left out of the check).
     pub symmetry: bool,
 }
 
