@@ -53,8 +53,8 @@ pub struct NetsimArgs {
     /// flow whose links' strides differ is never frozen.
     #[arg(long, value_name = "NS")]
     fluid_link_step_ns: Option<f64>,
-    /// Fluid model: step every host of traffic that repeats itself host by host (or GPU by
-    /// GPU) instead of one copy per orbit (symmetry reduction is on by default).
+    /// Fluid model: step every copy of traffic that repeats itself host by host (or GPU by
+    /// GPU) instead of one per orbit (symmetry reduction, on by default).
     #[arg(long)]
     fluid_no_symmetry: bool,
     #[command(flatten)]

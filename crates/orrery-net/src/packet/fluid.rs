@@ -135,10 +135,9 @@
 //! quotient steps. What could still differ is rounding: the quotient numbers its flows
 //! afresh, and sums over a step's flows (a FIFO segment's shares) take their terms in flow
 //! order. Nothing did where compared: the same picoseconds, bytes and pauses as stepping
-//! every copy
-//! (`tests/fluid.rs`: a 4-channel ring over four hosts, four 4-to-1 incasts with PFC
-//! pauses, an all-to-all; the example scenarios and the bench's ring, GPT, Mixtral and 405B
-//! steps, docs/benchmarks.md). Where flows of one packet are left out of the check (a
+//! every copy (`tests/fluid.rs`: a 4-channel ring over four hosts, four 4-to-1 incasts with
+//! PFC pauses, an all-to-all; the example scenarios and the bench's ring, GPT, Mixtral and
+//! 405B steps, docs/benchmarks.md). Where flows of one packet are left out of the check (a
 //! gradient norm over a tree), each is stepped on its own, without its copies' frames
 //! beside it, and the flows after it are timed through their own dependencies: there the
 //! step of `tests/fluid.rs` is 0.03% off per flow on average, its end exact. ECMP's hashes
@@ -342,8 +341,8 @@ impl FluidSimulator {
     /// against 0.04%), at 1.1 to 2.7 times the speed.
     pub const DEFAULT_LINK_STEP: Picos = Picos(1_000_000);
 
-    /// Runs the model, reporting progress, and says which step it took and what the calm
-    /// skip did.
+    /// Runs the model, reporting progress, and says which step it took, what the calm skip
+    /// did and which symmetries it stepped one copy of.
     pub fn run_with_progress(
         &self,
         graph: &NetGraph,
