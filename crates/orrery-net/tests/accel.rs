@@ -2254,6 +2254,24 @@ fn a_ring_over_alike_hosts_and_gpus_is_simulated_once_per_gpu_within_bounds() {
     assert_reduced(&off, &on, &fs, 16, 10, "ring, hosts and GPUs");
     // Every flow is the reference's to the picosecond (no ECN marks to draw here).
     assert_eq!(on.report.flows, off.report.flows);
+    // Progress is reported against every flow, the quotient's scaled to the whole set (a
+    // longer ring, so that the quotient's run reports some).
+    let (long_g, long_fs) = ring_over_hosts(4, 4, 16_000_000);
+    let mut reports = Vec::new();
+    let long = PacketSimulator::new(with_symmetry(PacketConfig::reference()))
+        .run_with_progress(&long_g, &long_fs, &TraceRequest::default(), &mut |p| {
+            reports.push(p)
+        })
+        .unwrap();
+    let total = long_fs.flows.len();
+    assert!(reports
+        .iter()
+        .all(|p| p.flows_total == total && p.flows_done <= total));
+    let most = reports.iter().map(|p| p.flows_done).max().unwrap_or(0);
+    assert!(
+        most as u64 > long.stats.symmetry_flows,
+        "{most} of {total}: {reports:?}"
+    );
     // The same with every other mechanism on.
     let all = run(PacketConfig::default(), &g, &fs);
     check_bounds(

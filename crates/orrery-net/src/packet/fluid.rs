@@ -383,7 +383,8 @@ impl FluidSimulator {
             &ties,
             self.symmetry,
             exempt_bytes,
-            |flows, routes, copies, _ties, _levels| {
+            progress,
+            |flows, routes, copies, _ties, _levels, progress| {
                 let mut fluid = Fluid::new(
                     &cfg,
                     step,

@@ -693,7 +693,8 @@ impl PacketSimulator {
             &ties,
             cfg.accel.symmetry,
             exempt_bytes,
-            |flows, routes, copies, ties, levels| {
+            progress,
+            |flows, routes, copies, ties, levels, progress| {
                 let q_trace = levels.iter().fold(trace.clone(), |t, q| q.trace(&t));
                 engine::Engine::with_routes(
                     &cfg,

@@ -160,7 +160,7 @@
 use super::engine::Routes;
 use super::{PacketRun, PacketStats, TraceRequest};
 use crate::flows::{dependency_order, Deps, FlowSet, FlowSpec};
-use crate::sim::{FlowOutcome, SimError, SimReport};
+use crate::sim::{FlowOutcome, SimError, SimProgress, SimReport};
 use crate::topology::{mix, NetGraph};
 use crate::word_hash::WordMap;
 use orrery_units::{FlowId, LinkId, Picos};
@@ -278,11 +278,14 @@ impl ReducedRun for PacketRun {
 /// Simulates `flows` (on `routes`) through the symmetries found, or as they are when
 /// `enabled` is false or none is found: each quotient is searched again for a symmetry of
 /// its own, the innermost one is simulated by `simulate` (its flows, routes, buffer copies
-/// per node and tie keys, and the levels found, outermost first; the plain flow set with
-/// no levels), and its run is expanded level by level. Levels are first searched with
-/// flows of at most `exempt_bytes` left out of the check (0: strictly); a level whose
-/// late flows came out of step is searched again strictly from there, and the run
-/// simulated again, its events counted in the final run.
+/// per node and tie keys, the levels found, outermost first, and where to report
+/// progress; the plain flow set with no levels), and its run is expanded level by level.
+/// Levels are first searched with flows of at most `exempt_bytes` left out of the check
+/// (0: strictly); a level whose late flows came out of step is searched again strictly
+/// from there, and the run simulated again, its events counted in the final run. A
+/// quotient's progress reaches `progress` as a share of the whole flow set (its flows
+/// done scaled by the flows each stands for on average), so a bar over every flow fills.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn simulate_reduced<R: ReducedRun>(
     graph: &NetGraph,
     flows: &FlowSet,
@@ -290,9 +293,18 @@ pub(super) fn simulate_reduced<R: ReducedRun>(
     ties: &[u64],
     enabled: bool,
     exempt_bytes: u64,
-    mut simulate: impl FnMut(&FlowSet, Routes, &[u64], &[u64], &[Quotient]) -> Result<R, SimError>,
+    progress: &mut dyn FnMut(SimProgress),
+    mut simulate: impl FnMut(
+        &FlowSet,
+        Routes,
+        &[u64],
+        &[u64],
+        &[Quotient],
+        &mut dyn FnMut(SimProgress),
+    ) -> Result<R, SimError>,
 ) -> Result<R, SimError> {
     let ones = vec![1; graph.num_nodes()];
+    let total = flows.flows.len();
     // Levels from `strict_from` on look only for symmetries that map every flow.
     let mut strict_from = usize::MAX;
     let mut retried_events = 0;
@@ -316,9 +328,17 @@ pub(super) fn simulate_reduced<R: ReducedRun>(
             }
         }
         let Some(last) = levels.last() else {
-            let mut run = simulate(flows, routes, &ones, ties, &[])?;
+            let mut run = simulate(flows, routes, &ones, ties, &[], progress)?;
             run.add_retried_events(retried_events);
             return Ok(run);
+        };
+        let stepped = last.flows.flows.len().max(1);
+        let mut scaled = |p: SimProgress| {
+            progress(SimProgress {
+                flows_done: (p.flows_done as u128 * total as u128 / stepped as u128) as usize,
+                flows_total: total,
+                ..p
+            })
         };
         let run = simulate(
             &last.flows,
@@ -326,6 +346,7 @@ pub(super) fn simulate_reduced<R: ReducedRun>(
             &last.copies,
             &last.ties,
             &levels,
+            &mut scaled,
         )?;
         let events = run.events();
         let mut expanded = Some(run);
