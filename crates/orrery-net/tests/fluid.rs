@@ -631,3 +631,25 @@ proptest::proptest! {
         proptest::prop_assert!(diff <= 1, "strided: {} ps", diff);
     }
 }
+
+/// A flow is frozen only once the ACKs of its deliveries still on their way are each one
+/// grant's. Here flow 1 -> 0 shares port 0's link with a short flow 2 -> 0, whose bytes
+/// queue ahead of its own, so once that flow ends the queue drains and flow 1 delivers
+/// more than a grant for a few steps, then a grant, and turns calm; flow 0 -> 1 sends the
+/// other way on the links that carry flow 1's ACKs, held to what they leave it. Freezing
+/// flow 1 while its drained deliveries' ACKs were still in flight took them off the rings
+/// as if they were a grant's, and left flow 0 -> 1 a different room.
+#[test]
+fn a_flow_is_frozen_only_once_its_acks_in_flight_are_a_grants() {
+    for (delay_ns, short) in [(1_000, 1_000_000), (3_000, 2_000_000), (5_000, 500_000)] {
+        let g = NetGraph::single_switch(3, gbps(100.0), Picos::from_nanos(delay_ns)).unwrap();
+        let fs = flow_set(vec![
+            flow(1, 0, 30_000_000),
+            flow(2, 0, short),
+            flow(0, 1, 30_000_000),
+        ]);
+        for dcqcn in [true, false] {
+            frozen_and_stepped(&g, &fs, dcqcn, &format!("{delay_ns} ns links, {short} B"));
+        }
+    }
+}
