@@ -90,25 +90,24 @@
 //! *frozen* ([`Fluid::try_freeze`]): once its port has granted it the same whole step (at
 //! its rate, or all of a port it has to itself) for as long as its bytes take to cross its
 //! path, every link of the path holds one such grant in flight per step of its delay,
-//! nothing queued, paused or about to pause, its receiver took one grant in the last
-//! step and the ACKs of its deliveries still on their way back are each one grant's (a
-//! flow that delivered a draining queue's bytes a few steps before would leave their
-//! surplus on the rings when its ACKs come off as grants': found by the bench's ECMP step
-//! at 1,024 GPUs, one flow 21 ps off stepping every flow), its bytes in flight leave the
-//! rings and its links keep its load per step
-//! (`frozen`, its ACKs' `frozen_ctrl`). Every link serves the others with that load
-//! counted (a FIFO's last segment is that much longer, a port has that much less room).
-//! It thaws ([`Fluid::thaw`]: the grants of the steps it missed added one by one, its
-//! grants in flight put back on the rings, the one landing now into the next FIFO or
-//! its receiver) at the latest two grants before its bytes run out or when its DCQCN
-//! rate is due to rise; and earlier, before the step transmits, if anything reaches one
-//! of its links ([`Fluid::thaw_where_reached`]): a pause, bytes older than the step in a
-//! FIFO, more asked of a link than its room with the frozen load counted, or, for a flow
+//! nothing queued, paused or about to pause, its receiver took one grant in the last step
+//! and the ACKs of its deliveries still on their way back are each one grant's (a flow that
+//! delivered a draining queue's bytes a few steps before would leave their surplus on the
+//! rings when its ACKs come off as grants': found by the bench's ECMP step at 1,024 GPUs,
+//! one flow 21 ps off stepping every flow), its bytes in flight leave the rings and its
+//! links keep its load per step (`frozen`, its ACKs' `frozen_ctrl`). Every link serves the
+//! others with that load counted (a FIFO's last segment is that much longer, a port has
+//! that much less room). It thaws ([`Fluid::thaw`]: the grants of the steps it missed added
+//! one by one, its grants in flight put back on the rings, the one landing now into the
+//! next FIFO or its receiver) at the latest two grants before its bytes run out or when its
+//! DCQCN rate is due to rise; and earlier, before the step transmits, if anything reaches
+//! one of its links ([`Fluid::thaw_where_reached`]): a pause, bytes older than the step in
+//! a FIFO, more asked of a link than its room with the frozen load counted, or, for a flow
 //! held to its port's room, any other sender or any other room. When every flow in flight
-//! is frozen the run skips to the next release or thaw. On strided links the same holds
-//! per transmission: the grant is a transmission's, one per transmission is in flight on
-//! each link, the frozen loads count per transmission, and a thaw between two of them
-//! puts back only the grants in flight (none lands then).
+//! is frozen the run skips to the next release or thaw. On strided links the same holds per
+//! transmission: the grant is a transmission's, one per transmission is in flight on each
+//! link, the frozen loads count per transmission, and a thaw between two of them puts back
+//! only the grants in flight (none lands then).
 //!
 //! The skip is exact, not approximate: with and without it, every run compared gave the
 //! same bits (`tests/fluid.rs` checks random traffic, incasts with and without DCQCN and
