@@ -369,6 +369,8 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         v["flows"].clone()
     };
     assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-every-step"]));
+    // The flag is taken (this scenario has no symmetry to reduce; the training step's
+    // test below compares a reduced run with a full one).
     assert_eq!(fluid_out(&[]), fluid_out(&["--fluid-no-symmetry"]));
     // The fluid model's step: the default or the one asked for, never longer than the
     // shortest delay of a link the flows use (every link here has the default 1 us).

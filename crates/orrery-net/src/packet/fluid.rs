@@ -375,7 +375,13 @@ impl FluidSimulator {
             Picos(step)
         });
         let longest_stride = (longest_link_step.0 / step).clamp(1, MAX_STRIDE) as usize;
-        let ties = super::host::tie_keys(graph, flows);
+        // Only the symmetry search reads the tie keys here (the fluid model orders a
+        // port's queue pairs by their demands).
+        let ties = if self.symmetry {
+            super::host::tie_keys(graph, flows)
+        } else {
+            Vec::new()
+        };
         // Flows of one packet may be left out of the symmetry check, as in the packet
         // model by default (see the `symmetry` module).
         let exempt_bytes = u64::from(cfg.mtu_payload);
@@ -792,16 +798,6 @@ impl<'a> Fluid<'a> {
                 .map(|&l| (links[l as usize].delay_steps as u64 / stride.max(1)) as u32 + 1)
                 .sum::<u32>()
                 + 2;
-            // A delivery's ACKs reach the reverse path's last link after every other
-            // link's delay; the deliveries of the transmissions before it whose ACKs are on
-            // their way then.
-            let before_last: usize = rpath
-                .iter()
-                .take(rpath.len().saturating_sub(1))
-                .map(|&l| links[l as usize].delay_steps)
-                .sum();
-            let acks_in_flight =
-                ((before_last as u64).saturating_sub(stride.max(1)) / stride.max(1)) as u32;
             states.push(FlowState {
                 fwd,
                 rev,
@@ -833,16 +829,21 @@ impl<'a> Fluid<'a> {
                 ack_run: 0,
                 ack_run_total: 0.0,
                 ack_run_end: 0,
-                acks_in_flight,
+                acks_in_flight: 0,
                 frozen: None,
             });
         }
         // Each link's ACK ring spans the longest an ACK takes to reach it from a receiver.
+        // A flow's ACKs reach its reverse path's last link after every other link's delay:
+        // the deliveries of the transmissions before one whose ACKs are then on their way
+        // are its `acks_in_flight`.
         let mut ack_steps = vec![0usize; links.len()];
-        for s in &states {
+        for s in &mut states {
             let mut after = 0;
             for &l in &routes.paths[s.rev.0 as usize..(s.rev.0 + s.rev.1) as usize] {
                 ack_steps[l as usize] = ack_steps[l as usize].max(after);
+                let stride = s.stride.max(1);
+                s.acks_in_flight = ((after as u64).saturating_sub(stride) / stride) as u32;
                 after += links[l as usize].delay_steps;
             }
         }
@@ -1675,11 +1676,16 @@ impl<'a> Fluid<'a> {
                 } else {
                     (k + stride, k + after, k + 1)
                 };
+                // A freeze waits until each of these holds one grant's ACKs of the flow
+                // (`try_freeze`), so taking them off leaves no slot below zero: the sums
+                // are on the grid, exact.
                 for due in (first..=last).step_by(stride) {
                     if due == in_ctrl {
+                        debug_assert!(link.ctrl + delta >= 0.0, "{} {delta}", link.ctrl);
                         link.ctrl = (link.ctrl + delta).max(0.0);
                     } else {
                         let slot = due & (link.ctrl_ring.len() - 1);
+                        debug_assert!(link.ctrl_ring[slot] + delta >= 0.0);
                         link.ctrl_ring[slot] = (link.ctrl_ring[slot] + delta).max(0.0);
                         link.ctrl_ahead = (link.ctrl_ahead + delta).max(0.0);
                     }
