@@ -139,8 +139,8 @@
 //! afresh, and sums over a step's flows (a FIFO segment's shares) take their terms in flow
 //! order. Nothing did where compared: the same picoseconds, bytes and pauses as stepping
 //! every copy (`tests/fluid.rs`: a 4-channel ring over four hosts, four 4-to-1 incasts with
-//! PFC pauses, an all-to-all; the example scenarios and the bench's ring, GPT, Mixtral and
-//! 405B steps, docs/benchmarks.md). Where flows of one packet are left out of the check (a
+//! PFC pauses, an all-to-all; `ring-allreduce-128`, `gpt-step-128` and the bench's ring,
+//! GPT 350M at 128 GPUs, Mixtral and 405B steps, docs/benchmarks.md). Where flows of one packet are left out of the check (a
 //! gradient norm over a tree), each is stepped on its own, without its copies' frames
 //! beside it, and the flows after it are timed through their own dependencies: there the
 //! step of `tests/fluid.rs` is 0.03% off per flow on average, its end exact. ECMP's hashes
