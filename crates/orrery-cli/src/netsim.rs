@@ -57,6 +57,10 @@ pub struct NetsimArgs {
     /// GPU) instead of one per orbit (symmetry reduction, on by default).
     #[arg(long)]
     fluid_no_symmetry: bool,
+    /// Fluid model: take every step between strided links' transmissions too, where
+    /// nothing happens (skipped by default; the reference for that skip).
+    #[arg(long)]
+    fluid_no_gap_skip: bool,
     #[command(flatten)]
     packet: crate::packet_flags::PacketFlags,
 }
@@ -169,6 +173,10 @@ pub struct NetsimSummary {
     /// Fluid model only, where symmetry reduction found a rotation: the flows stepped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fluid_simulated_flows: Option<u64>,
+    /// Fluid model only, where some link was strided: the steps skipped between strided
+    /// links' transmissions, where nothing happened.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fluid_gap_skipped_steps: Option<u64>,
 }
 
 /// One flow of the `--out` report: what it was (the flow set's spec, its collective by
@@ -372,6 +380,7 @@ fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64
         fluid_link_step_ps: None,
         symmetry: Vec::new(),
         fluid_simulated_flows: None,
+        fluid_gap_skipped_steps: None,
     }
 }
 
@@ -509,6 +518,12 @@ fn render(s: &NetsimSummary) -> String {
             .map(|l| format!(" (links with longer delays every {} at most)", Picos(l)))
             .unwrap_or_default();
         let _ = writeln!(out, "fluid step {}{links}", Picos(step));
+    }
+    if let Some(gaps) = s.fluid_gap_skipped_steps {
+        let _ = writeln!(
+            out,
+            "steps between strided links' transmissions skipped: {gaps}"
+        );
     }
     if let Some(c) = &s.calm_skip {
         let _ = writeln!(
@@ -836,6 +851,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     for (given, flag) in [
         (args.fluid_every_step, "--fluid-every-step"),
         (args.fluid_no_symmetry, "--fluid-no-symmetry"),
+        (args.fluid_no_gap_skip, "--fluid-no-gap-skip"),
     ] {
         if given && model != SimModel::Fluid {
             problems.push(&format!(
@@ -890,6 +906,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             step: fluid_step.unwrap_or(orrery_net::packet::FluidSimulator::DEFAULT_STEP),
             longest_link_step: fluid_link_step,
             symmetry: !args.fluid_no_symmetry,
+            gap_skip: !args.fluid_no_gap_skip,
         }
         .run_with_progress(&scenario.graph, &scenario.flows, &mut progress)
         .map(|(report, run)| {
@@ -944,6 +961,8 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
         summary.fluid_step_ps = Some(run.step.0);
         summary.fluid_link_step_ps =
             (run.longest_link_step > run.step).then_some(run.longest_link_step.0);
+        summary.fluid_gap_skipped_steps =
+            (run.longest_link_step > run.step).then_some(run.gap_skipped_steps);
         if !run.symmetry.is_empty() {
             summary.fluid_simulated_flows = Some(run.simulated_flows);
         }

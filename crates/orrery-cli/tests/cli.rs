@@ -386,10 +386,19 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
     assert_eq!(v["fluid_link_step_ps"].as_u64(), Some(1_000_000));
     assert_eq!(v["fct"]["count"], 4);
+    // The steps between the cables' transmissions are skipped, and taken with
+    // `--fluid-no-gap-skip`, for the same flows.
+    assert!(v["fluid_gap_skipped_steps"].as_u64() > Some(0), "{v}");
+    let strided = ["--fluid-link-step-ns", "1000"];
+    assert_eq!(
+        fluid_out(&strided),
+        fluid_out(&[&strided[..], &["--fluid-no-gap-skip"]].concat())
+    );
     // 0: every link every step (no link is strided, so the field is left out).
     let v = netsim_json(&["--model", "fluid", "--fluid-link-step-ns", "0"]);
     assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
     assert!(v.get("fluid_link_step_ps").is_none(), "{v}");
+    assert!(v.get("fluid_gap_skipped_steps").is_none(), "{v}");
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -464,6 +473,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         scenario.to_str().unwrap(),
         "--fluid-every-step",
         "--fluid-no-symmetry",
+        "--fluid-no-gap-skip",
         "--fluid-step-ns",
         "0",
         "--fluid-link-step-ns=-1",
@@ -474,6 +484,7 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         &[
             "--fluid-every-step applies to the fluid model",
             "--fluid-no-symmetry applies to the fluid model",
+            "--fluid-no-gap-skip applies to the fluid model",
             "--fluid-step-ns applies to the fluid model",
             "--fluid-step-ns must be",
             "--fluid-link-step-ns applies to the fluid model",

@@ -118,6 +118,20 @@ fn fluid_incast_4_to_1_400g(b: divan::Bencher, calm_skip: bool) {
     fluid_bench(b, incast(4, 400.0, 30 << 20), calm_skip, None);
 }
 
+/// The same incast with its 1 us cables transmitting once a microsecond at 500 ns steps,
+/// with and without skipping the steps between their transmissions (`gap_skip`, which
+/// changes no result).
+#[divan::bench(sample_count = 10, args = [true, false])]
+fn fluid_incast_4_to_1_400g_cables_every_1us(b: divan::Bencher, gap_skip: bool) {
+    let (g, set) = incast(4, 400.0, 30 << 20);
+    let sim = FluidSimulator {
+        longest_link_step: Some(Picos::from_micros(1)),
+        gap_skip,
+        ..Default::default()
+    };
+    b.bench(|| sim.simulate(&g, &set).map(|r| r.events));
+}
+
 /// The ring with every link transmitting every 200 ns step (NVLink's delay sets it).
 #[divan::bench(sample_count = 10, args = [true, false])]
 fn fluid_ring_16_gpus_16mib(b: divan::Bencher, calm_skip: bool) {

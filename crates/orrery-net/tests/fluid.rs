@@ -12,7 +12,7 @@ use common::{
 use orrery_net::flows::{collective_flows, FlowAlgorithm, FlowSet};
 use orrery_net::packet::{CalmSkipStats, FluidSimulator, PacketConfig};
 use orrery_net::sim::{FlowSimulator, RunErrors, SimReport};
-use orrery_net::topology::{NetGraph, Routing};
+use orrery_net::topology::{Link, NetGraph, NodeKind, Routing};
 use orrery_net::CollectiveKind;
 use orrery_units::{Bytes, FlowId, Picos};
 
@@ -626,9 +626,120 @@ proptest::proptest! {
         };
         strided.config.dcqcn = dcqcn;
         let frozen = strided.simulate(&g, &fs).unwrap();
+        // Nor taking the steps between the strided links' transmissions: the same report
+        // but for the steps counted.
+        let every_gap = FluidSimulator { gap_skip: false, ..strided.clone() };
+        proptest::prop_assert_eq!(
+            steps_left_out(frozen.clone()),
+            steps_left_out(every_gap.simulate(&g, &fs).unwrap())
+        );
         strided.calm_skip = false;
         let diff = largest_difference(&frozen, &strided.simulate(&g, &fs).unwrap());
         proptest::prop_assert!(diff <= 1, "strided: {} ps", diff);
+    }
+}
+
+/// `report` without the steps it took and skipped: what the gap skip may change.
+fn steps_left_out(report: SimReport) -> SimReport {
+    SimReport {
+        events: 0,
+        accel: Default::default(),
+        ..report
+    }
+}
+
+/// Where every listed link is strided, the steps between their transmissions do nothing
+/// and are skipped (`gap_skip`): the same report, to the bit, as taking each of them, with
+/// and without the calm skip. The cases: a ring over NVLink hosts (200 ns steps, cables
+/// every 1 us, NVLink hops holding the steps while they carry bytes); a 4-to-1 incast
+/// released at odd microseconds (queue pairs joining inside their port's window, DCQCN's
+/// cuts, PFC pauses reaching their transmitters between transmissions); and a switch whose
+/// ports have three strides (1 us, 600 ns and 200 ns links at 200 ns steps), one port 1 us
+/// in and 600 ns out, so the ACKs of what it receives at 1 us strides reach a 1 us link
+/// 600 ns later, between its transmissions and off every stride: skips wait for them.
+#[test]
+fn steps_between_strided_transmissions_are_skipped_and_change_nothing() {
+    let (ring_g, ring_fs) = ring_all_reduce(16 << 20);
+    let (incast_g, incast_fs) = incast(&[20_971_520; 4], &[0, 3, 5, 11]);
+    // Endpoints 0 to 3 on one switch: 0's links 200 ns, 2's 1 us, 3's 600 ns, 1's 600 ns
+    // up and 1 us down.
+    let base = NetGraph::single_switch(4, gbps(100.0), us(1)).unwrap();
+    let links = base
+        .links()
+        .iter()
+        .map(|l| {
+            let (end, up) = if l.from.index() < 4 {
+                (l.from, true)
+            } else {
+                (l.to, false)
+            };
+            let delay = match (end.index(), up) {
+                (0, _) => Picos::from_nanos(200),
+                (3, _) | (1, true) => Picos::from_nanos(600),
+                _ => us(1),
+            };
+            Link { delay, ..*l }
+        })
+        .collect();
+    let kinds = (0..5)
+        .map(|i| {
+            if i < 4 {
+                NodeKind::Endpoint
+            } else {
+                NodeKind::Switch
+            }
+        })
+        .collect();
+    let mixed = NetGraph::from_parts(kinds, links, 1).unwrap();
+    let mut late = flow(3, 2, 4_000_000);
+    late.delay = Picos::from_nanos(2_700);
+    let mut short = flow(0, 1, 200_000);
+    short.delay = Picos::from_nanos(900);
+    let mixed_fs = flow_set(vec![
+        flow(2, 1, 8_000_000),
+        flow(3, 1, 3_000_000),
+        late,
+        short,
+    ]);
+    let cases = [
+        ("ring over NVLink hosts", &ring_g, &ring_fs, None),
+        (
+            "4-to-1 incast, 1 us cables at 500 ns",
+            &incast_g,
+            &incast_fs,
+            Some(us(1)),
+        ),
+        ("three strides on one switch", &mixed, &mixed_fs, None),
+    ];
+    for (name, g, fs, longest_link_step) in cases {
+        for calm_skip in [true, false] {
+            let sim = |gap_skip| FluidSimulator {
+                longest_link_step,
+                calm_skip,
+                gap_skip,
+                ..Default::default()
+            };
+            let (skipped, run) = sim(true).run_with_progress(g, fs, &mut |_| {}).unwrap();
+            let (taken, plain) = sim(false).run_with_progress(g, fs, &mut |_| {}).unwrap();
+            println!(
+                "{name}, calm skip {calm_skip}: {} steps taken against {}, {} skipped \
+                 between transmissions, {} pauses, {:?}",
+                skipped.events,
+                taken.events,
+                run.gap_skipped_steps,
+                taken.pfc_pauses.iter().sum::<u64>(),
+                run.calm_skip
+            );
+            assert!(run.gap_skipped_steps > 0, "{name}: nothing skipped");
+            assert_eq!(plain.gap_skipped_steps, 0);
+            assert_eq!(
+                skipped.events + run.gap_skipped_steps,
+                taken.events,
+                "{name}"
+            );
+            assert_eq!(run.calm_skip, plain.calm_skip, "{name}");
+            assert_eq!(steps_left_out(skipped), steps_left_out(taken), "{name}");
+        }
     }
 }
 
