@@ -431,6 +431,11 @@ struct AccelRow {
     /// same way; the bench fails if its flows differ from the default run's.
     #[serde(skip_serializing_if = "Option::is_none")]
     fluid_every_step_secs: Option<f64>,
+    /// With `--fluid`: the fluid model taking the steps between strided links'
+    /// transmissions too (`gap_skip` off), timed the same way; the bench fails if its
+    /// flows differ from the default run's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fluid_every_gap_secs: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -559,6 +564,13 @@ pub fn run_accel_bench(b: &AccelBench) -> Result<()> {
                         stepped / secs
                     );
                 }
+                if let Some(gaps) = row.fluid_every_gap_secs {
+                    outln!(
+                        "{:<46} the fluid model taking the steps between transmissions: {gaps:.3} s (the gap skip {:.2}x faster, the same flows)",
+                        "",
+                        gaps / secs
+                    );
+                }
             }
             for (e, what) in [
                 (&row.reference_seed_spread, "with the next seed"),
@@ -641,19 +653,45 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         _ => None,
     };
     let fluid = if spreads.fluid {
-        let (report, secs, copies) = timed_fluid(s, true, spreads.fluid_link_step)?;
-        let (stepped, stepped_secs, _) = timed_fluid(s, false, spreads.fluid_link_step)?;
-        if stepped.flows != report.flows {
-            anyhow::bail!(
-                "{}: the fluid model's calm skip changed the flows' times (it must not: \
-                 compare `orrery netsim --model fluid` with and without --fluid-every-step)",
-                s.name
-            );
+        let sim = FluidSimulator {
+            longest_link_step: spreads.fluid_link_step,
+            ..Default::default()
+        };
+        let (report, secs, copies) = timed_fluid(s, &sim)?;
+        let slow_runs = [
+            (
+                FluidSimulator {
+                    calm_skip: false,
+                    ..sim.clone()
+                },
+                "--fluid-every-step",
+                "calm skip",
+            ),
+            (
+                FluidSimulator {
+                    gap_skip: false,
+                    ..sim.clone()
+                },
+                "--fluid-no-gap-skip",
+                "gap skip",
+            ),
+        ];
+        let mut slow_secs = [0.0; 2];
+        for ((slow, flag, skip), slow_secs) in slow_runs.iter().zip(&mut slow_secs) {
+            let (slow_report, t, _) = timed_fluid(s, slow)?;
+            if slow_report.flows != report.flows {
+                anyhow::bail!(
+                    "{}: the fluid model's {skip} changed the flows' times (it must not: \
+                     compare `orrery netsim --model fluid` with and without {flag})",
+                    s.name
+                );
+            }
+            *slow_secs = t;
         }
         let errors = reference
             .as_ref()
             .map(|(r, _)| RunErrors::between(&r.report, &report, &s.flows).into());
-        Some((secs, errors, stepped_secs, copies))
+        Some((secs, errors, slow_secs, copies))
     } else {
         None
     };
@@ -696,24 +734,16 @@ fn measure(s: &Scenario, with_reference: bool, spreads: Spreads) -> Result<Accel
         reference_seed_spread: spread,
         reference_label_spread: label_spread,
         fluid_secs: fluid.as_ref().map(|f| f.0),
-        fluid_every_step_secs: fluid.as_ref().map(|f| f.2),
+        fluid_every_step_secs: fluid.as_ref().map(|f| f.2[0]),
+        fluid_every_gap_secs: fluid.as_ref().map(|f| f.2[1]),
         fluid_symmetry_copies: fluid.as_ref().map(|f| f.3),
         fluid_errors: fluid.and_then(|f| f.1),
     })
 }
 
-/// The fluid model on `s`, calm flows frozen or every flow stepped, timed as
-/// [`timed_median`] times the accelerated run, with the copies each stepped flow stood for.
-fn timed_fluid(
-    s: &Scenario,
-    calm_skip: bool,
-    longest_link_step: Option<Picos>,
-) -> Result<(SimReport, f64, u64)> {
-    let sim = FluidSimulator {
-        calm_skip,
-        longest_link_step,
-        ..Default::default()
-    };
+/// The fluid model `sim` on `s`, timed as [`timed_median`] times the accelerated run, with
+/// the copies each stepped flow stood for.
+fn timed_fluid(s: &Scenario, sim: &FluidSimulator) -> Result<(SimReport, f64, u64)> {
     // Each run finds the same rotations; the last one's are kept.
     let copies = std::cell::Cell::new(1);
     let run = || -> Result<(SimReport, f64)> {
@@ -858,6 +888,7 @@ mod tests {
             fluid_errors: None,
             fluid_symmetry_copies: None,
             fluid_every_step_secs: None,
+            fluid_every_gap_secs: None,
         }
     }
 
@@ -935,11 +966,11 @@ mod tests {
         }
     }
 
-    /// `--fluid` times the fluid model with and without its calm skip, and the row is made
-    /// only where the two runs' flows agree (the bench fails otherwise); it says how many
-    /// copies the fluid model's symmetry reduction stepped as one.
+    /// `--fluid` times the fluid model with and without its calm skip and its gap skip,
+    /// and the row is made only where the runs' flows agree (the bench fails otherwise);
+    /// it says how many copies the fluid model's symmetry reduction stepped as one.
     #[test]
-    fn the_fluid_rows_time_the_calm_skip_against_every_step() {
+    fn the_fluid_rows_time_the_calm_skip_and_the_gap_skip_against_every_step() {
         // 64 GPUs: of 16, 32 and 64, the smallest ring the symmetry search finds a rotation of.
         let s = ring_all_reduce(64, 16 << 20).unwrap();
         let spreads = Spreads {
@@ -951,6 +982,7 @@ mod tests {
         let row = measure(&s, false, spreads).unwrap();
         assert!(row.fluid_secs.is_some_and(|t| t > 0.0));
         assert!(row.fluid_every_step_secs.is_some_and(|t| t > 0.0));
+        assert!(row.fluid_every_gap_secs.is_some_and(|t| t > 0.0));
         assert!(row.fluid_errors.is_none(), "no reference ran");
         // The fluid model finds the packet model's rotations (the hosts' and their GPUs').
         assert!(row.symmetry_copies > 1, "{}", row.symmetry_copies);

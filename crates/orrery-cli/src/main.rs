@@ -107,8 +107,9 @@ enum Command {
         #[arg(long)]
         label_spread: bool,
         /// With --accel: also run each scenario in the fluid model and print its wall time
-        /// and its errors against the reference, and its time stepping every flow (the
-        /// calm skip off; the bench fails if the two runs' flows differ).
+        /// and its errors against the reference, its time stepping every flow (the calm
+        /// skip off) and its time taking the steps between strided links' transmissions
+        /// (the gap skip off; the bench fails if a run's flows differ from the first's).
         #[arg(long)]
         fluid: bool,
         /// With --accel --fluid: let the fluid model step links whose delay spans several
