@@ -648,10 +648,11 @@ fn steps_left_out(report: SimReport) -> SimReport {
     }
 }
 
-/// Where every listed link is strided, the steps between their transmissions do nothing
-/// and are skipped (`gap_skip`): the same report, to the bit, as taking each of them, with
-/// and without the calm skip. The cases: a ring over NVLink hosts (200 ns steps, cables
-/// every 1 us, NVLink hops holding the steps while they carry bytes); a 4-to-1 incast
+/// Where every listed link is strided or holds only frozen flows' loads, the steps between
+/// the strided links' transmissions do nothing and are skipped (`gap_skip`): the same
+/// report, to the bit, as taking each of them, with and without the calm skip. The cases:
+/// a ring over NVLink hosts (200 ns steps, cables every 1 us, NVLink hops holding the steps
+/// while they carry bytes that are not frozen; skipping while they do fails); a 4-to-1 incast
 /// released at odd microseconds (queue pairs joining inside their port's window, DCQCN's
 /// cuts, PFC pauses reaching their transmitters between transmissions); and a switch whose
 /// ports have three strides (1 us, 600 ns and 200 ns links at 200 ns steps), one port 1 us

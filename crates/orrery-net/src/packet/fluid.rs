@@ -154,7 +154,7 @@
 //! random traffic, an NVLink ring, an incast with PFC pauses, a switch of three strides
 //! whose ACKs fall between transmissions, which fails without the wait for them; the five
 //! example scenarios, the bench's GPT, Mixtral and ring steps and the 405B step, flow by
-//! flow; docs/benchmarks.md). The ECMP step at 1,024 GPUs takes 87,182 steps instead of
+//! flow; docs/benchmarks.md). The ECMP step at 1,024 GPUs takes 81,729 steps instead of
 //! 292,246. `--fluid-no-gap-skip` takes every step.
 //!
 //! ## Symmetric traffic (`symmetry`, on by default)
