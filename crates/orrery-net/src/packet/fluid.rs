@@ -1863,3 +1863,147 @@ impl<'a> Fluid<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::topology::{Link as GraphLink, NodeKind};
+    use orrery_units::{Bandwidth, Bytes};
+
+    #[test]
+    fn a_link_strides_by_the_longest_divisor_of_its_delay_within_the_bound() {
+        // (delay in steps, longest stride) -> stride
+        for ((delay, longest), stride) in [
+            ((5, 5), 5),
+            ((10, 5), 5),
+            ((6, 5), 3),
+            ((7, 5), 1),
+            ((3, 5), 3),
+            ((1, 5), 1),
+            ((4, 1), 1),
+        ] {
+            assert_eq!(
+                stride_for(delay, longest),
+                stride,
+                "{delay} steps, {longest}"
+            );
+        }
+    }
+
+    #[test]
+    fn loads_on_the_grid_add_up_exactly_in_any_order() {
+        assert_eq!(on_grid(1.0 / 3.0), 341.0 / GRID);
+        let terms: Vec<f64> = (1..200).map(|i| on_grid(i as f64 * 0.731)).collect();
+        let forward: f64 = terms.iter().sum();
+        let backward: f64 = terms.iter().rev().sum();
+        assert_eq!(forward.to_bits(), backward.to_bits());
+    }
+
+    /// A switch with three endpoints: 0 and 1 on 1 us cables, 2 on a 500 ns one, at 500 ns
+    /// steps with strides of up to two: the cables transmit at even steps, 2's links every
+    /// step. One 10 MB flow 1 -> 0.
+    fn two_strides() -> (NetGraph, FlowSet) {
+        let bw = Bandwidth::from_gbits_per_sec(100.0);
+        let mut links = Vec::new();
+        for e in 0..3u32 {
+            let delay = if e == 2 {
+                Picos::from_nanos(500)
+            } else {
+                Picos::from_micros(1)
+            };
+            let (end, sw) = (orrery_units::NodeId(e), orrery_units::NodeId(3));
+            links.push(GraphLink {
+                from: end,
+                to: sw,
+                bandwidth: bw,
+                delay,
+            });
+            links.push(GraphLink {
+                from: sw,
+                to: end,
+                bandwidth: bw,
+                delay,
+            });
+        }
+        let kinds = vec![
+            NodeKind::Endpoint,
+            NodeKind::Endpoint,
+            NodeKind::Endpoint,
+            NodeKind::Switch,
+        ];
+        let graph = NetGraph::from_parts(kinds, links, 1).unwrap();
+        let mut flows = FlowSet::default();
+        flows.push_p2p("one", 1, 0, Bytes(10_000_000), Picos::ZERO);
+        (graph, flows)
+    }
+
+    /// The gap skip goes from a step between the cables' transmissions to the next one only
+    /// while nothing could happen in between: each thing that could, alone, keeps the next
+    /// step (see "Steps between transmissions" in the module's docs).
+    #[test]
+    fn a_gap_is_skipped_only_where_nothing_can_happen_in_it() {
+        let (graph, flows) = two_strides();
+        let cfg = PacketConfig::default().sanitized();
+        let routes = Routes::compute(&graph, &flows).unwrap();
+        let copies = vec![1; graph.num_nodes()];
+        let fresh = || {
+            let mut f = Fluid::new(
+                &cfg, 500_000, &graph, &flows, &routes, &copies, true, true, 2,
+            );
+            // The flow is released and sends at step 0; its bytes are on the first cable.
+            f.step(0);
+            f
+        };
+        let (nic, to_receiver, short) = (2u32, 1u32, 4u32);
+        assert_eq!(fresh().links[nic as usize].stride, 2);
+        assert_eq!(fresh().links[short as usize].stride, 1);
+        // Nothing pending: step 1 is skipped, step 2 (a transmission) is not.
+        assert_eq!(fresh().skip_gap(1), 2);
+        assert_eq!(fresh().skip_gap(2), 2);
+        // A release in step 1.
+        let mut f = fresh();
+        f.releases.insert((Picos(700_000), 0));
+        assert_eq!(f.skip_gap(1), 1);
+        // A pause reaching its transmitter at step 1.
+        let mut f = fresh();
+        f.pause_calendar.insert((1, to_receiver), true);
+        assert_eq!(f.skip_gap(1), 1);
+        // An ACK due at a cable between its transmissions.
+        let mut f = fresh();
+        f.acks_off_grid_until = 3;
+        assert_eq!(f.skip_gap(1), 1);
+        // A pause PFC would send: the ingress of the sender's cable holding more than the
+        // switch's whole pool.
+        let mut f = fresh();
+        f.links[nic as usize].in_bytes = 1e12;
+        f.pfc_links.push(nic);
+        assert_eq!(f.skip_gap(1), 1);
+        // A link that transmits every step, listed with a queue pair to serve; listed for
+        // a frozen flow's load only, it changes nothing.
+        let mut f = fresh();
+        f.list(short);
+        f.links[short as usize].qps.push(0);
+        assert_eq!(f.skip_gap(1), 1);
+        let mut f = fresh();
+        f.list(short);
+        f.links[short as usize].frozen_flows.push(0);
+        assert_eq!(f.skip_gap(1), 2);
+        // A frozen flow's thaw at step 1, and something that reached a frozen flow's link
+        // (a pause) by then.
+        let frozen = |f: &mut Fluid, at: u64| {
+            let link = &mut f.links[to_receiver as usize];
+            link.frozen_flows.push(0);
+            f.frozen_links.push(to_receiver);
+            f.thaws.insert((at, 0));
+        };
+        let mut f = fresh();
+        frozen(&mut f, 1);
+        assert_eq!(f.skip_gap(1), 1);
+        let mut f = fresh();
+        frozen(&mut f, 100);
+        assert_eq!(f.skip_gap(1), 2);
+        f.links[to_receiver as usize].paused = true;
+        assert_eq!(f.skip_gap(1), 1);
+    }
+}
