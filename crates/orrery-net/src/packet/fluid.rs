@@ -152,7 +152,8 @@
 //! skipped would have (their loads are on the grid, so none of this moves a bit).
 //! Measured: every output compared is identical with and without it (`tests/fluid.rs`:
 //! random traffic, an NVLink ring, an incast with PFC pauses, a switch of three strides
-//! whose ACKs fall between transmissions, which fails without the wait for them; the five
+//! whose ACKs fall between transmissions, which fails without the wait for them; the unit
+//! test below sets up each stop condition alone; the five
 //! example scenarios, the bench's GPT, Mixtral and ring steps and the 405B step, flow by
 //! flow; docs/benchmarks.md). The ECMP step at 1,024 GPUs takes 81,729 steps instead of
 //! 292,246. `--fluid-no-gap-skip` takes every step.
