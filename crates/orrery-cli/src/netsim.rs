@@ -26,6 +26,12 @@ pub struct NetsimArgs {
     /// size, collective, dependencies, start, finish and (packet model) events.
     #[arg(long, value_name = "FILE.json")]
     out: Option<PathBuf>,
+    /// Also write the run as a Perfetto / Chrome trace to this file (open it at
+    /// ui.perfetto.dev): a process per host with a track per sending GPU (flows in flight
+    /// at once on separate lanes), each flow from its release to its finish, and the
+    /// collectives' spans.
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
     /// Packet model: sample the egress queue depth of this directed link (see the busiest
     /// links table for ids) and write it as CSV to --queue-trace-out.
     #[arg(long, value_name = "LINK")]
@@ -814,6 +820,7 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
     // The file's problems (its traffic's, its [packet] table's) and the flags' at once.
     let mut problems = InputProblems::default();
     problems.output("--out", args.out.as_deref());
+    problems.output("--trace", args.trace.as_deref());
     if args.queue_trace.is_some() {
         problems.output("--queue-trace-out", Some(&args.queue_trace_out));
     }
@@ -990,6 +997,22 @@ pub fn run_netsim(args: &NetsimArgs) -> Result<()> {
             "wrote queue-depth trace of link {link} ({} samples) to {}",
             samples.len(),
             args.queue_trace_out.display()
+        );
+    }
+    if let Some(path) = &args.trace {
+        atomic_write_with(path, |w| {
+            orrery_net::flow_trace::write_flow_trace(
+                &scenario.name,
+                &scenario.flows,
+                &report,
+                scenario.graph.endpoints_per_host(),
+                w,
+            )
+        })?;
+        eprintln!(
+            "wrote a Perfetto trace of {} flows to {}",
+            report.flows.len(),
+            path.display()
         );
     }
     if let Some(path) = &args.out {

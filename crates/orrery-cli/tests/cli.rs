@@ -399,6 +399,33 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
     assert_eq!(v["fluid_step_ps"].as_u64(), Some(500_000));
     assert!(v.get("fluid_link_step_ps").is_none(), "{v}");
     assert!(v.get("fluid_gap_skipped_steps").is_none(), "{v}");
+    // A Perfetto trace of the run, with every model: a slice per flow on its sender's
+    // track, and one per collective.
+    for model in ["flow", "packet", "fluid"] {
+        let trace = dir.join(format!("trace-{model}.json"));
+        let (code, _, stderr) = orrery(&[
+            "netsim",
+            scenario.to_str().unwrap(),
+            "--model",
+            model,
+            "--trace",
+            trace.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+        let slices = |cat: &str| {
+            v["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["ph"] == "X" && e["cat"] == cat)
+                .count()
+        };
+        assert_eq!(slices("flow"), 4, "{model}");
+        assert!(slices("collective") >= 1, "{model}");
+        assert_eq!(v["otherData"]["model"], model);
+    }
     // A queue-depth trace of the receiver's link (switch -> endpoint 0 is link 1).
     let trace = dir.join("queue.csv");
     let (code, _, stderr) = orrery(&[
@@ -501,12 +528,18 @@ fn netsim_runs_a_scenario_at_flow_packet_and_fluid_level() {
         nowhere.join("out.json").to_str().unwrap(),
         "--memo-cache",
         nowhere.join("memo.bin").to_str().unwrap(),
+        "--trace",
+        nowhere.join("trace.json").to_str().unwrap(),
     ]);
     assert_eq!(code, 2);
     assert!(stdout.is_empty(), "{stdout}");
     assert_mentions(
         &stderr,
-        &["--out: cannot write", "--memo-cache: cannot write"],
+        &[
+            "--out: cannot write",
+            "--memo-cache: cannot write",
+            "--trace: cannot write",
+        ],
     );
     // The [packet] table alone.
     std::fs::write(

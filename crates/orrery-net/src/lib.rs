@@ -24,6 +24,8 @@
 //! - [`sim`]: the [`sim::FlowSimulator`] trait and its [`sim::SimReport`];
 //!   [`flow_model`] (max-min fair sharing) and [`packet`] (RDMA, ECN, PFC, DCQCN) implement it.
 //! - [`scenario`]: the `orrery netsim` file format.
+//! - [`flow_trace`]: a run's flows and collectives as a Perfetto timeline (`orrery netsim
+//!   --trace`).
 //!
 //! Byte convention: [`CollectiveRequest::bytes`] is the size `S` of the *full* buffer per
 //! rank, as nccl-tests reports it: the all-reduce buffer, the all-gather output, the
@@ -42,6 +44,7 @@ use serde::{Deserialize, Serialize};
 
 mod analytical;
 pub mod flow_model;
+pub mod flow_trace;
 pub mod flows;
 pub mod packet;
 pub mod scenario;
