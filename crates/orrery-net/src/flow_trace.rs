@@ -22,6 +22,7 @@
 
 use crate::flows::FlowSet;
 use crate::sim::{FlowOutcome, SimReport};
+use orrery_units::trace_text::{push_json_str, push_micros};
 use orrery_units::Picos;
 use std::fmt::Write as _;
 use std::io;
@@ -39,15 +40,9 @@ pub fn write_flow_trace(
     w: &mut impl io::Write,
 ) -> io::Result<()> {
     let per_host = endpoints_per_host.max(1) as u64;
-    let mut out = String::with_capacity(1 << 16);
-    out.push_str("{\"traceEvents\":[\n");
-    let mut first = true;
-    let mut event = |out: &mut String, text: &str| {
-        if !first {
-            out.push_str(",\n");
-        }
-        first = false;
-        out.push_str(text);
+    let mut ev = Events {
+        out: String::from("{\"traceEvents\":[\n"),
+        first: true,
     };
     // Flows by their source, each source's in release order (ties by id).
     let mut by_source: Vec<(u32, Picos, usize)> = flows
@@ -58,139 +53,144 @@ pub fn write_flow_trace(
         .map(|(i, (f, o))| (f.src, o.start, i))
         .collect();
     by_source.sort_unstable();
-    let collectives = collective_spans(flows, &report.flows);
-    let mut line = String::new();
-    let mut hosts_named = Vec::new();
+    let mut last_host = None;
     for group in by_source.chunk_by(|a, b| a.0 == b.0) {
         let src = group[0].0;
         let host = u64::from(src) / per_host;
-        if hosts_named.last() != Some(&host) {
-            hosts_named.push(host);
-            line.clear();
-            let _ = write!(
-                line,
-                "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{host},\"args\":{{\"name\":\"host {host}\"}}}}"
-            );
-            event(&mut out, &line);
-            line.clear();
-            let _ = write!(
-                line,
-                "{{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":{host},\"args\":{{\"sort_index\":{host}}}}}"
-            );
-            event(&mut out, &line);
+        if last_host != Some(host) {
+            last_host = Some(host);
+            ev.process(host, &format!("host {host}"));
         }
         let spans: Vec<(Picos, Picos)> = group
             .iter()
             .map(|&(_, _, i)| (report.flows[i].start, report.flows[i].finish))
             .collect();
         let lanes = lanes(&spans);
-        let used = lanes.iter().max().map_or(0, |&l| l + 1);
-        for lane in 0..used {
-            let tid = track_id(src, lane);
-            line.clear();
-            line.push_str("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":");
-            let _ = write!(line, "{host},\"tid\":{tid},\"args\":{{\"name\":");
+        for lane in 0..lanes.iter().max().map_or(0, |&l| l + 1) {
             let name = if lane == 0 {
                 format!("GPU {src}")
             } else {
                 format!("GPU {src} · {}", lane + 1)
             };
-            push_json_str(&mut line, &name);
-            line.push_str("}}");
-            event(&mut out, &line);
-            line.clear();
-            let _ = write!(
-                line,
-                "{{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":{host},\"tid\":{tid},\"args\":{{\"sort_index\":{tid}}}}}"
-            );
-            event(&mut out, &line);
+            ev.thread(host, track_id(src, lane), &name);
         }
         for (&(_, _, i), &lane) in group.iter().zip(&lanes) {
             let (f, o) = (&flows.flows[i], &report.flows[i]);
-            line.clear();
-            line.push_str("{\"ph\":\"X\",\"name\":");
             let name = flows
                 .collectives
                 .get(f.collective as usize)
                 .map_or("flow", |c| c.name.as_str());
-            push_json_str(&mut line, name);
-            let _ = write!(
-                line,
-                ",\"cat\":\"flow\",\"pid\":{host},\"tid\":{},\"ts\":",
-                track_id(src, lane)
-            );
-            push_us(&mut line, o.start);
-            line.push_str(",\"dur\":");
-            push_us(&mut line, o.fct());
-            let _ = write!(
-                line,
-                ",\"args\":{{\"flow\":{i},\"dst\":{},\"bytes\":{}}}}}",
-                f.dst, f.bytes.0
-            );
-            event(&mut out, &line);
+            let args = format!("\"flow\":{i},\"dst\":{},\"bytes\":{}", f.dst, f.bytes.0);
+            let track = (host, track_id(src, lane));
+            ev.slice(name, "flow", track, (o.start, o.fct()), &args);
         }
-        if out.len() >= FLUSH_AT {
-            w.write_all(out.as_bytes())?;
-            out.clear();
-        }
+        ev.flush_if_full(w)?;
     }
+    let collectives = collective_spans(flows, &report.flows);
     if !collectives.is_empty() {
         // After every host, whatever the hosts' numbers.
-        let pid = hosts_named.last().map_or(0, |&h| h + 1);
-        line.clear();
-        let _ = write!(
-            line,
-            "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{pid},\"args\":{{\"name\":\"collectives\"}}}}"
-        );
-        event(&mut out, &line);
-        line.clear();
-        let _ = write!(
-            line,
-            "{{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":{pid},\"args\":{{\"sort_index\":{pid}}}}}"
-        );
-        event(&mut out, &line);
+        let pid = last_host.map_or(0, |h| h + 1);
+        ev.process(pid, "collectives");
         let spans: Vec<(Picos, Picos)> = collectives.iter().map(|c| (c.start, c.finish)).collect();
         let lanes = lanes(&spans);
         for lane in 0..lanes.iter().max().map_or(0, |&l| l + 1) {
-            line.clear();
-            let _ = write!(
-                line,
-                "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{pid},\"tid\":{lane},\"args\":{{\"name\":\"lane {}\"}}}}",
-                lane + 1
-            );
-            event(&mut out, &line);
+            ev.thread(pid, lane as u64, &format!("lane {}", lane + 1));
         }
         for (c, &lane) in collectives.iter().zip(&lanes) {
-            line.clear();
-            line.push_str("{\"ph\":\"X\",\"name\":");
-            push_json_str(&mut line, &flows.collectives[c.index].name);
-            let _ = write!(
-                line,
-                ",\"cat\":\"collective\",\"pid\":{pid},\"tid\":{lane},\"ts\":"
-            );
-            push_us(&mut line, c.start);
-            line.push_str(",\"dur\":");
-            push_us(&mut line, Picos(c.finish.0.saturating_sub(c.start.0)));
-            let _ = write!(
-                line,
-                ",\"args\":{{\"collective\":{},\"flows\":{},\"bytes\":{}}}}}",
+            let args = format!(
+                "\"collective\":{},\"flows\":{},\"bytes\":{}",
                 c.index, c.flows, c.bytes
             );
-            event(&mut out, &line);
-            if out.len() >= FLUSH_AT {
-                w.write_all(out.as_bytes())?;
-                out.clear();
-            }
+            let span = (c.start, Picos(c.finish.0.saturating_sub(c.start.0)));
+            let name = &flows.collectives[c.index].name;
+            ev.slice(name, "collective", (pid, lane as u64), span, &args);
+            ev.flush_if_full(w)?;
         }
     }
+    let out = &mut ev.out;
     out.push_str("\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"scenario\":");
-    push_json_str(&mut out, scenario);
+    push_json_str(out, scenario);
     out.push_str(",\"model\":");
-    push_json_str(&mut out, &report.model);
+    push_json_str(out, &report.model);
     out.push_str(",\"end_us\":");
-    push_us(&mut out, report.end);
+    push_micros(out, report.end);
     let _ = writeln!(out, ",\"flows\":{}}}}}", report.flows.len());
     w.write_all(out.as_bytes())
+}
+
+/// The trace's events as text, one per line, flushed to the writer in large pieces.
+struct Events {
+    out: String,
+    first: bool,
+}
+
+impl Events {
+    /// Starts the next event's line.
+    fn next(&mut self) -> &mut String {
+        if !self.first {
+            self.out.push_str(",\n");
+        }
+        self.first = false;
+        &mut self.out
+    }
+
+    /// A process's name and its place among the processes (its id).
+    fn process(&mut self, pid: u64, name: &str) {
+        let out = self.next();
+        let _ = write!(
+            out,
+            "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{pid},\"args\":{{\"name\":"
+        );
+        push_json_str(out, name);
+        out.push_str("}}");
+        let _ = write!(
+            self.next(),
+            "{{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":{pid},\"args\":{{\"sort_index\":{pid}}}}}"
+        );
+    }
+
+    /// A track's name and its place among its process's tracks (its id).
+    fn thread(&mut self, pid: u64, tid: u64, name: &str) {
+        let out = self.next();
+        let _ = write!(out, "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{pid},\"tid\":{tid},\"args\":{{\"name\":");
+        push_json_str(out, name);
+        out.push_str("}}");
+        let _ = write!(
+            self.next(),
+            "{{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":{pid},\"tid\":{tid},\"args\":{{\"sort_index\":{tid}}}}}"
+        );
+    }
+
+    /// A complete event on track `(pid, tid)` from `start` for `dur`, `args` the members of
+    /// its arguments' object.
+    fn slice(
+        &mut self,
+        name: &str,
+        cat: &str,
+        (pid, tid): (u64, u64),
+        (start, dur): (Picos, Picos),
+        args: &str,
+    ) {
+        let out = self.next();
+        out.push_str("{\"ph\":\"X\",\"name\":");
+        push_json_str(out, name);
+        let _ = write!(
+            out,
+            ",\"cat\":\"{cat}\",\"pid\":{pid},\"tid\":{tid},\"ts\":"
+        );
+        push_micros(out, start);
+        out.push_str(",\"dur\":");
+        push_micros(out, dur);
+        let _ = write!(out, ",\"args\":{{{args}}}}}");
+    }
+
+    fn flush_if_full(&mut self, w: &mut impl io::Write) -> io::Result<()> {
+        if self.out.len() >= FLUSH_AT {
+            w.write_all(self.out.as_bytes())?;
+            self.out.clear();
+        }
+        Ok(())
+    }
 }
 
 /// One collective's span in a run: its first flow's release to its last flow's finish.
@@ -252,30 +252,6 @@ fn track_id(endpoint: u32, lane: usize) -> u64 {
     (u64::from(endpoint) << 16) | lane as u64
 }
 
-/// Picoseconds as microseconds with exactly six decimals (exact: 1 us = 10^6 ps).
-fn push_us(buf: &mut String, t: Picos) {
-    let _ = write!(buf, "{}.{:06}", t.0 / 1_000_000, t.0 % 1_000_000);
-}
-
-/// A JSON string literal.
-fn push_json_str(buf: &mut String, s: &str) {
-    buf.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => buf.push_str("\\\""),
-            '\\' => buf.push_str("\\\\"),
-            '\n' => buf.push_str("\\n"),
-            '\r' => buf.push_str("\\r"),
-            '\t' => buf.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(buf, "\\u{:04x}", u32::from(c));
-            }
-            c => buf.push(c),
-        }
-    }
-    buf.push('"');
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -308,16 +284,6 @@ mod tests {
         // overlaps 0 and 2; 4: [12, 13) finds lane 0 free again.
         let got = lanes(&[s(0, 10), s(2, 5), s(5, 8), s(6, 12), s(12, 13)]);
         assert_eq!(got, vec![0, 1, 1, 2, 0]);
-    }
-
-    #[test]
-    fn strings_are_escaped_as_json() {
-        let mut buf = String::new();
-        push_json_str(&mut buf, "a \"b\" \\ c\n\u{1}");
-        assert_eq!(buf, r#""a \"b\" \\ c\n\u0001""#);
-        let mut buf = String::new();
-        push_us(&mut buf, Picos(1_234_567_890));
-        assert_eq!(buf, "1234.567890");
     }
 
     /// Two hosts of two endpoints: endpoint 1 sends two overlapping flows (two lanes), the
@@ -371,13 +337,15 @@ mod tests {
             {"ph":"M","name":"process_name","pid":2,"args":{"name":"collectives"}},
             {"ph":"M","name":"process_sort_index","pid":2,"args":{"sort_index":2}},
             {"ph":"M","name":"thread_name","pid":2,"tid":0,"args":{"name":"lane 1"}},
+            {"ph":"M","name":"thread_sort_index","pid":2,"tid":0,"args":{"sort_index":0}},
             {"ph":"M","name":"thread_name","pid":2,"tid":1,"args":{"name":"lane 2"}},
+            {"ph":"M","name":"thread_sort_index","pid":2,"tid":1,"args":{"sort_index":1}},
             {"ph":"X","name":"ring \"a\"","cat":"collective","pid":2,"tid":0,"ts":0.000000,"dur":1.500000,"args":{"collective":0,"flows":2,"bytes":2000}},
             {"ph":"X","name":"p2p","cat":"collective","pid":2,"tid":1,"ts":0.000000,"dur":2.500000,"args":{"collective":1,"flows":2,"bytes":2000}}
             ],"displayTimeUnit":"ms","otherData":{"scenario":"small","model":"packet","end_us":2.500000,"flows":4}}
         "#]]
         .assert_eq(&text);
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert_eq!(v["traceEvents"].as_array().unwrap().len(), 22);
+        assert_eq!(v["traceEvents"].as_array().unwrap().len(), 24);
     }
 }

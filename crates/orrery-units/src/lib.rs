@@ -18,11 +18,13 @@
 //!
 //! - [`frame`]: the checksummed frame (magic, version, length, CRC32) around every file
 //!   orrery writes for itself and reads back.
+//! - [`trace_text`]: exact microseconds and JSON strings for the trace files written by hand.
 //!
 //! What this crate deliberately does not do: parse units from strings (that is the spec's
 //! job, where errors can name the field), or know anything about LLMs or networks.
 
 pub mod frame;
+pub mod trace_text;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

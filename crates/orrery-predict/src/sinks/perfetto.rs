@@ -19,6 +19,7 @@ use crate::memory::{self, MemoryLedger};
 use crate::replay::{ParticipantTimeline, ReplayMode, Timeline};
 use crate::PredictOutput;
 use orrery_graph::{CollectiveOp, ComputeKind, ExecGraph, Op, OpKind, PeerStage, Phase, Stream};
+use orrery_units::trace_text::{push_json_str, push_micros};
 use orrery_units::{Bytes, Picos};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -156,7 +157,7 @@ fn write_trace<'a>(
         ",\"replay_mode\":\"{mode}\",\"world_size\":{},\"step_time_us\":",
         p.world_size
     );
-    push_us(buf, p.step_time);
+    push_micros(buf, p.step_time);
     buf.push_str(",\"mfu\":");
     push_f64(buf, p.mfu);
     let _ = writeln!(
@@ -303,9 +304,9 @@ fn write_participant(
                     "{{\"ph\":\"X\",\"pid\":{pid},\"tid\":{},\"ts\":",
                     op.stream.index()
                 );
-                push_us(buf, t.start);
+                push_micros(buf, t.start);
                 buf.push_str(",\"dur\":");
-                push_us(buf, t.end - t.start);
+                push_micros(buf, t.end - t.start);
                 push_name_cat_args(buf, graph, op);
             }
             OpKind::Recv { .. } => {
@@ -315,7 +316,7 @@ fn write_participant(
                     "{{\"ph\":\"i\",\"s\":\"t\",\"pid\":{pid},\"tid\":{},\"ts\":",
                     op.stream.index()
                 );
-                push_us(buf, t.end);
+                push_micros(buf, t.end);
                 push_name_cat_args(buf, graph, op);
             }
             OpKind::Alloc { .. } | OpKind::Free { .. } => {}
@@ -329,7 +330,7 @@ fn write_participant(
         }
         let buf = ev.next();
         let _ = write!(buf, "{{\"ph\":\"C\",\"pid\":{pid},\"tid\":0,\"ts\":");
-        push_us(buf, e.time);
+        push_micros(buf, e.time);
         buf.push_str(",\"name\":\"memory\",\"args\":{\"allocated_gib\":");
         push_gib(buf, e.allocated);
         buf.push_str("}}");
@@ -415,11 +416,6 @@ fn peer_name(p: PeerStage) -> &'static str {
     }
 }
 
-/// Picoseconds as microseconds with exactly six decimals (exact: 1 µs = 10^6 ps).
-fn push_us(buf: &mut String, t: Picos) {
-    let _ = write!(buf, "{}.{:06}", t.0 / 1_000_000, t.0 % 1_000_000);
-}
-
 /// Bytes as GiB with six decimals, rounded half up with integer arithmetic.
 fn push_gib(buf: &mut String, b: Bytes) {
     let micro = (u128::from(b.0) * 1_000_000 + (1 << 29)) >> 30;
@@ -436,25 +432,6 @@ fn push_f64(buf: &mut String, x: f64) {
     }
 }
 
-/// A JSON string literal.
-fn push_json_str(buf: &mut String, s: &str) {
-    buf.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => buf.push_str("\\\""),
-            '\\' => buf.push_str("\\\\"),
-            '\n' => buf.push_str("\\n"),
-            '\r' => buf.push_str("\\r"),
-            '\t' => buf.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(buf, "\\u{:04x}", u32::from(c));
-            }
-            c => buf.push(c),
-        }
-    }
-    buf.push('"');
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -462,9 +439,9 @@ mod tests {
     #[test]
     fn numbers_are_exact_and_fixed() {
         let mut s = String::new();
-        push_us(&mut s, Picos(1_234_567_890));
+        push_micros(&mut s, Picos(1_234_567_890));
         s.push(' ');
-        push_us(&mut s, Picos(5));
+        push_micros(&mut s, Picos(5));
         s.push(' ');
         push_gib(&mut s, Bytes(3 << 29));
         s.push(' ');
