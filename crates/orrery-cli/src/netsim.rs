@@ -284,28 +284,28 @@ fn full_report<'a>(
 /// attribution of the events ([`orrery_net::packet::PacketRun::flow_events`]).
 fn summarize(s: &Scenario, r: &SimReport, flow_events: Option<&[u64]>, wall: f64) -> NetsimSummary {
     let fct = distribution(r.flows.iter().map(|f| f.fct()).collect());
+    let spans = orrery_net::sim::collective_spans(&s.flows, &r.flows);
     let mut collectives: Vec<CollectiveSummary> = s
         .flows
         .collectives
         .iter()
-        .map(|c| CollectiveSummary {
+        .zip(&spans)
+        .map(|(c, span)| CollectiveSummary {
             name: c.name.clone(),
-            flows: 0,
-            start: Picos(u64::MAX),
-            finish: Picos::ZERO,
+            flows: span.flows,
+            start: span.start,
+            finish: span.finish,
             simulated_flows: flow_events.map(|_| 0),
             events: flow_events.map(|_| 0),
         })
         .collect();
-    for (i, (f, o)) in s.flows.flows.iter().zip(&r.flows).enumerate() {
-        if let Some(c) = collectives.get_mut(f.collective as usize) {
-            c.flows += 1;
-            c.start = c.start.min(o.start);
-            c.finish = c.finish.max(o.finish);
-            let own = flow_events.and_then(|e| e.get(i)).copied().unwrap_or(0);
-            if let (Some(sim), Some(ev)) = (&mut c.simulated_flows, &mut c.events) {
-                *sim += usize::from(own > 0);
-                *ev += own;
+    if let Some(events) = flow_events {
+        for (f, &own) in s.flows.flows.iter().zip(events) {
+            if let Some(c) = collectives.get_mut(f.collective as usize) {
+                if let (Some(sim), Some(ev)) = (&mut c.simulated_flows, &mut c.events) {
+                    *sim += usize::from(own > 0);
+                    *ev += own;
+                }
             }
         }
     }

@@ -21,7 +21,7 @@
 //! not at what rate.
 
 use crate::flows::FlowSet;
-use crate::sim::{FlowOutcome, SimReport};
+use crate::sim::{collective_spans, CollectiveSpan, SimReport};
 use orrery_units::trace_text::{push_json_str, push_micros};
 use orrery_units::Picos;
 use std::fmt::Write as _;
@@ -86,23 +86,32 @@ pub fn write_flow_trace(
         }
         ev.flush_if_full(w)?;
     }
-    let collectives = collective_spans(flows, &report.flows);
+    // The collectives that have flows, in release order (ties by index).
+    let mut collectives: Vec<(usize, CollectiveSpan)> = collective_spans(flows, &report.flows)
+        .into_iter()
+        .enumerate()
+        .filter(|(_, c)| c.flows > 0)
+        .collect();
+    collectives.sort_by_key(|(index, c)| (c.start, *index));
     if !collectives.is_empty() {
         // After every host, whatever the hosts' numbers.
         let pid = last_host.map_or(0, |h| h + 1);
         ev.process(pid, "collectives");
-        let spans: Vec<(Picos, Picos)> = collectives.iter().map(|c| (c.start, c.finish)).collect();
+        let spans: Vec<(Picos, Picos)> = collectives
+            .iter()
+            .map(|(_, c)| (c.start, c.finish))
+            .collect();
         let lanes = lanes(&spans);
         for lane in 0..lanes.iter().max().map_or(0, |&l| l + 1) {
             ev.thread(pid, lane as u64, &format!("lane {}", lane + 1));
         }
-        for (c, &lane) in collectives.iter().zip(&lanes) {
+        for (&(index, c), &lane) in collectives.iter().zip(&lanes) {
             let args = format!(
-                "\"collective\":{},\"flows\":{},\"bytes\":{}",
-                c.index, c.flows, c.bytes
+                "\"collective\":{index},\"flows\":{},\"bytes\":{}",
+                c.flows, c.bytes
             );
             let span = (c.start, Picos(c.finish.0.saturating_sub(c.start.0)));
-            let name = &flows.collectives[c.index].name;
+            let name = &flows.collectives[index].name;
             ev.slice(name, "collective", (pid, lane as u64), span, &args);
             ev.flush_if_full(w)?;
         }
@@ -193,39 +202,6 @@ impl Events {
     }
 }
 
-/// One collective's span in a run: its first flow's release to its last flow's finish.
-struct CollectiveSpan {
-    index: usize,
-    start: Picos,
-    finish: Picos,
-    flows: usize,
-    bytes: u64,
-}
-
-/// The collectives that have flows, in release order (ties by index).
-fn collective_spans(flows: &FlowSet, outcomes: &[FlowOutcome]) -> Vec<CollectiveSpan> {
-    let mut spans: Vec<CollectiveSpan> = (0..flows.collectives.len())
-        .map(|index| CollectiveSpan {
-            index,
-            start: Picos(u64::MAX),
-            finish: Picos::ZERO,
-            flows: 0,
-            bytes: 0,
-        })
-        .collect();
-    for (f, o) in flows.flows.iter().zip(outcomes) {
-        if let Some(c) = spans.get_mut(f.collective as usize) {
-            c.start = c.start.min(o.start);
-            c.finish = c.finish.max(o.finish);
-            c.flows += 1;
-            c.bytes += f.bytes.0;
-        }
-    }
-    spans.retain(|c| c.flows > 0);
-    spans.sort_by_key(|c| (c.start, c.index));
-    spans
-}
-
 /// A lane for each span (spans in start order): the lowest-numbered one whose last span
 /// has ended by this one's start, or a new one, so no two spans of a lane overlap.
 fn lanes(spans: &[(Picos, Picos)]) -> Vec<usize> {
@@ -257,6 +233,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::flows::{CollectiveInfo, FlowSpec};
+    use crate::sim::FlowOutcome;
     use orrery_units::Bytes;
 
     fn flow(src: u32, dst: u32, collective: u32) -> FlowSpec {

@@ -21,6 +21,40 @@ impl FlowOutcome {
     }
 }
 
+/// One collective's span in a run: its first flow's release to its last flow's finish,
+/// with how many flows and bytes it had. A collective with no flows has none
+/// (`flows == 0`, `start` at `Picos(u64::MAX)`, `finish` at zero).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CollectiveSpan {
+    pub start: Picos,
+    pub finish: Picos,
+    pub flows: usize,
+    pub bytes: u64,
+}
+
+/// Each collective of `flows`' span in the run that gave `outcomes`, by collective index, in
+/// one pass over the flows.
+pub fn collective_spans(flows: &FlowSet, outcomes: &[FlowOutcome]) -> Vec<CollectiveSpan> {
+    let mut spans = vec![
+        CollectiveSpan {
+            start: Picos(u64::MAX),
+            finish: Picos::ZERO,
+            flows: 0,
+            bytes: 0,
+        };
+        flows.collectives.len()
+    ];
+    for (f, o) in flows.flows.iter().zip(outcomes) {
+        if let Some(c) = spans.get_mut(f.collective as usize) {
+            c.start = c.start.min(o.start);
+            c.finish = c.finish.max(o.finish);
+            c.flows += 1;
+            c.bytes += f.bytes.0;
+        }
+    }
+    spans
+}
+
 /// The result of simulating a flow set on a topology.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct SimReport {
@@ -117,29 +151,21 @@ impl RunErrors {
             .get(((per.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
             .copied()
             .unwrap_or(0.0);
-        // Each collective's first release and last finish in both runs, in one pass over
-        // the flows.
-        let n = flows.collectives.len();
-        let (mut fin_ref, mut fin) = (vec![Picos::ZERO; n], vec![Picos::ZERO; n]);
-        let (mut start_ref, mut start) = (vec![Picos(u64::MAX); n], vec![Picos(u64::MAX); n]);
-        for ((f, r), o) in flows.flows.iter().zip(&reference.flows).zip(&report.flows) {
-            let c = f.collective as usize;
-            if c < n {
-                fin_ref[c] = fin_ref[c].max(r.finish);
-                fin[c] = fin[c].max(o.finish);
-                start_ref[c] = start_ref[c].min(r.start);
-                start[c] = start[c].min(o.start);
-            }
-        }
-        let collective = fin_ref
+        let (of_ref, of_run) = (
+            collective_spans(flows, &reference.flows),
+            collective_spans(flows, &report.flows),
+        );
+        let collective = of_ref
             .iter()
-            .zip(&fin)
-            .map(|(&r, &o)| rel(o, r))
+            .zip(&of_run)
+            .map(|(r, o)| rel(o.finish, r.finish))
             .fold(0.0, f64::max);
-        let span = |s: Picos, f: Picos| Picos(f.0.saturating_sub(s.0));
-        let collective_time = (0..n)
-            .filter(|&c| start_ref[c].0 != u64::MAX)
-            .map(|c| rel(span(start[c], fin[c]), span(start_ref[c], fin_ref[c])))
+        let span = |c: &CollectiveSpan| Picos(c.finish.0.saturating_sub(c.start.0));
+        let collective_time = of_ref
+            .iter()
+            .zip(&of_run)
+            .filter(|(r, _)| r.flows > 0)
+            .map(|(r, o)| rel(span(o), span(r)))
             .fold(0.0, f64::max);
         RunErrors {
             mean_fct,

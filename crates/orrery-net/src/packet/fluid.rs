@@ -1075,7 +1075,14 @@ impl<'a> Fluid<'a> {
     /// (see "Steps between transmissions" in the module's docs); the ACKs that reach links
     /// by the step taken are put on them as the last step skipped would have.
     fn skip_gap(&mut self, k: u64) -> u64 {
-        if self.acks_off_grid_until > k {
+        // A busy link that transmits every step, the common case while NVLink carries
+        // bytes, ends the search first: it needs no look at the calendars.
+        if self.acks_off_grid_until > k
+            || self
+                .every_step_links
+                .iter()
+                .any(|&l| self.links[l as usize].busy() || !self.links[l as usize].segs.is_empty())
+        {
             return k;
         }
         let Some(mut to) = self.strides.iter().map(|&s| k.next_multiple_of(s)).min() else {
@@ -1090,12 +1097,7 @@ impl<'a> Fluid<'a> {
         if let Some(&(at, _)) = self.thaws.first() {
             to = to.min(at);
         }
-        if to <= k
-            || self
-                .every_step_links
-                .iter()
-                .any(|&l| self.links[l as usize].busy() || !self.links[l as usize].segs.is_empty())
-        {
+        if to <= k {
             return k;
         }
         // What a skipped step would still decide with the state as it is: a thaw where
